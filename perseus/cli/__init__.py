@@ -1,0 +1,1 @@
+"""The `perseus` command line."""

@@ -1,0 +1,52 @@
+"""`perseus`: one entry point; each subcommand lives in its own module under perseus.cli.
+
+A command module defines `register(subparsers)`, which adds its parser and sets
+`func=run` (a callable taking the parsed args and returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from perseus.exceptions import PerseusError
+
+# Order here is the order `perseus --help` lists them.
+COMMANDS = [
+    "perseus.cli.info",
+    "perseus.cli.monitor",
+    "perseus.cli.power",
+    "perseus.cli.reset",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="perseus",
+        description="Measure and cut the energy of deep-learning training on GPUs.",
+        epilog="GPUs: real ones through NVML by default; PERSEUS_GPU=sim:a100-sxm:4 simulates four A100s.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except PerseusError as e:
+        print(f"perseus: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

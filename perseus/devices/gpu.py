@@ -1,0 +1,81 @@
+"""The one GPU interface every part of Perseus uses, whatever the backend."""
+
+from __future__ import annotations
+
+import abc
+
+from perseus.clock import REAL_CLOCK, Clock
+
+
+class GPU(abc.ABC):
+    """One GPU. Units: energy mJ, power mW, frequency MHz (SM clock)."""
+
+    #: Index of this GPU within its selection (the CUDA index the user sees).
+    index: int
+
+    @property
+    def clock(self) -> Clock:
+        """The clock this GPU's counters advance with (virtual for simulated GPUs in tests)."""
+        return REAL_CLOCK
+
+    # Reads
+    @abc.abstractmethod
+    def name(self) -> str: ...
+
+    @abc.abstractmethod
+    def uuid(self) -> str: ...
+
+    @abc.abstractmethod
+    def has_energy_counter(self) -> bool: ...
+
+    @abc.abstractmethod
+    def energy_mj(self) -> float:
+        """Total energy counter since an arbitrary origin; never decreases."""
+
+    @abc.abstractmethod
+    def power_mw(self) -> float: ...
+
+    @abc.abstractmethod
+    def supported_frequencies(self) -> list[int]:
+        """Supported SM clocks (MHz) at the highest memory clock, highest first."""
+
+    @abc.abstractmethod
+    def sm_clock(self) -> int:
+        """Current SM clock (MHz)."""
+
+    @abc.abstractmethod
+    def power_limit_mw(self) -> int: ...
+
+    @abc.abstractmethod
+    def power_limit_range_mw(self) -> tuple[int, int]:
+        """(min, max) settable power limit."""
+
+    @abc.abstractmethod
+    def default_power_limit_mw(self) -> int: ...
+
+    # Writes
+    @abc.abstractmethod
+    def lock_sm_clock(self, mhz: int) -> None:
+        """Lock the SM clock to one frequency (must be a supported one)."""
+
+    @abc.abstractmethod
+    def reset_sm_clock(self) -> None: ...
+
+    @abc.abstractmethod
+    def set_power_limit_mw(self, mw: int) -> None: ...
+
+    @abc.abstractmethod
+    def reset_power_limit(self) -> None: ...
+
+    def can_change_clocks(self) -> bool:
+        """Whether this process may lock clocks and set power limits."""
+        return True
+
+    def synchronize(self) -> None:
+        """Wait until work already issued to this GPU has finished (so counters include it)."""
+
+    def max_frequency(self) -> int:
+        return self.supported_frequencies()[0]
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.index}: {self.name()}>"
