@@ -1,0 +1,422 @@
+"""Simulated GPUs: run, test and demo everything without a GPU.
+
+A simulated GPU behaves like a real one where Perseus can tell:
+- Work runs at the locked SM clock, slowed further when its power would exceed the power
+  limit. For work of nominal time t0 at f_max with compute-bound fraction alpha,
+  t(f) = t0 * (alpha * f_max / f + 1 - alpha) and busy power
+  P(f) = P_floor + intensity * P_dyn * (f / f_max) ** gamma.
+  Defaults are calibrated on the measured GPT-3 175B stage profiles on A100-SXM (1080 MHz
+  takes about 1.24x the time and 0.74x the energy of 1410 MHz).
+- The energy counter (mJ) integrates idle power plus the busy power of the work issued
+  through `execute`, analytically over the GPU's clock (real or virtual), so it never
+  decreases and needs no background thread.
+- The locked SM clock, the power limit and a throttle factor (`slowdown`, a straggler whose
+  work takes that many times longer) persist in a small JSON file per GPU in a runtime
+  folder ($PERSEUS_SIM_DIR, default /tmp/perseus-sim-<uid>), shared by every process: a
+  lock left by a killed process stays visible until `perseus reset` clears it. The file
+  exists only while the GPU is away from its defaults.
+
+The energy counter is per process: it counts the work this process issued on the GPU plus
+idle power (measure a job from inside it, as the runtime does).
+"""
+
+from __future__ import annotations
+
+import bisect
+import fcntl
+import json
+import os
+import threading
+import time
+import uuid as uuid_lib
+from collections import deque
+from dataclasses import dataclass
+
+from perseus.clock import REAL_CLOCK, Clock
+from perseus.devices.gpu import GPU
+from perseus.exceptions import ConfigError, DeviceError
+
+SIM_DIR_ENV = "PERSEUS_SIM_DIR"
+FREQUENCY_STEP_MHZ = 15
+
+# Calibration (see tests/devices/test_sim.py::test_calibration_against_measured_gpt3_profiles).
+DEFAULT_ALPHA = 0.78
+DEFAULT_GAMMA = 4.5
+FLOOR_FRACTION = 0.40  # P_floor / TDP
+DYNAMIC_FRACTION = 0.55  # P_dyn / TDP: intensity-1 work draws 0.95 x TDP at f_max
+
+
+@dataclass(frozen=True)
+class SimPreset:
+    """One simulated GPU model. Power in W, frequency in MHz."""
+
+    name: str
+    product: str
+    max_mhz: int
+    min_mhz: int
+    tdp_w: float  # default power limit
+    min_power_limit_w: float
+    max_power_limit_w: float
+    idle_w: float  # power while idle or blocked on a peer
+    gamma: float = DEFAULT_GAMMA
+
+    @property
+    def floor_w(self) -> float:
+        return FLOOR_FRACTION * self.tdp_w
+
+    @property
+    def dynamic_w(self) -> float:
+        return DYNAMIC_FRACTION * self.tdp_w
+
+    @property
+    def frequencies(self) -> tuple[int, ...]:
+        """Supported SM clocks, highest first."""
+        return tuple(range(self.max_mhz, self.min_mhz - 1, -FREQUENCY_STEP_MHZ))
+
+
+PRESETS: dict[str, SimPreset] = {
+    p.name: p
+    for p in (
+        # Blocking power 83.64 W and 70.38 W: measured in the Perseus paper's artifact.
+        SimPreset("a100-sxm", "NVIDIA A100-SXM4-40GB", 1410, 210, 400.0, 100.0, 400.0, 83.64),
+        SimPreset("a100-pcie", "NVIDIA A100-PCIE-40GB", 1410, 210, 250.0, 150.0, 250.0, 55.0),
+        SimPreset("h100-sxm", "NVIDIA H100 80GB HBM3", 1980, 345, 700.0, 200.0, 700.0, 115.0),
+        SimPreset("a40", "NVIDIA A40", 1740, 210, 300.0, 100.0, 300.0, 70.38),
+    )
+}
+
+
+def get_preset(name: str | SimPreset) -> SimPreset:
+    if isinstance(name, SimPreset):
+        return name
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown simulated GPU preset {name!r}; available: {', '.join(PRESETS)} "
+            "(e.g. PERSEUS_GPU=sim:a100-sxm:4)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Work:
+    """A piece of GPU work: `time_s` at f_max, of which fraction `alpha` scales with 1/f.
+
+    `intensity` scales dynamic power (1.0: a large matmul-heavy training step).
+    """
+
+    time_s: float
+    alpha: float = DEFAULT_ALPHA
+    intensity: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.time_s >= 0:
+            raise ConfigError(f"Work.time_s must be >= 0 seconds, got {self.time_s!r}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"Work.alpha (compute-bound fraction) must be in [0, 1], got {self.alpha!r}")
+        if not self.intensity >= 0:
+            raise ConfigError(f"Work.intensity must be >= 0, got {self.intensity!r}")
+
+
+def busy_power_w(preset: SimPreset, work: Work, frequency: float) -> float:
+    """Busy power at SM clock `frequency` (before any power capping)."""
+    return preset.floor_w + work.intensity * preset.dynamic_w * (frequency / preset.max_mhz) ** preset.gamma
+
+
+def effective_frequency(preset: SimPreset, work: Work, frequency: float, power_limit_w: float) -> float:
+    """The clock the work really runs at: `frequency`, lowered until power fits the limit.
+
+    Never below the minimum supported clock (there the GPU draws what it draws).
+    """
+    if busy_power_w(preset, work, frequency) <= power_limit_w:
+        return frequency
+    headroom = (power_limit_w - preset.floor_w) / (work.intensity * preset.dynamic_w)
+    if headroom <= 0:
+        return float(preset.min_mhz)
+    return max(float(preset.min_mhz), preset.max_mhz * headroom ** (1.0 / preset.gamma))
+
+
+def predict(
+    preset: str | SimPreset,
+    work: Work,
+    frequency: float,
+    power_limit_w: float | None = None,
+    slowdown: float = 1.0,
+) -> tuple[float, float]:
+    """(time_s, energy_j) of `work` with the SM clock at `frequency` and the given power limit.
+
+    `power_limit_w` defaults to the preset's TDP; `slowdown` stretches time at the same power.
+    """
+    p = get_preset(preset)
+    limit = p.tdp_w if power_limit_w is None else power_limit_w
+    f = effective_frequency(p, work, frequency, limit)
+    t = work.time_s * (work.alpha * p.max_mhz / f + 1.0 - work.alpha) * slowdown
+    return t, busy_power_w(p, work, f) * t
+
+
+def sim_dir() -> str:
+    """The runtime folder holding simulated GPU state files."""
+    return os.environ.get(SIM_DIR_ENV) or f"/tmp/perseus-sim-{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class _State:
+    """What persists across processes, like settings on real hardware. None: the default."""
+
+    sm_clock_mhz: int | None = None
+    power_limit_mw: int | None = None
+    slowdown: float = 1.0
+
+
+_DEFAULT_STATE = _State()
+
+
+class SimGPU(GPU):
+    """A simulated GPU; see the module docstring for the model."""
+
+    def __init__(
+        self,
+        preset: str | SimPreset,
+        index: int = 0,
+        clock: Clock | None = None,
+        state_dir: str | None = None,
+    ) -> None:
+        self.preset = get_preset(preset)
+        self.index = index
+        self._clock = clock or REAL_CLOCK
+        self._freqs = self.preset.frequencies
+        self._ascending = sorted(self._freqs)
+        self._idle_w = self.preset.idle_w
+        self._path = os.path.join(state_dir or sim_dir(), f"{self.preset.name}-{index}.json")
+        self._state_key: tuple[int, int, int] | None = None
+        self._state_cache = _DEFAULT_STATE
+        self._lock = threading.Lock()
+        # Energy: idle power since _origin, plus the extra (busy - idle) energy of finished
+        # segments, plus the finished part of queued segments (start, end, extra_w).
+        self._origin = self._clock.now()
+        self._extra_j = 0.0
+        self._segments: deque[tuple[float, float, float]] = deque()
+        self._busy_until = self._origin
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    @property
+    def state_path(self) -> str:
+        return self._path
+
+    # Reads
+    def name(self) -> str:
+        return f"{self.preset.product} (simulated)"
+
+    def uuid(self) -> str:
+        return "GPU-" + str(uuid_lib.uuid5(uuid_lib.NAMESPACE_URL, f"perseus-sim:{self.preset.name}:{self.index}"))
+
+    def has_energy_counter(self) -> bool:
+        return True
+
+    def energy_mj(self) -> float:
+        now = self._clock.now()
+        partial = 0.0
+        with self._lock:
+            extra = self._extra_j
+            segments = self._segments
+            while segments:
+                start, end, extra_w = segments[0]
+                if end > now:
+                    if start < now:
+                        partial = extra_w * (now - start)
+                    break
+                extra += extra_w * (end - start)
+                segments.popleft()
+            self._extra_j = extra
+        return (self._idle_w * (now - self._origin) + extra + partial) * 1000.0
+
+    def power_mw(self) -> float:
+        now = self._clock.now()
+        with self._lock:
+            for start, end, extra_w in self._segments:
+                if start <= now < end:
+                    return (self._idle_w + extra_w) * 1000.0
+                if start > now:
+                    break
+        return self._idle_w * 1000.0
+
+    def supported_frequencies(self) -> list[int]:
+        return list(self._freqs)
+
+    def max_frequency(self) -> int:
+        return self._freqs[0]
+
+    def sm_clock(self) -> int:
+        locked = self._state().sm_clock_mhz
+        return self._freqs[0] if locked is None else locked
+
+    def power_limit_mw(self) -> int:
+        limit = self._state().power_limit_mw
+        return self.default_power_limit_mw() if limit is None else limit
+
+    def power_limit_range_mw(self) -> tuple[int, int]:
+        return round(self.preset.min_power_limit_w * 1000), round(self.preset.max_power_limit_w * 1000)
+
+    def default_power_limit_mw(self) -> int:
+        return round(self.preset.tdp_w * 1000)
+
+    def slowdown(self) -> float:
+        """Throttle factor: work takes this many times longer (1.0: healthy)."""
+        return self._state().slowdown
+
+    # Writes
+    def lock_sm_clock(self, mhz: int) -> None:
+        if mhz not in self._freqs:
+            raise ConfigError(
+                f"{self!r} does not support SM clock {mhz!r} MHz; nearest supported: "
+                f"{self._nearest(mhz)} (supported: {self.preset.min_mhz}-{self.preset.max_mhz} MHz "
+                f"in {FREQUENCY_STEP_MHZ} MHz steps)"
+            )
+        self._update(sm_clock_mhz=int(mhz))
+
+    def reset_sm_clock(self) -> None:
+        self._update(sm_clock_mhz=None)
+
+    def set_power_limit_mw(self, mw: int) -> None:
+        low, high = self.power_limit_range_mw()
+        if not low <= mw <= high:
+            raise ConfigError(
+                f"{self!r}: power limit {mw / 1000:g} W is out of range; "
+                f"choose between {low / 1000:g} and {high / 1000:g} W"
+            )
+        self._update(power_limit_mw=int(mw))
+
+    def reset_power_limit(self) -> None:
+        self._update(power_limit_mw=None)
+
+    def set_slowdown(self, factor: float) -> None:
+        """Throttle this GPU (a straggler): its work takes `factor` (>= 1) times longer, for
+        every process using it, until `reset_slowdown`."""
+        if not factor >= 1.0:
+            raise ConfigError(f"{self!r}: slowdown must be >= 1.0 (1.2 = 20% slower), got {factor!r}")
+        self._update(slowdown=float(factor))
+
+    def reset_slowdown(self) -> None:
+        self._update(slowdown=1.0)
+
+    # Work
+    def predict(self, work: Work, frequency: int | None = None) -> tuple[float, float]:
+        """(time_s, energy_j) of `work` at `frequency` (default: the current SM clock) under
+        the current power limit and slowdown."""
+        state = self._state()
+        if frequency is None:
+            frequency = self._freqs[0] if state.sm_clock_mhz is None else state.sm_clock_mhz
+        limit_mw = self.default_power_limit_mw() if state.power_limit_mw is None else state.power_limit_mw
+        return predict(self.preset, work, frequency, limit_mw / 1000.0, state.slowdown)
+
+    def execute(self, work: Work, blocking: bool = True) -> float:
+        """Run `work` at the current SM clock, power limit and slowdown (read at issue time).
+
+        Work queues behind earlier non-blocking work, as on a CUDA stream. With `blocking`,
+        wait on the GPU's clock until it has finished. Returns its duration in seconds.
+        """
+        duration, energy_j = self.predict(work)
+        with self._lock:
+            start = max(self._clock.now(), self._busy_until)
+            end = start + duration
+            self._busy_until = end
+            if duration > 0:
+                self._segments.append((start, end, energy_j / duration - self._idle_w))
+        if blocking:
+            self.synchronize()
+        return duration
+
+    def synchronize(self) -> None:
+        wait = self._busy_until - self._clock.now()
+        if wait > 0:
+            self._clock.sleep(wait)
+
+    # Persistent state
+    def _nearest(self, mhz: float) -> str:
+        i = bisect.bisect_left(self._ascending, mhz)
+        near = sorted({self._ascending[j] for j in (i - 1, i) if 0 <= j < len(self._ascending)})
+        return " or ".join(f"{f} MHz" for f in near)
+
+    def _state(self) -> _State:
+        """The persisted state; cheap when unchanged (one stat, no read)."""
+        try:
+            st = os.stat(self._path)
+        except FileNotFoundError:
+            self._state_key = None
+            self._state_cache = _DEFAULT_STATE
+            return _DEFAULT_STATE
+        key = (st.st_mtime_ns, st.st_ino, st.st_size)
+        if key != self._state_key:
+            self._state_cache = self._read_state()
+            self._state_key = key
+        return self._state_cache
+
+    def _read_state(self) -> _State:
+        try:
+            with open(self._path, encoding="utf-8") as f:
+                raw = json.load(f)
+            return _State(
+                sm_clock_mhz=raw.get("sm_clock_mhz"),
+                power_limit_mw=raw.get("power_limit_mw"),
+                slowdown=float(raw.get("slowdown", 1.0)),
+            )
+        except FileNotFoundError:
+            return _DEFAULT_STATE
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise DeviceError(
+                f"{self!r}: cannot read its state file {self._path} ({e}); "
+                "delete it or run `perseus reset` to restore defaults"
+            ) from e
+
+    def _update(self, **changes: object) -> None:
+        """Change persisted fields: read-modify-write under a file lock, written atomically."""
+        current = self._state()
+        if all(getattr(current, field) == value for field, value in changes.items()):
+            return  # already so: no write (the controller re-locks the same clock often)
+        folder = os.path.dirname(self._path)
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            with open(os.path.join(folder, ".lock"), "w") as lock_file:
+                fcntl.flock(lock_file, fcntl.LOCK_EX)
+                old = self._read_state()
+                new = _State(
+                    sm_clock_mhz=changes.get("sm_clock_mhz", old.sm_clock_mhz),  # type: ignore[arg-type]
+                    power_limit_mw=changes.get("power_limit_mw", old.power_limit_mw),  # type: ignore[arg-type]
+                    slowdown=changes.get("slowdown", old.slowdown),  # type: ignore[arg-type]
+                )
+                if new == _DEFAULT_STATE:
+                    try:
+                        os.unlink(self._path)
+                    except FileNotFoundError:
+                        pass
+                else:
+                    self._write_state(new)
+        except OSError as e:
+            raise DeviceError(
+                f"{self!r}: cannot write its state in {folder} ({e}); set {SIM_DIR_ENV} to a writable folder"
+            ) from e
+        self._state_key = None  # re-stat on the next read
+
+    def _write_state(self, state: _State) -> None:
+        tmp = f"{self._path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(
+                {"sm_clock_mhz": state.sm_clock_mhz, "power_limit_mw": state.power_limit_mw, "slowdown": state.slowdown},
+                f,
+            )
+        # A fine-grained mtime makes the (mtime, inode, size) cache key change on every write,
+        # even when the file system's own timestamps are coarser than back-to-back writes.
+        stamp = time.time_ns()
+        os.utime(tmp, ns=(stamp, stamp))
+        os.replace(tmp, self._path)
+
+
+def sim_gpus(preset: str, count: int = 1, clock: Clock | None = None) -> list[SimGPU]:
+    """`count` simulated GPUs of `preset`, indices 0..count-1, state in `sim_dir()`."""
+    get_preset(preset)
+    if count < 1:
+        raise ConfigError(f"simulated GPU count must be >= 1, got {count}")
+    return [SimGPU(preset, i, clock) for i in range(count)]
