@@ -43,3 +43,7 @@ class PlanError(PerseusError):
 
 class ProtocolError(PerseusError):
     """A malformed or refused message between a rank and the planner service."""
+
+
+class CarbonIntensityError(PerseusError):
+    """A carbon-intensity source failed: bad key, rate limit, timeout, or malformed data."""
