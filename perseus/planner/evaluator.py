@@ -1,0 +1,225 @@
+"""The evaluator: iteration time, energy and timeline of a frequency plan. Every number the
+planner, the baselines, the benchmarks and the tests report comes from here.
+
+Model: instruction i at frequency f takes t_i(f) and e_i(f) from the profile; it starts when its
+last DAG predecessor ends; the iteration time T is the longest path. A rank that is not computing
+draws the blocking power, so E = sum(e_i) + P_block * (N_ranks * T - sum(t_i)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import networkx as nx
+import numpy as np
+
+from perseus.exceptions import ConfigError
+from perseus.planner.dag import DagArrays, dag_arrays
+from perseus.profiler.profile import Profile
+from perseus.schedules.instruction import Instruction, Schedule
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """One rank over one iteration: computing (busy) or waiting on a peer (blocked)."""
+
+    stage: int
+    busy_time_s: float
+    blocked_time_s: float
+    compute_energy_j: float
+    blocking_energy_j: float
+
+    @property
+    def energy_j(self) -> float:
+        return self.compute_energy_j + self.blocking_energy_j
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The outcome of one frequency plan."""
+
+    iteration_time_s: float
+    energy_j: float
+    frequencies: dict[Instruction, int]
+    timeline: dict[Instruction, tuple[float, float]]  # (start, end) in seconds
+    stages: list[StageStats]
+    _evaluator: Evaluator = field(repr=False, compare=False)
+    _start: np.ndarray = field(repr=False, compare=False)
+    _end: np.ndarray = field(repr=False, compare=False)
+
+    @property
+    def compute_energy_j(self) -> float:
+        return sum(s.compute_energy_j for s in self.stages)
+
+    @property
+    def blocking_energy_j(self) -> float:
+        return sum(s.blocking_energy_j for s in self.stages)
+
+    def critical_path(self) -> list[Instruction]:
+        """A longest path, first instruction to last: each one starts when its predecessor ends."""
+        arrays = self._evaluator.arrays
+        start, end = self._start, self._end
+        tol = 1e-9 * max(self.iteration_time_s, 1e-30)
+        i = int(np.argmax(end))
+        path = [i]
+        while start[i] > tol:
+            preds = arrays.preds(i)
+            i = int(preds[np.argmax(end[preds])])
+            path.append(i)
+        return [arrays.nodes[k] for k in reversed(path)]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Profiled choices of one (profile stage, kind): arrays aligned, highest frequency first."""
+
+    frequency: np.ndarray  # int64, MHz
+    time: np.ndarray  # s
+    energy: np.ndarray  # J
+
+
+class Evaluator:
+    """Precomputed arrays for evaluating many plans of one schedule against one profile.
+
+    Node i is `arrays.nodes[i]` (a topological order). `option_of[i]` indexes `options`, the
+    profiled (frequency, time, energy) choices of node i; nodes of the same profile stage and kind
+    share an entry.
+    """
+
+    def __init__(self, schedule_or_dag: Schedule | nx.DiGraph | DagArrays, profile: Profile):
+        self.arrays = schedule_or_dag if isinstance(schedule_or_dag, DagArrays) else dag_arrays(schedule_or_dag)
+        self.schedule: Schedule = self.arrays.schedule
+        self.profile = profile
+        profile.validate(self.schedule)
+        self.blocking_power_w = float(profile.blocking_power_w)
+        self.num_stages = self.schedule.num_stages
+
+        keys: dict[tuple[int, str], int] = {}
+        option_of = []
+        for ins in self.arrays.nodes:
+            key = (profile.stage_for(ins, self.schedule), ins.kind.value)
+            option_of.append(keys.setdefault(key, len(keys)))
+        self.option_keys: list[tuple[int, str]] = list(keys)
+        self.option_of = np.array(option_of, dtype=np.int64)
+        self.options: list[Options] = []
+        for key in self.option_keys:
+            pts = profile.points[key]
+            self.options.append(
+                Options(
+                    np.array([p.frequency for p in pts], dtype=np.int64),
+                    np.array([p.time for p in pts], dtype=float),
+                    np.array([p.energy for p in pts], dtype=float),
+                )
+            )
+        self._choice_index = [{int(f): k for k, f in enumerate(o.frequency)} for o in self.options]
+
+    @property
+    def nodes(self) -> tuple[Instruction, ...]:
+        return self.arrays.nodes
+
+    def node_options(self, i: int) -> Options:
+        return self.options[self.option_of[i]]
+
+    def choice_indices(self, frequencies: Mapping[Instruction, int]) -> np.ndarray:
+        """For each node, the index of its frequency among its options (0 = highest)."""
+        out = np.empty(len(self.arrays.nodes), dtype=np.int64)
+        for i, ins in enumerate(self.arrays.nodes):
+            if ins not in frequencies:
+                raise ConfigError(f"no frequency given for instruction {ins}; the plan must cover every instruction of the schedule")
+            f = frequencies[ins]
+            k = self._choice_index[self.option_of[i]].get(int(f)) if float(f) == int(f) else None
+            if k is None:
+                stage, kind = self.option_keys[self.option_of[i]]
+                freqs = self.options[self.option_of[i]].frequency
+                raise ConfigError(
+                    f"instruction {ins}: frequency {f} MHz is not in the profile of stage {stage} {kind} "
+                    f"(profiled {freqs[-1]}..{freqs[0]} MHz); use one of the profiled frequencies"
+                )
+            out[i] = k
+        return out
+
+    def times_energies(self, choices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Node time and energy arrays for per-node choice indices (as from `choice_indices`)."""
+        t = np.empty(len(choices))
+        e = np.empty(len(choices))
+        for j, opt in enumerate(self.options):
+            sel = self.option_of == j
+            t[sel] = opt.time[choices[sel]]
+            e[sel] = opt.energy[choices[sel]]
+        return t, e
+
+    def iteration_time(self, times: np.ndarray) -> float | np.ndarray:
+        """Longest path length for node times `times`, shape (n,) or (k, n)."""
+        _, end = self.arrays.longest_path(times)
+        return end.max(axis=-1)
+
+    def energy(self, iteration_time: float | np.ndarray, times: np.ndarray, energies: np.ndarray) -> float | np.ndarray:
+        return energies.sum(axis=-1) + self.blocking_power_w * (self.num_stages * iteration_time - times.sum(axis=-1))
+
+    def evaluate_arrays(self, times: np.ndarray, energies: np.ndarray) -> tuple[float, float] | tuple[np.ndarray, np.ndarray]:
+        """(T, E) for node time and energy arrays of shape (n,) or (k, n) (k plans at once)."""
+        times = np.asarray(times, dtype=float)
+        energies = np.asarray(energies, dtype=float)
+        T = self.iteration_time(times)
+        E = self.energy(T, times, energies)
+        if times.ndim == 1:
+            return float(T), float(E)
+        return T, E
+
+    def evaluate(self, frequencies: Mapping[Instruction, int]) -> Evaluation:
+        """Full evaluation of a plan: T, E, the timeline and per-stage statistics."""
+        t, e = self.times_energies(self.choice_indices(frequencies))
+        start, end = self.arrays.longest_path(t)
+        T = float(end.max())
+        stage = self.arrays.stage
+        stats = []
+        for s in range(self.num_stages):
+            busy = float(t[stage == s].sum())
+            blocked = T - busy
+            stats.append(StageStats(s, busy, blocked, float(e[stage == s].sum()), self.blocking_power_w * blocked))
+        energy = float(e.sum()) + self.blocking_power_w * (self.num_stages * T - float(t.sum()))
+        nodes = self.arrays.nodes
+        return Evaluation(
+            iteration_time_s=T,
+            energy_j=energy,
+            frequencies={ins: int(frequencies[ins]) for ins in nodes},
+            timeline={ins: (float(start[i]), float(end[i])) for i, ins in enumerate(nodes)},
+            stages=stats,
+            _evaluator=self,
+            _start=start,
+            _end=end,
+        )
+
+    def frequencies_of(self, choices: np.ndarray) -> dict[Instruction, int]:
+        """The plan (instruction -> MHz) for per-node choice indices."""
+        return {ins: int(self.options[self.option_of[i]].frequency[choices[i]]) for i, ins in enumerate(self.arrays.nodes)}
+
+
+def evaluate(schedule_or_dag: Schedule | nx.DiGraph | DagArrays, frequencies: Mapping[Instruction, int], profile: Profile) -> Evaluation:
+    """Evaluate one plan: a frequency (MHz, profiled) for every instruction of the schedule."""
+    return Evaluator(schedule_or_dag, profile).evaluate(frequencies)
+
+
+def max_frequencies(schedule: Schedule, profile: Profile) -> dict[Instruction, int]:
+    """Every instruction at the highest frequency profiled for it."""
+    return {ins: profile.points_for(ins, schedule)[0].frequency for ins in schedule.instructions()}
+
+
+def uniform_frequencies(schedule: Schedule, profile: Profile, frequency: int) -> dict[Instruction, int]:
+    """Every instruction at `frequency` (ConfigError naming the first instruction without it)."""
+    plan = {}
+    for ins in schedule.instructions():
+        profile.lookup(profile.stage_for(ins, schedule), ins.kind, frequency)
+        plan[ins] = frequency
+    return plan
+
+
+def shared_frequencies(schedule: Schedule, profile: Profile) -> list[int]:
+    """Frequencies profiled for every instruction of the schedule, highest first: the choices
+    of a single global clock."""
+    common: set[int] | None = None
+    for ins in schedule.instructions():
+        freqs = {p.frequency for p in profile.points_for(ins, schedule)}
+        common = freqs if common is None else common & freqs
+    return sorted(common or (), reverse=True)

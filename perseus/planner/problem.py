@@ -1,0 +1,86 @@
+"""A schedule and a profile flattened into arrays: the input of every planning algorithm.
+
+Node i is `dag.nodes[i]` (a topological order). Instructions that share a profile row set share
+an `Options` (a "type"). A choice vector holds, per node, an index into its type's options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from perseus.planner.dag import DagArrays, dag_arrays
+from perseus.planner.options import Options, pareto_options
+from perseus.profiler.profile import Profile
+from perseus.schedules.instruction import Instruction, Schedule
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything the solvers need, as flat arrays; built once per (schedule, profile)."""
+
+    dag: DagArrays
+    options: tuple[Options, ...]
+    node_type: np.ndarray
+    blocking_power_w: float
+
+    @classmethod
+    def build(cls, schedule: Schedule, profile: Profile) -> Problem:
+        profile.validate(schedule)
+        dag = dag_arrays(schedule)
+        keys: dict[tuple[int, str], int] = {}
+        options: list[Options] = []
+        node_type = np.empty(dag.num_nodes, dtype=np.int64)
+        for i, ins in enumerate(dag.nodes):
+            key = (profile.stage_for(ins, schedule), ins.kind.value)
+            if key not in keys:
+                keys[key] = len(options)
+                what = f"stage {key[0]} instruction {key[1]}"
+                options.append(pareto_options(profile.points_for(ins, schedule), profile.blocking_power_w, what))
+            node_type[i] = keys[key]
+        return cls(dag, tuple(options), node_type, float(profile.blocking_power_w))
+
+    @property
+    def num_nodes(self) -> int:
+        return self.dag.num_nodes
+
+    @property
+    def num_stages(self) -> int:
+        return self.dag.schedule.num_stages
+
+    def node_options(self, i: int) -> Options:
+        return self.options[self.node_type[i]]
+
+    def _per_node(self, field: str, choice: np.ndarray) -> np.ndarray:
+        out = np.empty(self.num_nodes)
+        for k, opts in enumerate(self.options):
+            mask = self.node_type == k
+            out[mask] = getattr(opts, field)[choice[mask]]
+        return out
+
+    def times(self, choice: np.ndarray) -> np.ndarray:
+        return self._per_node("time", choice)
+
+    def costs(self, choice: np.ndarray) -> np.ndarray:
+        return self._per_node("cost", choice)
+
+    def fastest(self) -> np.ndarray:
+        """Every node at its fastest Pareto choice."""
+        return np.zeros(self.num_nodes, dtype=np.int64)
+
+    def cheapest(self) -> np.ndarray:
+        """Every node at its minimum effective-energy choice (the slowest Pareto choice)."""
+        return np.array([len(self.options[k]) - 1 for k in self.node_type], dtype=np.int64)
+
+    def iteration_time(self, times: np.ndarray) -> float:
+        return float(self.dag.longest_path(times)[1].max())
+
+    def energy(self, choice: np.ndarray) -> tuple[float, float]:
+        """(iteration time, energy) of a choice vector: sum(c) + P_block * N * T."""
+        t = self.iteration_time(self.times(choice))
+        return t, float(self.costs(choice).sum()) + self.blocking_power_w * self.num_stages * t
+
+    def frequencies(self, choice: np.ndarray) -> dict[Instruction, int]:
+        freq = self._per_node("frequency", choice)
+        return {ins: int(f) for ins, f in zip(self.dag.nodes, freq)}
