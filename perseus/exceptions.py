@@ -47,3 +47,12 @@ class ProtocolError(PerseusError):
 
 class CarbonIntensityError(PerseusError):
     """A carbon-intensity source failed: bad key, rate limit, timeout, or malformed data."""
+
+
+class ServiceError(ProtocolError):
+    """The planner service refused a request; `code` says why (bad_field, unknown_job, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+        self.message = message
