@@ -1,0 +1,142 @@
+"""`perseus monitor -- CMD ARGS`: run a command and report the time and energy it took."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from typing import Any
+
+from perseus.cli.common import add_gpu_argument, select_gpus
+from perseus.devices.cpu import RaplCPU, rapl_cpus
+from perseus.exceptions import ConfigError, DeviceError, DeviceNotFoundError
+from perseus.measurement import Measurement, Monitor
+
+EPILOG = """examples:
+  perseus monitor -- python train.py --epochs 1
+  PERSEUS_GPU=sim:a100-sxm:2 perseus monitor --json -- sleep 1
+  perseus monitor --gpu-indices 0,1 -- torchrun --nproc-per-node 2 train.py
+
+The command's exit code becomes perseus' exit code (128+N when signal N killed it).
+Ctrl-C and SIGTERM are passed on to the command; the energy up to its exit is still reported.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "monitor",
+        help="run a command and report its time and energy",
+        description="Run CMD, then print its wall time, the energy of each GPU and in total, and "
+        "the average power (on stderr, like `time`; --json prints JSON on stdout instead). "
+        "Measures the GPUs (and CPU packages where RAPL is readable) from just before CMD "
+        "starts until it exits.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [-h] [--gpu SPEC] [--gpu-indices I,J] [--json] -- CMD [ARGS ...]",
+    )
+    add_gpu_argument(parser)
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout (keys time_s, gpu_energy_j as a list in GPU "
+        "index order, gpu_indices, cpu_energy_j, total_energy_j, average_power_w, exit_code)",
+    )
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="the command to run, after --")
+    parser.set_defaults(func=run, _parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        args._parser.error("give the command to measure after --, e.g. perseus monitor -- sleep 1")
+    monitor = Monitor(gpus=select_gpus(args), cpus=_readable_cpus(), sync=False)
+    try:
+        monitor.begin_window("command")
+        exit_code = _run_forwarding_signals(cmd)
+        measurement = monitor.end_window("command")
+    finally:
+        monitor.close()
+    assert measurement is not None
+    if args.json:
+        print(json.dumps(_as_json(measurement, cmd, exit_code)))
+    else:
+        _print_summary(measurement, cmd, exit_code)
+    return exit_code
+
+
+def _readable_cpus() -> list[RaplCPU]:
+    """RAPL packages, or none: CPU energy is a bonus here, never a reason not to run the command."""
+    try:
+        return rapl_cpus()
+    except DeviceNotFoundError:
+        return []
+    except DeviceError as e:
+        print(f"perseus monitor: not measuring CPU energy: {e}", file=sys.stderr)
+        return []
+
+
+def _run_forwarding_signals(cmd: list[str]) -> int:
+    """Run `cmd` to completion, passing SIGINT and SIGTERM on; its exit code (128+N on signal N).
+
+    A Ctrl-C at a terminal already reaches the command (same foreground process group), so
+    SIGINT is only forwarded when it cannot have come from our terminal.
+    """
+    try:
+        proc = subprocess.Popen(cmd)
+    except FileNotFoundError:
+        raise ConfigError(f"command not found: {cmd[0]!r}") from None
+    except PermissionError:
+        raise ConfigError(f"command not executable: {cmd[0]!r}") from None
+
+    def forward(signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and _terminal_delivers_sigint():
+            return
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - code if code < 0 else code
+
+
+def _terminal_delivers_sigint() -> bool:
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _as_json(m: Measurement, cmd: list[str], exit_code: int) -> dict[str, Any]:
+    indices = sorted(m.gpu_energy_j)
+    out = m.to_dict()
+    out.update(
+        command=cmd,
+        exit_code=exit_code,
+        gpu_indices=indices,
+        gpu_energy_j=[m.gpu_energy_j[i] for i in indices],
+    )
+    for key in ("cpu_energy_j", "dram_energy_j"):
+        if out[key] is not None:
+            out[key] = {str(i): e for i, e in sorted(out[key].items())}
+    return out
+
+
+def _print_summary(m: Measurement, cmd: list[str], exit_code: int) -> None:
+    width = 14
+    lines = [f"perseus monitor: {shlex.join(cmd)} (exit code {exit_code})", f"  {'time':<{width}}{m.time_s:12.3f} s"]
+    for i, e in sorted(m.gpu_energy_j.items()):
+        lines.append(f"  {f'GPU {i}':<{width}}{e:12.1f} J")
+    for label, energies in (("CPU", m.cpu_energy_j), ("DRAM", m.dram_energy_j)):
+        for i, e in sorted((energies or {}).items()):
+            lines.append(f"  {f'{label} {i}':<{width}}{e:12.1f} J")
+    lines.append(f"  {'total':<{width}}{m.total_energy_j:12.1f} J")
+    lines.append(f"  {'average power':<{width}}{m.average_power_w:12.1f} W")
+    print("\n".join(lines), file=sys.stderr)
