@@ -1,0 +1,275 @@
+"""Monitor: time and energy of named measurement windows over GPUs and CPUs.
+
+    monitor = Monitor()
+    monitor.begin_window("step")
+    train_step()
+    m = monitor.end_window("step")      # Measurement(time_s, gpu_energy_j={0: ...}, ...)
+
+    with monitor.window("epoch") as w:  # w.measurement is set when the block exits
+        ...
+
+Windows nest and overlap freely; each is two counter snapshots, so an open window costs
+nothing while it is open. GPUs with an energy counter are read directly; those without one
+are sampled by a PowerMonitor and integrated.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from perseus.clock import Clock
+from perseus.devices.gpu import GPU
+from perseus.exceptions import ConfigError, DeviceNotFoundError, MeasurementError
+from perseus.measurement.power import PowerMonitor
+
+
+class CPUEnergy(Protocol):
+    """What the Monitor needs from one CPU package (e.g. a RAPL domain). Joules; None where the
+    package has no such counter. Values only increase (the device handles wraparound)."""
+
+    index: int
+
+    def package_energy_j(self) -> float: ...
+
+    def dram_energy_j(self) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Time and energy of one window. Energies in J keyed by GPU/CPU index; CPU and DRAM are
+    None where no counter is available."""
+
+    time_s: float
+    gpu_energy_j: dict[int, float]
+    cpu_energy_j: dict[int, float] | None = None
+    dram_energy_j: dict[int, float] | None = None
+
+    @property
+    def total_energy_j(self) -> float:
+        total = sum(self.gpu_energy_j.values())
+        if self.cpu_energy_j:
+            total += sum(self.cpu_energy_j.values())
+        if self.dram_energy_j:
+            total += sum(self.dram_energy_j.values())
+        return total
+
+    @property
+    def average_power_w(self) -> float:
+        return self.total_energy_j / self.time_s if self.time_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "time_s": self.time_s,
+            "gpu_energy_j": dict(self.gpu_energy_j),
+            "cpu_energy_j": None if self.cpu_energy_j is None else dict(self.cpu_energy_j),
+            "dram_energy_j": None if self.dram_energy_j is None else dict(self.dram_energy_j),
+            "total_energy_j": self.total_energy_j,
+            "average_power_w": self.average_power_w,
+        }
+
+
+class Window:
+    """What `Monitor.window()` yields: `measurement` is None until the block exits."""
+
+    __slots__ = ("name", "measurement")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.measurement: Measurement | None = None
+
+
+def _torch_cuda_sync() -> Callable[[int], None] | None:
+    """torch.cuda.synchronize when torch is loaded and sees CUDA; None otherwise.
+
+    Looks only at an already-imported torch: a program launching CUDA work has imported it,
+    and importing torch just to find out costs seconds.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_available():
+            return None
+        count = torch.cuda.device_count()
+    except Exception:  # a broken CUDA setup: nothing to wait for
+        return None
+    return lambda index: torch.cuda.synchronize(index) if index < count else None
+
+
+_UNRESOLVED: Any = object()
+
+
+class Monitor:
+    """Measures named windows on `gpus` (default `get_gpus()`) and on CPU packages.
+
+    gpu_indices: the `GPU.index` values to measure (default all). cpu_indices: CPU packages to
+    measure (default: all RAPL packages when RAPL is readable, else none); naming them when RAPL
+    is unreadable is an error. cpus: CPU objects to use instead of RAPL (see `CPUEnergy`).
+    sync: wait for each GPU (and CUDA through torch, when loaded) before reading counters, so
+    asynchronously issued work is counted; `begin_window`/`end_window` can override it.
+    clock: the wall clock of windows (default: the GPUs' clock, virtual for simulated GPUs).
+    power_interval_s: sampling interval for GPUs without an energy counter.
+    """
+
+    def __init__(
+        self,
+        gpu_indices: Sequence[int] | None = None,
+        cpu_indices: Sequence[int] | None = None,
+        sync: bool = True,
+        gpus: Sequence[GPU] | None = None,
+        clock: Clock | None = None,
+        cpus: Sequence[CPUEnergy] | None = None,
+        power_interval_s: float = 0.1,
+    ) -> None:
+        if gpus is None:
+            from perseus.devices.select import get_gpus
+
+            gpus = get_gpus()
+        self.gpus = _select(list(gpus), gpu_indices, "GPU")
+        self.cpus = _select(_default_cpus(cpu_indices) if cpus is None else list(cpus), cpu_indices, "CPU")
+        self.sync = sync
+        if clock is None:
+            if not self.gpus:
+                raise ConfigError("Monitor needs a clock when it measures no GPU")
+            clock = self.gpus[0].clock
+        self.clock = clock
+        self._now = clock.now
+
+        counted = [g for g in self.gpus if g.has_energy_counter()]
+        sampled = [g for g in self.gpus if not g.has_energy_counter()]
+        self._counter_indices = tuple(g.index for g in counted)
+        self._counter_reads = tuple(g.energy_mj for g in counted)
+        self._sampled_indices = tuple(g.index for g in sampled)
+        self._syncs = tuple(g.synchronize for g in self.gpus)
+        self._gpu_indices = tuple(g.index for g in self.gpus)
+        self.power_monitor: PowerMonitor | None = None
+        if sampled:
+            self.power_monitor = PowerMonitor(sampled, interval_s=power_interval_s, clock=clock).start()
+
+        self._cpu_indices = tuple(c.index for c in self.cpus)
+        self._cpu_reads = tuple(c.package_energy_j for c in self.cpus)
+        self._dram_reads = tuple(c.dram_energy_j for c in self.cpus)
+        self._has_dram = any(c.dram_energy_j() is not None for c in self.cpus)
+
+        self._cuda_sync: Callable[[int], None] | None = _UNRESOLVED
+        # name -> (start time, GPU counters in mJ, CPU counters in J, DRAM counters in J)
+        self._open: dict[str, tuple[float, list[float], list[float], list[float | None]]] = {}
+
+    @property
+    def open_windows(self) -> list[str]:
+        return list(self._open)
+
+    def close(self) -> None:
+        """Stop background power sampling (only runs for GPUs without an energy counter)."""
+        if self.power_monitor is not None:
+            self.power_monitor.stop()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _synchronize(self) -> None:
+        for sync in self._syncs:
+            sync()
+        cuda_sync = self._cuda_sync
+        if cuda_sync is _UNRESOLVED:
+            cuda_sync = _torch_cuda_sync()
+            if "torch" in sys.modules:  # settled; until torch is imported, look again next time
+                self._cuda_sync = cuda_sync
+        if cuda_sync is not None:
+            for index in self._gpu_indices:
+                cuda_sync(index)
+
+    def _snapshot(self) -> tuple[float, list[float], list[float], list[float | None]]:
+        if self.power_monitor is not None:
+            self.power_monitor.sample()
+        return (
+            self._now(),
+            [read() for read in self._counter_reads],
+            [read() for read in self._cpu_reads],
+            [read() for read in self._dram_reads] if self._has_dram else [],
+        )
+
+    def begin_window(self, name: str, sync: bool | None = None) -> None:
+        """Start window `name`; `sync` (default: the Monitor's) waits for the GPUs first."""
+        if name in self._open:
+            raise MeasurementError(
+                f"measurement window {name!r} is already open; end it first or use another name"
+            )
+        if self.sync if sync is None else sync:
+            self._synchronize()
+        self._open[name] = self._snapshot()
+
+    def end_window(self, name: str, cancel: bool = False, sync: bool | None = None) -> Measurement | None:
+        """End window `name` and return its Measurement.
+
+        With `cancel`, discard the window (nothing is read or waited for) and return None.
+        """
+        try:
+            begin = self._open.pop(name)
+        except KeyError:
+            raise MeasurementError(
+                f"no open measurement window {name!r}; open windows: {list(self._open) or 'none'}"
+            ) from None
+        if cancel:
+            return None
+        if self.sync if sync is None else sync:
+            self._synchronize()
+        end = self._snapshot()
+        t0, t1 = begin[0], end[0]
+        gpu = {i: (e1 - e0) / 1000.0 for i, e0, e1 in zip(self._counter_indices, begin[1], end[1])}
+        for i in self._sampled_indices:
+            gpu[i] = self.power_monitor.energy_j(i, t0, t1)  # type: ignore[union-attr]
+        cpu = dram = None
+        if self._cpu_indices:
+            cpu = {i: e1 - e0 for i, e0, e1 in zip(self._cpu_indices, begin[2], end[2])}
+            if self._has_dram:
+                dram = {
+                    i: e1 - e0
+                    for i, e0, e1 in zip(self._cpu_indices, begin[3], end[3])
+                    if e0 is not None and e1 is not None
+                }
+        return Measurement(t1 - t0, gpu, cpu, dram)
+
+    @contextmanager
+    def window(self, name: str, sync: bool | None = None) -> Iterator[Window]:
+        """`with monitor.window(name) as w:` measures the block; `w.measurement` is set at exit,
+        also when the block raises (the energy was spent all the same)."""
+        handle = Window(name)
+        self.begin_window(name, sync)
+        try:
+            yield handle
+        finally:
+            handle.measurement = self.end_window(name, sync=sync)
+
+
+def _select(devices: list, indices: Sequence[int] | None, kind: str) -> list:
+    if indices is None:
+        return devices
+    by_index = {d.index: d for d in devices}
+    missing = [i for i in indices if i not in by_index]
+    if missing:
+        raise ConfigError(
+            f"no {kind} with index {', '.join(map(str, missing))}; available: {sorted(by_index) or 'none'}"
+        )
+    if len(set(indices)) != len(indices):
+        raise ConfigError(f"{kind} indices repeat: {list(indices)}")
+    return [by_index[i] for i in indices]
+
+
+def _default_cpus(cpu_indices: Sequence[int] | None) -> list[CPUEnergy]:
+    """RAPL packages; none when RAPL is unreadable, unless `cpu_indices` asked for some."""
+    try:
+        from perseus.devices.cpu import rapl_cpus
+
+        return list(rapl_cpus())
+    except (ImportError, DeviceNotFoundError) as e:
+        if cpu_indices:
+            raise DeviceNotFoundError(f"cannot measure CPUs {list(cpu_indices)}: {e}") from e
+        return []
