@@ -1,0 +1,116 @@
+"""Clocks go back to default however the training process ends: normally, by an exception, by
+SIGTERM/SIGINT, and (through the watchdog process) by SIGKILL. Each test runs a real trainer
+subprocess that locks a simulated GPU's clock; about 0.3-0.6 s each (interpreter start-up)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from perseus.devices.sim import SimGPU
+
+TRAINER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from perseus.controller import FrequencyController
+    from perseus.devices.sim import SimGPU
+
+    mode = sys.argv[1]
+    if mode == "user-handler":
+        def user_handler(signum, frame):
+            print("user handler ran", flush=True)
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, user_handler)
+    gpu = SimGPU("a100-sxm", 1)
+    controller = FrequencyController(gpu, watchdog=mode == "watchdog")
+    controller.apply_now(990)
+    assert gpu.sm_clock() == 990
+    print("locked", flush=True)
+    if mode == "exception":
+        raise RuntimeError("training failed")
+    if mode == "exit":
+        sys.exit(0)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.fixture
+def gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("PERSEUS_SIM_DIR", str(tmp_path))
+    return SimGPU("a100-sxm", 1)
+
+
+def start(mode: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    line = proc.stdout.readline()
+    assert line == "locked\n", proc.stderr.read()
+    return proc
+
+
+def wait_for_default(gpu: SimGPU, limit_s: float) -> float:
+    """Seconds until the GPU is back at default clocks; fails past `limit_s`."""
+    start_t = time.monotonic()
+    while gpu.sm_clock() != gpu.max_frequency():
+        elapsed = time.monotonic() - start_t
+        assert elapsed < limit_s, f"GPU still locked at {gpu.sm_clock()} MHz after {elapsed:.2f} s"
+        time.sleep(0.01)
+    return time.monotonic() - start_t
+
+
+@pytest.mark.parametrize("mode", ["exit", "exception"])
+def test_reset_on_normal_exit_and_on_exception(gpu, mode):
+    proc = start(mode)
+    rc = proc.wait(timeout=10)
+    assert rc == (0 if mode == "exit" else 1)
+    assert gpu.sm_clock() == gpu.max_frequency()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_reset_on_signal_then_default_behaviour(gpu, sig):
+    proc = start("plain")
+    assert gpu.sm_clock() == 990
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=10)
+    assert gpu.sm_clock() == gpu.max_frequency()
+    if sig == signal.SIGTERM:
+        assert rc == -signal.SIGTERM  # still killed by SIGTERM, as without Perseus
+    else:
+        assert "KeyboardInterrupt" in proc.stderr.read()  # Python's own SIGINT behaviour
+
+
+def test_sigterm_chains_to_the_users_handler(gpu):
+    proc = start("user-handler")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=10)
+    assert "user handler ran" in out
+    assert proc.returncode == 3
+    assert gpu.sm_clock() == gpu.max_frequency()
+
+
+def test_watchdog_resets_within_one_second_after_sigkill(gpu):
+    proc = start("watchdog")
+    assert gpu.sm_clock() == 990
+    os.kill(proc.pid, signal.SIGKILL)
+    elapsed = wait_for_default(gpu, limit_s=1.0)
+    proc.wait(timeout=5)
+    assert elapsed < 1.0
+
+
+def test_watchdog_leaves_clocks_alone_after_a_clean_stop(gpu):
+    from perseus.controller import Watchdog
+
+    dog = Watchdog.for_gpu(gpu)
+    assert dog is not None
+    gpu.lock_sm_clock(1005)  # e.g. someone else's setting after this job finished cleanly
+    dog.stop()
+    assert gpu.sm_clock() == 1005
+    gpu.reset_sm_clock()
