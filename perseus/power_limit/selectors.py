@@ -1,0 +1,163 @@
+"""Which power limit to keep, given the time and energy per step measured at each one.
+
+A selector is a strategy object: subclass `PowerLimitSelector` and override `cost` (the
+limit with the least cost wins) or `select` (anything else, e.g. a constraint).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from perseus.exceptions import CarbonIntensityError, ConfigError, ProfileError
+from perseus.measurement.carbon import JOULES_PER_KWH, CarbonIntensityProvider
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PowerLimitMeasurement:
+    """Time and energy of one training step at one power limit (energy summed over all GPUs,
+    time the slowest rank's)."""
+
+    power_limit_mw: int
+    time_s: float
+    energy_j: float
+
+    @property
+    def power_limit_w(self) -> float:
+        return self.power_limit_mw / 1000.0
+
+
+@dataclass(frozen=True)
+class SelectionContext:
+    """What a selector may need besides the sweep."""
+
+    max_power_limit_mw: int  # the GPUs' highest power limit
+    num_gpus: int  # over all ranks
+    epoch_steps: int | None = None  # steps in the last full epoch, if one has ended
+
+    def epoch_hours(self, measurement: PowerLimitMeasurement) -> float:
+        """Expected length of the next epoch at `measurement`'s limit (one step if unknown)."""
+        return measurement.time_s * (self.epoch_steps or 1) / 3600.0
+
+
+class PowerLimitSelector:
+    """Picks the power limit (mW) with the least `cost`; ties go to the higher limit."""
+
+    #: Re-select at every epoch (the cost depends on something outside the sweep).
+    reevaluate_each_epoch: bool = False
+
+    def cost(self, measurement: PowerLimitMeasurement, context: SelectionContext) -> float:
+        raise NotImplementedError(f"{type(self).__name__} must override cost() or select()")
+
+    def select(self, measurements: Sequence[PowerLimitMeasurement], context: SelectionContext) -> int:
+        if not measurements:
+            raise ProfileError("no power-limit measurements to select from")
+        best = min(measurements, key=lambda m: (self.cost(m, context), -m.power_limit_mw))
+        return best.power_limit_mw
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
+
+class Time(PowerLimitSelector):
+    """The fastest limit."""
+
+    def cost(self, measurement: PowerLimitMeasurement, context: SelectionContext) -> float:
+        return measurement.time_s
+
+
+class Energy(PowerLimitSelector):
+    """The limit with the least energy per step."""
+
+    def cost(self, measurement: PowerLimitMeasurement, context: SelectionContext) -> float:
+        return measurement.energy_j
+
+
+def _check_eta(eta_knob: float, who: str) -> float:
+    if isinstance(eta_knob, bool) or not isinstance(eta_knob, (int, float)) or not 0.0 <= eta_knob <= 1.0:
+        raise ConfigError(f"{who}: eta_knob must be in [0, 1] (1: energy only, 0: time only), got {eta_knob!r}")
+    return float(eta_knob)
+
+
+class ZeusCost(PowerLimitSelector):
+    """Zeus' cost: eta * energy + (1 - eta) * max_power * num_gpus * time (both in joules)."""
+
+    def __init__(self, eta_knob: float) -> None:
+        self.eta_knob = _check_eta(eta_knob, "ZeusCost")
+
+    def cost(self, measurement: PowerLimitMeasurement, context: SelectionContext) -> float:
+        max_power_w = context.max_power_limit_mw / 1000.0
+        return self.eta_knob * measurement.energy_j + (1 - self.eta_knob) * max_power_w * context.num_gpus * measurement.time_s
+
+
+class MaxSlowdownConstraint(PowerLimitSelector):
+    """The least energy among limits whose step time is at most `factor` x the time at the
+    highest limit measured."""
+
+    def __init__(self, factor: float) -> None:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
+            raise ConfigError(f"MaxSlowdownConstraint: factor must be >= 1.0 (1.1 = at most 10% slower), got {factor!r}")
+        self.factor = float(factor)
+
+    def select(self, measurements: Sequence[PowerLimitMeasurement], context: SelectionContext) -> int:
+        if not measurements:
+            raise ProfileError("no power-limit measurements to select from")
+        baseline = max(measurements, key=lambda m: m.power_limit_mw).time_s
+        allowed = [m for m in measurements if m.time_s <= self.factor * baseline]
+        best = min(allowed, key=lambda m: (m.energy_j, -m.power_limit_mw))
+        return best.power_limit_mw
+
+
+class CarbonCost(PowerLimitSelector):
+    """Zeus' cost with energy replaced by carbon, re-evaluated at every epoch.
+
+    cost = eta * carbon + (1 - eta) * max_power * num_gpus * time * reference intensity,
+    where carbon is the step's energy times the intensity forecast over the next epoch. Time
+    is priced in grams at `reference_g_per_kwh`, so at that intensity this is exactly
+    ZeusCost(eta); a dirtier grid weighs energy more (a lower limit), a cleaner one less.
+    If the provider fails after a first success, the last intensity is reused (with a warning)
+    so a network hiccup does not stop training.
+    """
+
+    reevaluate_each_epoch = True
+
+    def __init__(self, eta_knob: float, provider: CarbonIntensityProvider, reference_g_per_kwh: float = 400.0) -> None:
+        self.eta_knob = _check_eta(eta_knob, "CarbonCost")
+        if not isinstance(provider, CarbonIntensityProvider):
+            raise ConfigError(f"CarbonCost needs a CarbonIntensityProvider, got {type(provider).__name__}")
+        if not (isinstance(reference_g_per_kwh, (int, float)) and math.isfinite(reference_g_per_kwh) and reference_g_per_kwh > 0):
+            raise ConfigError(f"CarbonCost: reference_g_per_kwh must be > 0, got {reference_g_per_kwh!r}")
+        self.provider = provider
+        self.reference_g_per_kwh = float(reference_g_per_kwh)
+        self.last_intensity: float | None = None
+        self._g_per_kwh: float | None = None
+
+    def intensity(self, hours: float) -> float:
+        """The forecast intensity (g/kWh) over the next `hours`."""
+        try:
+            self.last_intensity = self.provider.expected_intensity(hours)
+        except CarbonIntensityError as e:
+            if self.last_intensity is None:
+                raise
+            logger.warning("carbon intensity unavailable (%s); reusing %.0f g/kWh", e, self.last_intensity)
+        return self.last_intensity
+
+    def select(self, measurements: Sequence[PowerLimitMeasurement], context: SelectionContext) -> int:
+        if not measurements:
+            raise ProfileError("no power-limit measurements to select from")
+        top = max(measurements, key=lambda m: m.power_limit_mw)
+        self._g_per_kwh = self.intensity(context.epoch_hours(top))
+        return super().select(measurements, context)
+
+    def cost(self, measurement: PowerLimitMeasurement, context: SelectionContext) -> float:
+        if self._g_per_kwh is None:
+            self._g_per_kwh = self.intensity(context.epoch_hours(measurement))
+        max_power_w = context.max_power_limit_mw / 1000.0
+        carbon_g = measurement.energy_j / JOULES_PER_KWH * self._g_per_kwh
+        time_g = max_power_w * context.num_gpus * measurement.time_s / JOULES_PER_KWH * self.reference_g_per_kwh
+        return self.eta_knob * carbon_g + (1 - self.eta_knob) * time_g
