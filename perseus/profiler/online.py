@@ -65,7 +65,8 @@ class Sweep:
         self.warmup_iterations = warmup_iterations
         self.iterations_per_frequency = iterations_per_frequency
         self.early_stop_rises = early_stop_rises
-        self._samples: dict[int, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+        # frequency -> (virtual stage, kind) -> [(time s, energy J)]
+        self._samples: dict[int, dict[tuple[int, str], list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
         self._measured_iterations: dict[int, int] = defaultdict(int)
         self._blocking: list[float] = []  # W, one per long-enough gap
         self._energy: dict[int, float] = {}  # J per iteration, per completed frequency
@@ -107,12 +108,14 @@ class Sweep:
         self._current = step
         return step
 
-    def record(self, kind: str, time_s: float, energy_j: float) -> None:
-        """One instruction of the current iteration."""
+    def record(self, kind: str, time_s: float, energy_j: float, stage: int | None = None) -> None:
+        """One instruction of the current iteration; `stage`: its virtual stage when this rank
+        holds several model chunks (default: this sweep's stage)."""
         step = self._current
         if step is None or not step.measured:
             return
-        self._samples[step.frequency][str(kind)].append((time_s, energy_j))
+        key = (self.stage if stage is None else stage, str(kind))
+        self._samples[step.frequency][key].append((time_s, energy_j))
 
     def record_gap(self, time_s: float, energy_j: float) -> None:
         """Time between two instructions, when the GPU waits on a peer (blocking power)."""
@@ -144,10 +147,10 @@ class Sweep:
         """The stage's profile: per kind, the median time and energy at each profiled clock."""
         points: dict[tuple[int, str], list[ProfilePoint]] = defaultdict(list)
         for f in self.profiled_frequencies:
-            for kind, samples in self._samples[f].items():
+            for key, samples in sorted(self._samples[f].items()):
                 t = statistics.median(s[0] for s in samples)
                 e = statistics.median(s[1] for s in samples)
-                points[(self.stage, kind)].append(ProfilePoint(f, t, e))
+                points[key].append(ProfilePoint(f, t, e))
         if not points:
             raise ConfigError(f"stage {self.stage}: no instruction was measured; nothing to profile")
         if self._blocking:
@@ -209,12 +212,12 @@ class OnlineProfiler:
             self.sweep.record_gap(now[0] - self._last_end[0], (now[1] - self._last_end[1]) / 1000.0)
         self._begin = now
 
-    def after_instruction(self, kind: str) -> None:
+    def after_instruction(self, kind: str, stage: int | None = None) -> None:
         if not self.measuring or self._begin is None:
             return
         now = self._read()
         t0, e0 = self._begin
-        self.sweep.record(kind, now[0] - t0, (now[1] - e0) / 1000.0)
+        self.sweep.record(kind, now[0] - t0, (now[1] - e0) / 1000.0, stage)
         self._begin = None
         self._last_end = now
 
