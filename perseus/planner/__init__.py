@@ -2,9 +2,9 @@
 
 from perseus.planner.dag import DagArrays, build_dag, dag_arrays
 from perseus.planner.evaluator import (
+    Choices,
     Evaluation,
     Evaluator,
-    Options,
     StageStats,
     evaluate,
     max_frequencies,
@@ -13,10 +13,10 @@ from perseus.planner.evaluator import (
 )
 
 __all__ = [
+    "Choices",
     "DagArrays",
     "Evaluation",
     "Evaluator",
-    "Options",
     "StageStats",
     "build_dag",
     "dag_arrays",

@@ -54,7 +54,7 @@ def build_dag(schedule: Schedule) -> nx.DiGraph:
     return graph
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DagArrays:
     """A DAG flattened for fast repeated evaluation. Node i is `nodes[i]`; nodes are sorted by
     level, then stage, then position on the stage, so `nodes` is a topological order.

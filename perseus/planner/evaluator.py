@@ -35,7 +35,7 @@ class StageStats:
         return self.compute_energy_j + self.blocking_energy_j
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Evaluation:
     """The outcome of one frequency plan."""
 
@@ -70,8 +70,8 @@ class Evaluation:
         return [arrays.nodes[k] for k in reversed(path)]
 
 
-@dataclass(frozen=True)
-class Options:
+@dataclass(frozen=True, eq=False)
+class Choices:
     """Profiled choices of one (profile stage, kind): arrays aligned, highest frequency first."""
 
     frequency: np.ndarray  # int64, MHz
@@ -82,9 +82,10 @@ class Options:
 class Evaluator:
     """Precomputed arrays for evaluating many plans of one schedule against one profile.
 
-    Node i is `arrays.nodes[i]` (a topological order). `option_of[i]` indexes `options`, the
+    Node i is `arrays.nodes[i]` (a topological order). `choice_of[i]` indexes `choices`, the
     profiled (frequency, time, energy) choices of node i; nodes of the same profile stage and kind
-    share an entry.
+    (`choice_keys`) share an entry. A plan in array form is one choice index per node, 0 being
+    the highest frequency.
     """
 
     def __init__(self, schedule_or_dag: Schedule | nx.DiGraph | DagArrays, profile: Profile):
@@ -96,42 +97,42 @@ class Evaluator:
         self.num_stages = self.schedule.num_stages
 
         keys: dict[tuple[int, str], int] = {}
-        option_of = []
+        choice_of = []
         for ins in self.arrays.nodes:
             key = (profile.stage_for(ins, self.schedule), ins.kind.value)
-            option_of.append(keys.setdefault(key, len(keys)))
-        self.option_keys: list[tuple[int, str]] = list(keys)
-        self.option_of = np.array(option_of, dtype=np.int64)
-        self.options: list[Options] = []
-        for key in self.option_keys:
+            choice_of.append(keys.setdefault(key, len(keys)))
+        self.choice_keys: list[tuple[int, str]] = list(keys)
+        self.choice_of = np.array(choice_of, dtype=np.int64)
+        self.choices: list[Choices] = []
+        for key in self.choice_keys:
             pts = profile.points[key]
-            self.options.append(
-                Options(
+            self.choices.append(
+                Choices(
                     np.array([p.frequency for p in pts], dtype=np.int64),
                     np.array([p.time for p in pts], dtype=float),
                     np.array([p.energy for p in pts], dtype=float),
                 )
             )
-        self._choice_index = [{int(f): k for k, f in enumerate(o.frequency)} for o in self.options]
+        self._choice_index = [{int(f): k for k, f in enumerate(o.frequency)} for o in self.choices]
 
     @property
     def nodes(self) -> tuple[Instruction, ...]:
         return self.arrays.nodes
 
-    def node_options(self, i: int) -> Options:
-        return self.options[self.option_of[i]]
+    def node_choices(self, i: int) -> Choices:
+        return self.choices[self.choice_of[i]]
 
     def choice_indices(self, frequencies: Mapping[Instruction, int]) -> np.ndarray:
-        """For each node, the index of its frequency among its options (0 = highest)."""
+        """For each node, the index of its frequency among its choices (0 = highest)."""
         out = np.empty(len(self.arrays.nodes), dtype=np.int64)
         for i, ins in enumerate(self.arrays.nodes):
             if ins not in frequencies:
                 raise ConfigError(f"no frequency given for instruction {ins}; the plan must cover every instruction of the schedule")
             f = frequencies[ins]
-            k = self._choice_index[self.option_of[i]].get(int(f)) if float(f) == int(f) else None
+            k = self._choice_index[self.choice_of[i]].get(int(f)) if float(f) == int(f) else None
             if k is None:
-                stage, kind = self.option_keys[self.option_of[i]]
-                freqs = self.options[self.option_of[i]].frequency
+                stage, kind = self.choice_keys[self.choice_of[i]]
+                freqs = self.choices[self.choice_of[i]].frequency
                 raise ConfigError(
                     f"instruction {ins}: frequency {f} MHz is not in the profile of stage {stage} {kind} "
                     f"(profiled {freqs[-1]}..{freqs[0]} MHz); use one of the profiled frequencies"
@@ -143,8 +144,8 @@ class Evaluator:
         """Node time and energy arrays for per-node choice indices (as from `choice_indices`)."""
         t = np.empty(len(choices))
         e = np.empty(len(choices))
-        for j, opt in enumerate(self.options):
-            sel = self.option_of == j
+        for j, opt in enumerate(self.choices):
+            sel = self.choice_of == j
             t[sel] = opt.time[choices[sel]]
             e[sel] = opt.energy[choices[sel]]
         return t, e
@@ -193,7 +194,7 @@ class Evaluator:
 
     def frequencies_of(self, choices: np.ndarray) -> dict[Instruction, int]:
         """The plan (instruction -> MHz) for per-node choice indices."""
-        return {ins: int(self.options[self.option_of[i]].frequency[choices[i]]) for i, ins in enumerate(self.arrays.nodes)}
+        return {ins: int(self.choices[self.choice_of[i]].frequency[choices[i]]) for i, ins in enumerate(self.arrays.nodes)}
 
 
 def evaluate(schedule_or_dag: Schedule | nx.DiGraph | DagArrays, frequencies: Mapping[Instruction, int], profile: Profile) -> Evaluation:

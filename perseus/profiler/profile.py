@@ -228,6 +228,8 @@ def _read_csv(path: Path, text: str, blocking_power_w: float | None) -> Profile:
         for row in reader:
             if not any((v or "").strip() for v in row.values() if isinstance(v, str)):
                 continue
+            if None in row:
+                raise ProfileError(f"{path}:{reader.line_num}: row has more fields than the header; expected {','.join(CSV_COLUMNS)}")
             if any(row.get(c) is None for c in CSV_COLUMNS):
                 raise ProfileError(f"{path}:{reader.line_num}: row has too few fields; expected {','.join(CSV_COLUMNS)}")
             yield f"{path}:{reader.line_num}", row

@@ -126,3 +126,14 @@ def test_longest_path_matches_networkx(name, chunks):
 def test_dag_without_schedule_is_refused():
     with pytest.raises(ScheduleError, match="build_dag"):
         dag_arrays(nx.DiGraph())
+
+
+def test_every_built_schedule_is_acyclic():
+    for name, chunk_counts in [("gpipe", [1]), ("1f1b", [1]), ("zb-h1", [1]), ("interleaved-1f1b", [2, 3])]:
+        for n in range(1, 6):
+            for m in range(1, 11):
+                for v in chunk_counts:
+                    if name == "interleaved-1f1b" and m % n:
+                        continue
+                    graph = build_dag(build_schedule(name, n, m, num_chunks=v))
+                    assert nx.is_directed_acyclic_graph(graph)
