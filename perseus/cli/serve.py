@@ -1,0 +1,54 @@
+"""`perseus serve`: run the planner service that profiles, plans and steers a training job's ranks."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from perseus.server.protocol import DEFAULT_ADDRESS
+from perseus.server.service import PlannerService
+from perseus.server.state import default_state_dir
+
+EPILOG = f"""examples:
+  perseus serve                                       listen on {DEFAULT_ADDRESS}
+  perseus serve --state-dir ./perseus-state           keep profiles and plans beside the job
+  perseus serve --bind tcp://127.0.0.1:0              pick a free port (printed on start)
+
+Start it beside torchrun; ranks reach it through perseus.instrument(..., address=...).
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the planner service for training jobs",
+        description="Run the Perseus planner service: ranks register, profile their stages during "
+        "training, and receive a frequency plan per instruction. Stop it with Ctrl-C or SIGTERM; "
+        "state (profiles, plans, jobs) persists in --state-dir and is resumed on restart.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--bind", default=DEFAULT_ADDRESS, metavar="ENDPOINT", help=f"ZeroMQ endpoint to listen on (default {DEFAULT_ADDRESS}; loopback only)")
+    parser.add_argument("--state-dir", default=None, metavar="DIR", help=f"where jobs, profiles and plans are kept (default {default_state_dir()})")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default info)")
+    parser.add_argument("--log-every", type=int, default=10, metavar="N", help="log predicted against measured every N planned iterations (default 10)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    service = PlannerService(args.bind, args.state_dir, log_every=args.log_every)
+    try:
+        endpoint = service.bind()
+        previous = {sig: signal.signal(sig, lambda *_: service.stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        print(f"perseus serve: listening on {endpoint}", flush=True)
+        try:
+            service.serve_forever()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    finally:
+        service.close()
+    return 0

@@ -1,0 +1,100 @@
+"""From a registered job to a plan: its schedule, its merged profile, and the planner call.
+
+`plan_job` is what the service's worker thread runs; everything here is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from perseus.exceptions import ConfigError, PlanError, ScheduleError
+from perseus.profiler.profile import Profile
+from perseus.schedules import Instruction, Kind, Schedule, build_schedule
+from perseus.server.protocol import JobSpec
+
+
+def job_schedule(spec: JobSpec) -> Schedule:
+    """The job's schedule: its stage_orders when given, else the named builder's. ConfigError if invalid."""
+    try:
+        if spec.stage_orders is None:
+            schedule = build_schedule(spec.schedule_name, spec.pp, spec.num_microbatches, spec.num_chunks)
+        else:
+            stages = tuple(
+                tuple(Instruction(s, Kind(kind), mb, chunk) for kind, mb, chunk in order) for s, order in enumerate(spec.stage_orders)
+            )
+            schedule = Schedule(spec.schedule_name, spec.num_microbatches, stages, spec.num_chunks, spec.schedule_style)
+        schedule.validate()
+    except ScheduleError as e:
+        raise ConfigError(f"JobSpec describes an invalid schedule: {e}") from None
+    return schedule
+
+
+def rank_profile_stages(schedule: Schedule, stage: int) -> set[int]:
+    """Profile stages a rank may upload rows for: its own, and with chunks its virtual stages."""
+    return {stage} | {schedule.virtual_stage(ins) for ins in schedule.stages[stage]}
+
+
+def check_stage_profile(schedule: Schedule, stage: int, profile: Profile) -> None:
+    """ConfigError unless `profile` only has rows of `stage` and covers every kind the stage runs."""
+    allowed = rank_profile_stages(schedule, stage)
+    foreign = sorted({s for s, _ in profile.points} - allowed)
+    if foreign:
+        raise ConfigError(f"profile of stage {stage} has rows for stages {foreign}; upload each stage's rows from its own rank")
+    for ins in schedule.stages[stage]:
+        kind = ins.kind.value
+        if (schedule.virtual_stage(ins), kind) not in profile.points and (stage, kind) not in profile.points:
+            raise ConfigError(f"profile of stage {stage} lacks {kind} rows, which {ins} needs; profile every instruction kind the stage runs")
+
+
+def merge_profiles(stage_profiles: dict[int, Profile], blocking_power_w: float | None) -> Profile:
+    """One Profile from per-stage uploads; the blocking power is `blocking_power_w` or the uploads' mean."""
+    points = {key: list(pts) for profile in stage_profiles.values() for key, pts in profile.points.items()}
+    if blocking_power_w is None:
+        blocking_power_w = sum(p.blocking_power_w for p in stage_profiles.values()) / len(stage_profiles)
+    return Profile(points, blocking_power_w, {})
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What the service publishes and records: per-stage frequency lists and the predicted figures
+    of one pipeline (`baseline_*`: every instruction at its highest profiled frequency)."""
+
+    stage_frequencies: tuple[tuple[int, ...], ...]
+    iteration_time_s: float
+    energy_j: float
+    lower_bound_j: float
+    baseline_iteration_time_s: float
+    baseline_energy_j: float
+    document: Any  # the planner's plan.to_json(), as a JSON value
+
+
+def plan_job(schedule: Schedule, profile: Profile) -> PlanResult:
+    """Plan with no slowdown. PlanError (with the planner's reason) if it cannot."""
+    # Imported here: the planner pulls in cvxpy and friends, which would make the service (and
+    # every test that starts it) slow to start; only the worker thread pays the import.
+    from perseus.planner import Planner, evaluate, max_frequencies
+
+    try:
+        profile.validate(schedule)
+        plan = Planner(schedule, profile).plan()
+        baseline = evaluate(schedule, max_frequencies(schedule, profile), profile)
+    except (ConfigError, ScheduleError) as e:
+        raise PlanError(str(e)) from None
+    stage_frequencies = []
+    for s, row in enumerate(schedule.stages):
+        freqs = tuple(int(f) for f in plan.stage_frequencies(s))
+        if len(freqs) != len(row):
+            raise PlanError(f"planner returned {len(freqs)} frequencies for stage {s}, which runs {len(row)} instructions")
+        stage_frequencies.append(freqs)
+    document = plan.to_json()
+    return PlanResult(
+        stage_frequencies=tuple(stage_frequencies),
+        iteration_time_s=float(plan.iteration_time_s),
+        energy_j=float(plan.energy_j),
+        lower_bound_j=float(plan.lower_bound_j),
+        baseline_iteration_time_s=float(baseline.iteration_time_s),
+        baseline_energy_j=float(baseline.energy_j),
+        document=json.loads(document) if isinstance(document, str) else document,
+    )

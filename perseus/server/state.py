@@ -1,0 +1,116 @@
+"""The service's state directory: job records, stage profiles, cached profiles and plans as JSON.
+
+Layout (every file written atomically: a temp file in the same folder, then os.replace):
+    jobs/<job_id>/job.json            spec, ranks, sweep, phase, the published plan's frequencies
+    jobs/<job_id>/stage-<s>.json      the profile stage s's rank uploaded
+    jobs/<job_id>/plan.json           the planner's full plan document
+    profiles/<profile_key>.json       merged profile of a job signature: later jobs skip profiling
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from perseus.exceptions import ConfigError, ProfileError
+from perseus.profiler.profile import Profile, load_profile, save_profile
+
+log = logging.getLogger(__name__)
+
+JOB_FORMAT = "perseus.server.job"
+SIGNATURE_META = "perseus.signature"
+
+
+def write_json_atomic(path: Path, doc: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def default_state_dir() -> str:
+    """$XDG_STATE_HOME/perseus/server, else ~/.local/state/perseus/server."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "perseus", "server")
+
+
+class StateDir:
+    """Reads and writes the service state under `root` (created if missing)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root).expanduser()
+        try:
+            (self.root / "jobs").mkdir(parents=True, exist_ok=True)
+            (self.root / "profiles").mkdir(exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create the state directory {self.root}: {e.strerror or e}; pass a writable --state-dir") from None
+        if not os.access(self.root, os.W_OK):
+            raise ConfigError(f"state directory {self.root} is not writable; pass a writable --state-dir")
+
+    def _job_dir(self, job_id: str) -> Path:
+        path = self.root / "jobs" / job_id
+        path.mkdir(exist_ok=True)
+        return path
+
+    def save_job(self, record: dict[str, Any]) -> None:
+        write_json_atomic(self._job_dir(record["job_id"]) / "job.json", {"format": JOB_FORMAT, "version": 1, **record})
+
+    def load_jobs(self) -> list[dict[str, Any]]:
+        """Every readable job record; unreadable ones are logged and skipped."""
+        records = []
+        for path in sorted((self.root / "jobs").glob("*/job.json")):
+            try:
+                doc = json.loads(path.read_text())
+                if doc.get("format") != JOB_FORMAT:
+                    raise ValueError(f"format is {doc.get('format')!r}, not {JOB_FORMAT!r}")
+            except (OSError, ValueError) as e:
+                log.warning("skipping job record %s: %s (delete it to silence this)", path, e)
+                continue
+            records.append(doc)
+        return records
+
+    def save_stage_profile(self, job_id: str, stage: int, profile: Profile) -> None:
+        save_profile(profile, self._job_dir(job_id) / f"stage-{stage}.json")
+
+    def load_stage_profiles(self, job_id: str) -> dict[int, Profile]:
+        profiles = {}
+        for path in sorted((self.root / "jobs" / job_id).glob("stage-*.json")):
+            try:
+                profiles[int(path.stem.removeprefix("stage-"))] = load_profile(path)
+            except (ProfileError, ValueError) as e:
+                log.warning("ignoring stage profile %s: %s; that stage will be profiled again", path, e)
+        return profiles
+
+    def save_plan_document(self, job_id: str, document: Any) -> None:
+        write_json_atomic(self._job_dir(job_id) / "plan.json", document)
+
+    def save_cached_profile(self, key: str, signature: dict[str, Any], profile: Profile) -> None:
+        meta = {**profile.meta, SIGNATURE_META: json.dumps(signature, sort_keys=True)}
+        save_profile(Profile(profile.points, profile.blocking_power_w, meta), self.root / "profiles" / f"{key}.json")
+
+    def load_cached_profile(self, key: str, signature: dict[str, Any]) -> Profile | None:
+        """The cached profile of `signature`, or None (absent, unreadable, or another signature)."""
+        path = self.root / "profiles" / f"{key}.json"
+        if not path.exists():
+            return None
+        try:
+            profile = load_profile(path)
+        except ProfileError as e:
+            log.warning("ignoring cached profile %s: %s; the job will be profiled", path, e)
+            return None
+        if profile.meta.get(SIGNATURE_META) != json.dumps(signature, sort_keys=True):
+            log.warning("cached profile %s belongs to another job signature; the job will be profiled", path)
+            return None
+        return profile

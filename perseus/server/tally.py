@@ -1,0 +1,55 @@
+"""Measured iterations: per-rank reports summed once every rank has reported an iteration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PENDING_LIMIT = 256  # iterations awaiting reports; older ones are dropped (a rank stopped reporting)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One iteration of the whole job: the slowest rank's time, the sum of every rank's energy."""
+
+    iteration: int
+    time_s: float
+    energy_j: float
+
+
+class IterationTally:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._pending: dict[int, dict[int, tuple[float, float]]] = {}
+
+    def add(self, rank: int, iteration: int, time_s: float, energy_j: float) -> Measured | None:
+        """Record one report; the iteration's total once its last rank reports (repeats overwrite)."""
+        ranks = self._pending.setdefault(iteration, {})
+        ranks[rank] = (time_s, energy_j)
+        if len(ranks) == self.world_size:
+            del self._pending[iteration]
+            return Measured(iteration, max(t for t, _ in ranks.values()), sum(e for _, e in ranks.values()))
+        if len(self._pending) > PENDING_LIMIT:
+            del self._pending[min(self._pending)]
+        return None
+
+
+class Mean:
+    """Running mean of measured iterations."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._time = 0.0
+        self._energy = 0.0
+
+    def add(self, m: Measured) -> None:
+        self.count += 1
+        self._time += m.time_s
+        self._energy += m.energy_j
+
+    @property
+    def time_s(self) -> float | None:
+        return self._time / self.count if self.count else None
+
+    @property
+    def energy_j(self) -> float | None:
+        return self._energy / self.count if self.count else None
