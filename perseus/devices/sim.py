@@ -30,9 +30,10 @@ import threading
 import time
 import uuid as uuid_lib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from perseus.clock import REAL_CLOCK, Clock
+from perseus.clock import REAL_CLOCK, Clock, RealClock
 from perseus.devices.gpu import GPU
 from perseus.exceptions import ConfigError, DeviceError
 
@@ -154,6 +155,11 @@ def predict(
     return t, busy_power_w(p, work, f) * t
 
 
+def _fast_now(clock: Clock) -> Callable[[], float]:
+    """`clock.now`, minus a Python call layer for the real clock (counters read it on every access)."""
+    return time.monotonic if isinstance(clock, RealClock) else clock.now
+
+
 def sim_dir() -> str:
     """The runtime folder holding simulated GPU state files."""
     return os.environ.get(SIM_DIR_ENV) or f"/tmp/perseus-sim-{os.getuid()}"
@@ -184,6 +190,7 @@ class SimGPU(GPU):
         self.preset = get_preset(preset)
         self.index = index
         self._clock = clock or REAL_CLOCK
+        self._now = _fast_now(self._clock)
         self._freqs = self.preset.frequencies
         self._ascending = sorted(self._freqs)
         self._idle_w = self.preset.idle_w
@@ -217,10 +224,11 @@ class SimGPU(GPU):
         return True
 
     def energy_mj(self) -> float:
-        now = self._clock.now()
+        now = self._now()
+        if not self._segments:  # idle since the last fold: no lock needed (see the fold below)
+            return (self._idle_w * (now - self._origin) + self._extra_j) * 1000.0
         partial = 0.0
         with self._lock:
-            extra = self._extra_j
             segments = self._segments
             while segments:
                 start, end, extra_w = segments[0]
@@ -228,13 +236,14 @@ class SimGPU(GPU):
                     if start < now:
                         partial = extra_w * (now - start)
                     break
-                extra += extra_w * (end - start)
+                # Add before removing, so a lock-free reader never misses this segment.
+                self._extra_j += extra_w * (end - start)
                 segments.popleft()
-            self._extra_j = extra
+            extra = self._extra_j
         return (self._idle_w * (now - self._origin) + extra + partial) * 1000.0
 
     def power_mw(self) -> float:
-        now = self._clock.now()
+        now = self._now()
         with self._lock:
             for start, end, extra_w in self._segments:
                 if start <= now < end:
@@ -320,7 +329,7 @@ class SimGPU(GPU):
         """
         duration, energy_j = self.predict(work)
         with self._lock:
-            start = max(self._clock.now(), self._busy_until)
+            start = max(self._now(), self._busy_until)
             end = start + duration
             self._busy_until = end
             if duration > 0:
@@ -330,7 +339,7 @@ class SimGPU(GPU):
         return duration
 
     def synchronize(self) -> None:
-        wait = self._busy_until - self._clock.now()
+        wait = self._busy_until - self._now()
         if wait > 0:
             self._clock.sleep(wait)
 

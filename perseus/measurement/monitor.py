@@ -179,9 +179,9 @@ class Monitor:
             sync()
         cuda_sync = self._cuda_sync
         if cuda_sync is _UNRESOLVED:
-            cuda_sync = _torch_cuda_sync()
-            if "torch" in sys.modules:  # settled; until torch is imported, look again next time
-                self._cuda_sync = cuda_sync
+            if "torch" not in sys.modules:  # look again next time: torch may be imported later
+                return
+            cuda_sync = self._cuda_sync = _torch_cuda_sync()
         if cuda_sync is not None:
             for index in self._gpu_indices:
                 cuda_sync(index)
