@@ -114,6 +114,11 @@ class Evaluator:
                 )
             )
         self._choice_index = [{int(f): k for k, f in enumerate(o.frequency)} for o in self.choices]
+        # All choice tables end to end, so that a plan's times are one gather.
+        starts = np.cumsum([0] + [len(c.time) for c in self.choices])
+        self._offset = starts[self.choice_of]
+        self._flat_time = np.concatenate([c.time for c in self.choices])
+        self._flat_energy = np.concatenate([c.energy for c in self.choices])
 
     @property
     def nodes(self) -> tuple[Instruction, ...]:
@@ -140,15 +145,11 @@ class Evaluator:
             out[i] = k
         return out
 
-    def times_energies(self, choices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Node time and energy arrays for per-node choice indices (as from `choice_indices`)."""
-        t = np.empty(len(choices))
-        e = np.empty(len(choices))
-        for j, opt in enumerate(self.choices):
-            sel = self.choice_of == j
-            t[sel] = opt.time[choices[sel]]
-            e[sel] = opt.energy[choices[sel]]
-        return t, e
+    def times_energies(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Node time and energy arrays for per-node choice indices (as from `choice_indices`),
+        shape (n,) or (k, n)."""
+        flat = self._offset + np.asarray(indices, dtype=np.int64)
+        return self._flat_time[flat], self._flat_energy[flat]
 
     def iteration_time(self, times: np.ndarray) -> float | np.ndarray:
         """Longest path length for node times `times`, shape (n,) or (k, n)."""
@@ -156,6 +157,7 @@ class Evaluator:
         return end.max(axis=-1)
 
     def energy(self, iteration_time: float | np.ndarray, times: np.ndarray, energies: np.ndarray) -> float | np.ndarray:
+        """E = sum(e_i) + P_block * (N_ranks * T - sum(t_i)): compute plus every idle rank-second."""
         return energies.sum(axis=-1) + self.blocking_power_w * (self.num_stages * iteration_time - times.sum(axis=-1))
 
     def evaluate_arrays(self, times: np.ndarray, energies: np.ndarray) -> tuple[float, float] | tuple[np.ndarray, np.ndarray]:
@@ -192,9 +194,9 @@ class Evaluator:
             _end=end,
         )
 
-    def frequencies_of(self, choices: np.ndarray) -> dict[Instruction, int]:
+    def frequencies_of(self, indices: np.ndarray) -> dict[Instruction, int]:
         """The plan (instruction -> MHz) for per-node choice indices."""
-        return {ins: int(self.choices[self.choice_of[i]].frequency[choices[i]]) for i, ins in enumerate(self.arrays.nodes)}
+        return {ins: int(self.choices[self.choice_of[i]].frequency[indices[i]]) for i, ins in enumerate(self.arrays.nodes)}
 
 
 def evaluate(schedule_or_dag: Schedule | nx.DiGraph | DagArrays, frequencies: Mapping[Instruction, int], profile: Profile) -> Evaluation:

@@ -99,7 +99,8 @@ class Profile:
 
     def validate(self, schedule: Schedule | None = None) -> None:
         """Raise ProfileError naming the first bad row: a non-finite, zero or negative time or
-        energy, a repeated frequency, or (given a schedule) a stage or kind the schedule needs."""
+        energy, a repeated frequency, or (given a schedule) a stage or kind the schedule needs.
+        Without a schedule a partial profile (say, one rank's stage) is valid."""
         if not (isinstance(self.blocking_power_w, (int, float)) and math.isfinite(self.blocking_power_w) and self.blocking_power_w >= 0):
             raise ProfileError(f"blocking power must be a finite number of watts >= 0, got {self.blocking_power_w!r}")
         for (stage, kind), pts in sorted(self.points.items()):

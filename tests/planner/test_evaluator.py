@@ -75,7 +75,9 @@ def test_array_path_agrees_and_batches():
     assert ev.evaluate_arrays(t, e) == pytest.approx((12.0, 168.0))
     slow = ev.choice_indices(uniform_frequencies(s, hand_profile(), 500))
     t2, e2 = ev.times_energies(slow)
-    T, E = ev.evaluate_arrays(np.stack([t, t2]), np.stack([e, e2]))
+    tt, ee = ev.times_energies(np.stack([choices, slow]))
+    assert np.array_equal(tt, np.stack([t, t2])) and np.array_equal(ee, np.stack([e, e2]))
+    T, E = ev.evaluate_arrays(tt, ee)
     assert T == pytest.approx([12.0, 24.0]) and E == pytest.approx([168.0, 120 + 2 * (48 - 30)])
     assert ev.frequencies_of(slow) == uniform_frequencies(s, hand_profile(), 500)
 
