@@ -95,3 +95,11 @@ def test_rejects_unknown_layout():
     order = {0: [A(s, k, 0) for s in (0, 1) for k in (F, B)], 1: [A(s, k, 0) for s in (2, 3) for k in (F, B)]}
     with pytest.raises(ScheduleError, match="neither loop"):
         from_torch_pipeline_order(order, 1)
+
+
+@pytest.mark.parametrize("cls,n,v,m", [("ScheduleLoopedBFS", 3, 2, 5), ("ScheduleInterleaved1F1B", 4, 2, 6), ("ScheduleInterleavedZeroBubble", 3, 2, 6)])
+def test_loop_schedules_beyond_our_builders(cls, n, v, m):
+    order = getattr(schedules, cls)(stages(n, [c * n for c in range(v)], n * v), m).pipeline_order
+    converted = from_torch_pipeline_order(order, m)
+    assert converted.style == "loop" and converted.num_chunks == v
+    assert build_dag(converted).number_of_nodes() == sum(1 for r in order.values() for a in r if a is not None and a.computation_type.value in "FBIW")
