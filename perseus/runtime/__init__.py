@@ -1,0 +1,12 @@
+"""The rank side of Perseus: hooks that profile and control each instruction's clock.
+
+`PerseusRank` is framework-neutral (on_step_begin/end, on_instruction_begin/end);
+`instrument(stage, schedule=...)` installs it on torch.distributed.pipelining stages (torch is
+imported only when it is called).
+"""
+
+from perseus.runtime.progress import Progress
+from perseus.runtime.rank import IterationRecord, PerseusRank, ProfilingSettings
+from perseus.runtime.torch_stage import SUPPORTED_TORCH, instrument
+
+__all__ = ["SUPPORTED_TORCH", "IterationRecord", "PerseusRank", "ProfilingSettings", "Progress", "instrument"]

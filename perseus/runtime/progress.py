@@ -1,0 +1,44 @@
+"""Rank 0's progress display: a one-line bar on a terminal, log lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+BAR_WIDTH = 24
+
+
+class Progress:
+    """Shows phase, frequency and iteration. Log lines only when the phase or clock changes."""
+
+    def __init__(self, stream: TextIO | None = None, tty: bool | None = None) -> None:
+        self._stream = stream if stream is not None else sys.stderr
+        self._tty = self._stream.isatty() if tty is None else tty
+        self._last: tuple[str, int | None] | None = None
+        self._open_line = False
+
+    def update(self, iteration: int, phase: str, frequency: int | None = None,
+               done: int | None = None, total: int | None = None) -> None:
+        """`done`/`total`: progress through the profiling sweep (frequencies finished / planned)."""
+        clock = "default clocks" if frequency is None else f"{frequency} MHz"
+        sweep = f" [{done}/{total}]" if done is not None and total else ""
+        if self._tty:
+            bar = ""
+            if done is not None and total:
+                filled = round(BAR_WIDTH * done / total)
+                bar = " |" + "#" * filled + "-" * (BAR_WIDTH - filled) + "|"
+            self._stream.write(f"\r\x1b[2K[perseus] {phase:<9} {clock:>14}  iteration {iteration}{bar}{sweep}")
+            self._stream.flush()
+            self._open_line = True
+            return
+        key = (phase, frequency)
+        if key != self._last:
+            self._stream.write(f"[perseus] iteration {iteration}: {phase} at {clock}{sweep}\n")
+            self._stream.flush()
+        self._last = key
+
+    def close(self) -> None:
+        if self._open_line:
+            self._stream.write("\n")
+            self._stream.flush()
+            self._open_line = False

@@ -1,0 +1,347 @@
+"""One training rank under Perseus: hooks in, clocks out.
+
+`PerseusRank` ties together the planner client (what to run), the online profiler (what the
+stage costs) and the frequency controller (running it). A framework calls its four hooks:
+
+    rank.on_step_begin()
+    for each instruction:  rank.on_instruction_begin(kind, microbatch[, chunk]) ... on_instruction_end(...)
+    rank.on_step_end()
+
+Nothing here may break training: every hook catches and logs its own failures, the planner is
+only ever asked through a client that never blocks past its timeout, and with no planner the
+rank simply runs at default clocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from perseus.controller import FrequencyController
+from perseus.devices.gpu import GPU
+from perseus.exceptions import ConfigError, PlanError
+from perseus.profiler.online import OnlineProfiler, Sweep, SweepStep
+from perseus.runtime.progress import Progress
+from perseus.schedules.instruction import Schedule
+
+logger = logging.getLogger(__name__)
+
+UNPLANNED = "unplanned"
+PROFILING = "profiling"
+PLANNED = "planned"
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """What one finished iteration measured on this rank."""
+
+    iteration: int
+    phase: str
+    frequency: int | None  # the uniform clock (profiling), else None
+    plan_version: int
+    time_s: float
+    energy_j: float
+
+
+@dataclass(frozen=True)
+class ProfilingSettings:
+    """The online sweep; the planner service's job spec carries the same numbers."""
+
+    warmup_iterations: int = 2
+    iterations_per_frequency: int = 2
+    frequencies: tuple[int, ...] | None = None  # default: every supported clock, highest first
+    early_stop_rises: int = 3
+
+
+class PerseusRank:
+    """Perseus on one rank (one GPU, one pipeline stage, possibly several model chunks).
+
+    `schedule` is the whole job's schedule (every stage's instruction order); this rank runs
+    `schedule.stages[stage]`. `client`: a `perseus.server.PlannerClient`, or None to run at
+    default clocks and only measure. `wait_for_clock`: block each clock change until applied;
+    only for emulated GPUs whose work reads the clock when issued (real kernels run long after
+    the CPU issues them, and the training thread must not wait on the driver).
+    """
+
+    def __init__(
+        self,
+        gpu: GPU,
+        schedule: Schedule,
+        stage: int,
+        *,
+        client: Any | None = None,
+        rank: int | None = None,
+        dp: int = 1,
+        dp_index: int = 0,
+        tag: str = "",
+        profiling: ProfilingSettings | None = None,
+        progress: Progress | bool | None = None,
+        wait_for_clock: bool = False,
+        handle_signals: bool = True,
+        watchdog: bool = True,
+        retry_s: float = 2.0,
+        on_iteration: Callable[[IterationRecord], None] | None = None,
+    ) -> None:
+        if not 0 <= stage < schedule.num_stages:
+            raise ConfigError(f"stage {stage} is outside the schedule's stages 0..{schedule.num_stages - 1}")
+        self.gpu = gpu
+        self.schedule = schedule
+        self.stage = stage
+        self.rank = stage if rank is None else rank
+        self.dp, self.dp_index, self.tag = dp, dp_index, tag
+        self.settings = profiling or ProfilingSettings()
+        self.order = schedule.stages[stage]
+        self._keys = tuple((ins.kind.value, ins.microbatch, ins.chunk) for ins in self.order)
+        self._virtual = {ins.chunk: schedule.virtual_stage(ins) for ins in self.order}
+        self._wait_for_clock = wait_for_clock
+        self._on_iteration = on_iteration
+        if progress is None:
+            progress = self.rank == 0
+        self._progress = Progress() if progress is True else (progress or None)
+
+        freqs = self.settings.frequencies or tuple(gpu.supported_frequencies())
+        self.sweep = Sweep(
+            stage, freqs,
+            warmup_iterations=self.settings.warmup_iterations,
+            iterations_per_frequency=self.settings.iterations_per_frequency,
+            early_stop_rises=self.settings.early_stop_rises,
+        )
+        self.profiler = OnlineProfiler(gpu, self.sweep)
+        self.controller = FrequencyController(gpu, handle_signals=handle_signals, watchdog=watchdog)
+
+        self.iteration = -1
+        self.phase = UNPLANNED
+        self.plan_version = 0
+        self.last_iteration: IterationRecord | None = None
+        self._in_step = False
+        self._profiling = False  # this iteration is measured by the profiler
+        self._uploaded = False
+        self._frequency: int | None = None
+        self._step_start: tuple[float, float] = (0.0, 0.0)
+        self._warned: set[str] = set()
+        self._closed = False
+
+        self._client = client
+        self._job_id: str | None = None
+        self._stop = threading.Event()
+        self._registrar: threading.Thread | None = None
+        if client is not None:
+            self._registrar = threading.Thread(
+                target=self._register, args=(retry_s,), name=f"perseus-register-{self.rank}", daemon=True
+            )
+            self._registrar.start()
+
+    @property
+    def in_step(self) -> bool:
+        """Between on_step_begin and the end of that iteration."""
+        return self._in_step
+
+    # Hooks
+    def on_step_begin(self) -> None:
+        """An iteration starts (ends the previous one if the framework did not)."""
+        if self._closed:
+            return
+        try:
+            if self._in_step:
+                self.on_step_end()
+            self.iteration += 1
+            self._in_step = True
+            self._begin_iteration()
+            self._step_start = (self.gpu.clock.now(), self.gpu.energy_mj())
+        except Exception as e:
+            self._warn_once("step_begin", f"Perseus failed at the start of iteration {self.iteration}: {e!r}; training continues")
+
+    def on_instruction_begin(self, kind: str, microbatch: int, chunk: int = 0) -> None:
+        """Right before an instruction's computation (kind: forward, backward, backward_input, backward_weight)."""
+        if self._closed:
+            return
+        try:
+            if not self._in_step:
+                self.on_step_begin()
+            self.controller.before_instruction(str(kind), microbatch, chunk)
+            if self._wait_for_clock:
+                self.controller.wait_applied()
+            if self._profiling:
+                self.profiler.before_instruction()
+        except Exception as e:
+            self._warn_once("instruction_begin", f"Perseus failed before {kind} {microbatch}: {e!r}; training continues")
+
+    def on_instruction_end(self, kind: str, microbatch: int, chunk: int = 0) -> None:
+        """Right after an instruction's computation was issued."""
+        if self._closed or not self._profiling:
+            return
+        try:
+            self.profiler.after_instruction(str(kind), self._virtual.get(chunk, self.stage))
+        except Exception as e:
+            self._warn_once("instruction_end", f"Perseus failed after {kind} {microbatch}: {e!r}; training continues")
+
+    def on_step_end(self) -> None:
+        """An iteration finished. Idempotent: extra calls without a new step do nothing."""
+        if self._closed or not self._in_step:
+            return
+        self._in_step = False
+        try:
+            self._end_iteration()
+        except Exception as e:
+            self._warn_once("step_end", f"Perseus failed at the end of iteration {self.iteration}: {e!r}; training continues")
+
+    def pause(self) -> None:
+        """Leave Perseus' control until the next step (e.g. evaluation): end the step, default clocks."""
+        self.on_step_end()
+        try:
+            self.controller.apply_now(None, timeout=0.1)  # the plan itself stays for the next step
+        except Exception as e:
+            self._warn_once("pause", f"Perseus could not restore default clocks: {e!r}")
+
+    def close(self) -> None:
+        """Finish the current iteration, reset clocks, stop background work. Idempotent."""
+        if self._closed:
+            return
+        self.on_step_end()
+        self._closed = True
+        self._stop.set()
+        self.controller.close()
+        if self._registrar is not None:
+            self._registrar.join(timeout=5.0)
+        if self._progress is not None:
+            self._progress.close()
+
+    def __enter__(self) -> PerseusRank:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Iteration logic
+    def _begin_iteration(self) -> None:
+        assignment = self._assignment()
+        phase = getattr(assignment, "phase", UNPLANNED)
+        phase = getattr(phase, "value", phase)
+        frequency = None
+        self._profiling = False
+        if phase == PROFILING and not self.sweep.done:
+            try:
+                step = self.profiler.begin_iteration(self.iteration, assignment.profiling_frequency)
+            except ConfigError as e:
+                self._warn_once("sweep", f"{e}; not profiling this iteration")
+                step = SweepStep("unplanned", None, False)
+            frequency = step.frequency
+            self._profiling = step.measured
+            self.controller.set_uniform(frequency)
+            self.controller.apply_now(frequency)  # measured clocks must be exact from instruction one
+        elif phase == PLANNED and assignment.frequencies is not None:
+            if assignment.plan_version != self.plan_version:
+                self._apply_plan(assignment.frequencies, assignment.plan_version)
+        elif phase == PLANNED and self.plan_version:
+            pass  # the service confirmed the plan this rank already holds
+        else:
+            self.controller.set_uniform(None)
+        self.controller.begin_iteration()
+        self.phase = phase
+        self._frequency = frequency
+        if self._progress is not None:
+            step = self.sweep.step_at(self.iteration)
+            total = len(self.sweep.frequencies)
+            done = step.index if phase == PROFILING and step.index >= 0 else None
+            self._progress.update(self.iteration, phase, frequency, done, total if done is not None else None)
+
+    def _apply_plan(self, frequencies: Any, version: int) -> None:
+        self.plan_version = version
+        try:
+            self.controller.set_plan(self._keys, frequencies, version)
+        except PlanError as e:
+            logger.error("rank %d: refusing plan v%d (%s); running at default clocks", self.rank, version, e)
+            self.controller.set_uniform(None)
+            return
+        logger.info("rank %d: applying plan v%d from iteration %d", self.rank, version, self.iteration)
+
+    def _end_iteration(self) -> None:
+        self.gpu.synchronize()
+        t1, e1 = self.gpu.clock.now(), self.gpu.energy_mj()
+        t0, e0 = self._step_start
+        record = IterationRecord(self.iteration, self.phase, self._frequency, self.plan_version, t1 - t0, (e1 - e0) / 1000.0)
+        self.last_iteration = record
+        if self.phase == PROFILING and not self.sweep.done and self.profiler.end_iteration():
+            self._upload_profile()
+        self._profiling = False
+        if self._client is not None and self._job_id is not None:
+            self._client.report_iteration(self._job_id, self.rank, record.iteration, record.time_s, record.energy_j)
+        if self._on_iteration is not None:
+            self._on_iteration(record)
+
+    def _upload_profile(self) -> None:
+        profile = self.profiler.profile()
+        self.controller.set_uniform(None)
+        logger.info(
+            "rank %d: stage %d profiled at %d clocks (%s MHz)", self.rank, self.stage,
+            len(self.sweep.profiled_frequencies), profile.meta.get("frequencies", ""),
+        )
+        if self._client is not None and self._job_id is not None and self.dp_index == 0:
+            self._client.upload_profile(self._job_id, self.stage, profile)
+        self._uploaded = True
+
+    def _assignment(self) -> Any:
+        if self._client is None or self._job_id is None:
+            return None
+        try:
+            return self._client.assignment(self.iteration)
+        except Exception as e:
+            self._warn_once("assignment", f"asking the planner for iteration {self.iteration} failed ({e!r}); keeping the current clocks plan")
+            return None
+
+    # Registration (background: the planner may be late or down)
+    def job_spec(self) -> Any:
+        from perseus.server.protocol import JobSpec
+
+        s = self.schedule
+        return JobSpec(
+            world_size=s.num_stages * self.dp,
+            pp=s.num_stages,
+            dp=self.dp,
+            schedule_name=s.name,
+            num_microbatches=s.num_microbatches,
+            num_chunks=s.num_chunks,
+            schedule_style=s.style,
+            stage_orders=tuple(tuple((i.kind.value, i.microbatch, i.chunk) for i in row) for row in s.stages),
+            tag=self.tag,
+            gpu_model=self.gpu.name(),
+            warmup_iterations=self.settings.warmup_iterations,
+            iterations_per_frequency=self.settings.iterations_per_frequency,
+            sweep_frequencies=self.sweep.frequencies,
+        )
+
+    def rank_info(self) -> Any:
+        from perseus.server.protocol import RankInfo
+
+        return RankInfo(
+            self.rank, self.stage, dp_index=self.dp_index, gpu_model=self.gpu.name(),
+            frequencies=tuple(self.gpu.supported_frequencies()),
+        )
+
+    def _register(self, retry_s: float) -> None:
+        spec, info = self.job_spec(), self.rank_info()
+        warned = False
+        while not self._stop.is_set():
+            try:
+                job_id = self._client.register_job(spec)
+                self._client.register_rank(job_id, info)
+                self._job_id = job_id
+                if warned:
+                    logger.warning("rank %d: reached the Perseus planner; job %s registered", self.rank, job_id)
+                return
+            except Exception as e:
+                if not warned:
+                    logger.warning(
+                        "rank %d: cannot reach the Perseus planner (%s); training runs at default clocks "
+                        "and registration is retried every %g s", self.rank, e, retry_s,
+                    )
+                    warned = True
+            self._stop.wait(retry_s)
+
+    def _warn_once(self, where: str, message: str) -> None:
+        if where not in self._warned:
+            self._warned.add(where)
+            logger.warning("rank %d: %s", self.rank, message)

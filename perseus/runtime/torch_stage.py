@@ -1,0 +1,258 @@
+"""`perseus.instrument(stage)`: Perseus hooks on torch.distributed.pipelining stages.
+
+The stage object itself is instrumented (its `forward_one_chunk`, `backward_one_chunk`,
+`backward_weight_one_chunk` and `clear_runtime_states` get instance-level wrappers) and
+returned, so every torch schedule -- GPipe, 1F1B, Interleaved1F1B, the zero-bubble ones --
+runs it unchanged, before or after the schedule object is built.
+
+Step boundaries are automatic: every torch schedule's `step()` starts by calling
+`clear_runtime_states()` on its stages, which Perseus takes as the start of an iteration; an
+iteration ends where the next one starts (so its time and energy include the optimizer step),
+or at `stage.perseus.on_step_end()` / `stage.perseus.close()` if you call them. `eval()` steps
+(no backward) run at default clocks and are not counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from perseus.devices.gpu import GPU
+from perseus.exceptions import ConfigError
+from perseus.runtime.rank import PerseusRank, ProfilingSettings
+from perseus.schedules import Schedule, build_schedule, from_torch_pipeline_order
+from perseus.schedules.instruction import Kind
+
+logger = logging.getLogger(__name__)
+
+#: torch versions (major, minor), inclusive, whose PipelineStage methods these hooks match.
+SUPPORTED_TORCH = ((2, 6), (2, 13))
+PLANNER_ENV = "PERSEUS_PLANNER"
+#: torch's single-stage schedules and the perseus builder that gives the order they run.
+_SINGLE_STAGE_SCHEDULES = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
+
+_EXPECTED_PARAMS = {
+    "forward_one_chunk": ("fwd_chunk_id", "args"),
+    "backward_one_chunk": ("bwd_chunk_id", "loss", "full_backward"),
+    "backward_weight_one_chunk": ("bwd_chunk_id",),
+    "clear_runtime_states": (),
+}
+
+
+def check_torch_version(version: str | None = None) -> None:
+    """Raise ConfigError unless torch (or `version`) is one these hooks support."""
+    if version is None:
+        import torch
+
+        version = torch.__version__
+    try:
+        major, minor = (int(p) for p in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        raise ConfigError(f"cannot parse the torch version {version!r}") from None
+    low, high = SUPPORTED_TORCH
+    if not low <= (major, minor) <= high:
+        raise ConfigError(
+            f"perseus.instrument supports torch {low[0]}.{low[1]} to {high[0]}.{high[1]}, found {version}; "
+            f"install a supported torch (pip install 'torch>={low[0]}.{low[1]},<={high[0]}.{high[1]}.0') or use "
+            "the framework-neutral hooks (PerseusRank.on_instruction_begin/end)"
+        )
+
+
+def instrument(
+    stage: Any,
+    *,
+    schedule: Any,
+    num_microbatches: int | None = None,
+    client: Any = None,
+    gpu: GPU | None = None,
+    rank: int | None = None,
+    dp: int = 1,
+    dp_index: int = 0,
+    tag: str = "",
+    profiling: ProfilingSettings | None = None,
+    **options: Any,
+) -> Any:
+    """Instrument a `PipelineStage` (or this rank's list of stages, for multi-chunk schedules)
+    and return it; `stage.perseus` is the `PerseusRank` (call `close()` when training ends).
+
+    schedule: the torch schedule object built on these stages (its exact order is used), a
+        `perseus.schedules.Schedule`, or a schedule name (`perseus.schedules.SCHEDULES`) with
+        `num_microbatches`.
+    client: a `PlannerClient`, a planner address, None for $PERSEUS_PLANNER or the default
+        address, or False for no planner (default clocks; measuring only).
+    gpu: this rank's GPU; default `get_gpus()[LOCAL_RANK]`.
+    options: passed to `PerseusRank` (progress, wait_for_clock, handle_signals, watchdog, ...).
+    """
+    stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
+    if not stages:
+        raise ConfigError("perseus.instrument needs at least one PipelineStage")
+    check_torch_version()
+    for s in stages:
+        _check_stage(s)
+    group_size = stages[0].group_size
+    pp_rank = stages[0].group_rank
+    plan = _resolve_schedule(schedule, num_microbatches, group_size, stages)
+    if gpu is None:
+        from perseus.devices import get_gpus
+
+        gpu = get_gpus()[int(os.environ.get("LOCAL_RANK", "0"))]
+    if rank is None:
+        rank = _global_rank(pp_rank)
+    perseus_rank = PerseusRank(
+        gpu, plan, pp_rank, client=_resolve_client(client), rank=rank, dp=dp, dp_index=dp_index,
+        tag=tag, profiling=profiling, **options,
+    )
+    hooks = _StageHooks(perseus_rank)
+    for s in stages:
+        hooks.install(s, chunk=s.stage_index // group_size)
+    return stage
+
+
+class _StageHooks:
+    """The wrappers shared by every stage (model chunk) of one rank."""
+
+    def __init__(self, rank: PerseusRank) -> None:
+        self.rank = rank
+        self.started = 0  # instructions begun in the current step
+
+    def install(self, stage: Any, chunk: int) -> None:
+        if getattr(stage, "perseus", None) is not None:
+            raise ConfigError(f"pipeline stage {stage.stage_index} is already instrumented by Perseus")
+        stage.perseus = self.rank
+        rank = self.rank
+
+        clear = stage.clear_runtime_states
+        forward = stage.forward_one_chunk
+        backward = stage.backward_one_chunk
+        weight = stage.backward_weight_one_chunk
+
+        @functools.wraps(clear)
+        def clear_runtime_states(*args: Any, **kwargs: Any) -> Any:
+            self.step_begins(stage)
+            return clear(*args, **kwargs)
+
+        @functools.wraps(forward)
+        def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self.begin(Kind.FORWARD, fwd_chunk_id, chunk)
+            try:
+                return forward(fwd_chunk_id, *args, **kwargs)
+            finally:
+                rank.on_instruction_end(Kind.FORWARD, fwd_chunk_id, chunk)
+
+        @functools.wraps(backward)
+        def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+            kind = Kind.BACKWARD if full else Kind.BACKWARD_INPUT
+            self.begin(kind, bwd_chunk_id, chunk)
+            try:
+                return backward(bwd_chunk_id, *args, **kwargs)
+            finally:
+                rank.on_instruction_end(kind, bwd_chunk_id, chunk)
+
+        @functools.wraps(weight)
+        def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self.begin(Kind.BACKWARD_WEIGHT, bwd_chunk_id, chunk)
+            try:
+                return weight(bwd_chunk_id, *args, **kwargs)
+            finally:
+                rank.on_instruction_end(Kind.BACKWARD_WEIGHT, bwd_chunk_id, chunk)
+
+        stage.clear_runtime_states = clear_runtime_states
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+    def step_begins(self, stage: Any) -> None:
+        try:
+            if not stage.has_backward:
+                self.rank.pause()  # eval(): not a training iteration
+                self.started = -1
+                return
+            if self.started == 0 and self.rank.in_step:
+                return  # another chunk of this rank, same step
+            self.rank.on_step_begin()
+            self.started = 0
+        except Exception as e:  # never break training
+            logger.warning("Perseus failed at a step boundary: %r", e)
+
+    def begin(self, kind: Kind, microbatch: int, chunk: int) -> None:
+        if self.started < 0:
+            return  # evaluation step
+        self.started += 1
+        self.rank.on_instruction_begin(kind, microbatch, chunk)
+
+
+def _check_stage(stage: Any) -> None:
+    missing = []
+    for name, params in _EXPECTED_PARAMS.items():
+        method = getattr(stage, name, None)
+        if method is None:
+            missing.append(name)
+            continue
+        have = inspect.signature(method).parameters
+        missing += [f"{name}({p})" for p in params if p not in have]
+    for attr in ("stage_index", "group_size", "group_rank", "has_backward"):
+        if not hasattr(stage, attr):
+            missing.append(attr)
+    if missing:
+        raise ConfigError(
+            f"perseus.instrument needs a torch.distributed.pipelining PipelineStage; {type(stage).__name__} "
+            f"lacks {', '.join(missing)} (an unsupported torch version or a custom stage class?)"
+        )
+
+
+def _resolve_schedule(schedule: Any, num_microbatches: int | None, group_size: int, stages: Sequence[Any]) -> Schedule:
+    if isinstance(schedule, Schedule):
+        plan = schedule
+    elif isinstance(schedule, str):
+        if num_microbatches is None:
+            raise ConfigError(f"schedule {schedule!r} given by name: also pass num_microbatches")
+        plan = build_schedule(schedule, group_size, num_microbatches, num_chunks=len(stages))
+    elif type(schedule).__name__ in _SINGLE_STAGE_SCHEDULES:
+        # Their `pipeline_order` is a drawing aid, not what `step()` runs: use the builder.
+        name = _SINGLE_STAGE_SCHEDULES[type(schedule).__name__]
+        plan = build_schedule(name, group_size, schedule._n_microbatches)
+    elif getattr(schedule, "pipeline_order", None) is not None and hasattr(schedule, "_stages"):
+        plan = from_torch_pipeline_order(
+            schedule.pipeline_order, schedule._n_microbatches, num_stages=stages[0].num_stages,
+            name=type(schedule).__name__,
+        )
+    else:
+        raise ConfigError(
+            f"perseus.instrument(schedule=...) must be a torch pipelining schedule, a perseus Schedule or a "
+            f"schedule name, got {schedule!r}"
+        )
+    if plan.num_stages != group_size:
+        raise ConfigError(f"the schedule has {plan.num_stages} stages but the pipeline group has {group_size} ranks")
+    if plan.num_chunks != len(stages):
+        raise ConfigError(
+            f"the schedule runs {plan.num_chunks} chunk(s) per rank but {len(stages)} stage(s) were instrumented; "
+            "pass all of this rank's stages as a list"
+        )
+    return plan
+
+
+def _resolve_client(client: Any) -> Any:
+    if client is False:
+        return None
+    if client is None or isinstance(client, str):
+        from perseus.server.client import PlannerClient
+
+        address = client or os.environ.get(PLANNER_ENV) or None
+        return PlannerClient(address) if address else PlannerClient()
+    return client
+
+
+def _global_rank(default: int) -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:
+        pass
+    return default
