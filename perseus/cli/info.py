@@ -95,7 +95,8 @@ def _print_report(report: dict[str, Any]) -> None:
         print(f"GPU {g['index']}: {g['name']}  {g['uuid']}")
         freqs = g["frequencies_mhz"]
         if freqs:
-            print(f"  SM frequencies   {freqs[-1]}-{freqs[0]} MHz, {len(freqs)} steps (now {_show(g['sm_clock_mhz'], 'MHz')})")
+            now = _show(g["sm_clock_mhz"], "MHz")
+            print(f"  SM frequencies   {freqs[-1]}-{freqs[0]} MHz, {len(freqs)} steps (now {now})")
         else:
             print("  SM frequencies   unavailable")
         low_high = g["power_limit_range_w"]
@@ -104,7 +105,9 @@ def _print_report(report: dict[str, Any]) -> None:
             f"  power limit      {_show(g['power_limit_w'], 'W')} (range {limits}, "
             f"default {_show(g['default_power_limit_w'], 'W')}); drawing {_show(g['power_w'], 'W')}"
         )
-        counter = {True: "yes", False: "no (energy from sampled power)", None: "unknown"}[g["energy_counter"]]
+        counter = {True: "yes", False: "no (energy from sampled power)", None: "unknown"}[
+            g["energy_counter"]
+        ]
         print(f"  energy counter   {counter}")
         may = {True: "yes", False: "no (needs root or CAP_SYS_ADMIN)", None: "unknown"}[g["can_change_clocks"]]
         print(f"  may set clocks   {may}")

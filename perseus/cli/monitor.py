@@ -82,25 +82,33 @@ def _readable_cpus() -> list[RaplCPU]:
 def _run_forwarding_signals(cmd: list[str]) -> int:
     """Run `cmd` to completion, passing SIGINT and SIGTERM on; its exit code (128+N on signal N).
 
+    The handlers go in before the command starts, so a signal can never kill perseus and leave
+    the command running; one that arrives before the command exists is passed on once it does.
     A Ctrl-C at a terminal already reaches the command (same foreground process group), so
     SIGINT is only forwarded when it cannot have come from our terminal.
     """
-    try:
-        proc = subprocess.Popen(cmd)
-    except FileNotFoundError:
-        raise ConfigError(f"command not found: {cmd[0]!r}") from None
-    except PermissionError:
-        raise ConfigError(f"command not executable: {cmd[0]!r}") from None
+    procs: list[subprocess.Popen] = []
+    pending: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
         if signum == signal.SIGINT and _terminal_delivers_sigint():
             return
-        if proc.poll() is None:
-            proc.send_signal(signum)
+        if not procs:
+            pending.append(signum)
+        elif procs[0].poll() is None:
+            procs[0].send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = proc.wait()
+        try:
+            procs.append(subprocess.Popen(cmd))
+        except FileNotFoundError:
+            raise ConfigError(f"command not found: {cmd[0]!r}") from None
+        except PermissionError:
+            raise ConfigError(f"command not executable: {cmd[0]!r}") from None
+        for signum in pending:
+            procs[0].send_signal(signum)
+        code = procs[0].wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -131,7 +139,10 @@ def _as_json(m: Measurement, cmd: list[str], exit_code: int) -> dict[str, Any]:
 
 def _print_summary(m: Measurement, cmd: list[str], exit_code: int) -> None:
     width = 14
-    lines = [f"perseus monitor: {shlex.join(cmd)} (exit code {exit_code})", f"  {'time':<{width}}{m.time_s:12.3f} s"]
+    lines = [
+        f"perseus monitor: {shlex.join(cmd)} (exit code {exit_code})",
+        f"  {'time':<{width}}{m.time_s:12.3f} s",
+    ]
     for i, e in sorted(m.gpu_energy_j.items()):
         lines.append(f"  {f'GPU {i}':<{width}}{e:12.1f} J")
     for label, energies in (("CPU", m.cpu_energy_j), ("DRAM", m.dram_energy_j)):

@@ -27,8 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_gpu_argument(parser)
-    parser.add_argument("--interval", type=float, default=0.5, metavar="S", help="seconds between samples (default 0.5)")
-    parser.add_argument("--count", type=int, default=None, metavar="N", help="stop after N samples (default: until Ctrl-C)")
+    parser.add_argument(
+        "--interval", type=float, default=0.5, metavar="S", help="seconds between samples (default 0.5)"
+    )
+    parser.add_argument(
+        "--count", type=int, default=None, metavar="N", help="stop after N samples (default: until Ctrl-C)"
+    )
     parser.set_defaults(func=run)
 
 

@@ -182,7 +182,9 @@ def _match_uuid(entry: str, uuids: list[str], env: str) -> int:
         return matches[0]
     listed = ", ".join(uuids) or "none"
     if not matches:
-        raise ConfigError(f"CUDA_VISIBLE_DEVICES={env!r}: no GPU has a UUID starting {entry!r} (GPUs: {listed})")
+        raise ConfigError(
+            f"CUDA_VISIBLE_DEVICES={env!r}: no GPU has a UUID starting {entry!r} (GPUs: {listed})"
+        )
     raise ConfigError(
         f"CUDA_VISIBLE_DEVICES={env!r}: {entry!r} matches {len(matches)} GPUs; give more of the UUID"
     )

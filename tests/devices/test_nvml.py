@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
 import types
@@ -232,7 +234,10 @@ def test_can_change_clocks_is_a_read_only_privilege_check(tmp_path):
 
 
 def test_no_permission_names_root_and_cap_sys_admin():
-    gpu = FakeGPU(name="NVIDIA H100 80GB HBM3", errors={"nvmlDeviceSetGpuLockedClocks": fake.NVML_ERROR_NO_PERMISSION})
+    gpu = FakeGPU(
+        name="NVIDIA H100 80GB HBM3",
+        errors={"nvmlDeviceSetGpuLockedClocks": fake.NVML_ERROR_NO_PERMISSION},
+    )
     with installed([gpu]):
         (g,) = nvml_gpus()
         with pytest.raises(DevicePermissionError) as info:
@@ -243,10 +248,11 @@ def test_no_permission_names_root_and_cap_sys_admin():
 
 
 def test_not_supported_names_the_call_and_the_gpu():
-    gpu = FakeGPU(name="NVIDIA T4", errors={"nvmlDeviceGetPowerManagementLimitConstraints": fake.NVML_ERROR_NOT_SUPPORTED})
+    call = "nvmlDeviceGetPowerManagementLimitConstraints"
+    gpu = FakeGPU(name="NVIDIA T4", errors={call: fake.NVML_ERROR_NOT_SUPPORTED})
     with installed([gpu]):
         (g,) = nvml_gpus()
-        with pytest.raises(DeviceNotSupportedError, match=r"GPU 0 \(NVIDIA T4\) does not support nvmlDeviceGetPowerManagementLimitConstraints"):
+        with pytest.raises(DeviceNotSupportedError, match=rf"GPU 0 \(NVIDIA T4\) does not support {call}"):
             g.power_limit_range_mw()
 
 
@@ -340,3 +346,30 @@ def test_fake_restores_the_previous_module_and_requires_init():
             pynvml.nvmlDeviceGetHandleByIndex(5)
         assert info.value.value == pynvml.NVML_ERROR_INVALID_ARGUMENT
     assert sys.modules.get("pynvml") is before
+
+
+ZEUS_ON_FAKE = """
+import logging, os
+from perseus.clock import VirtualClock
+from perseus.devices.fake_nvml import FakeGPU, installed
+clock = VirtualClock()
+with installed([FakeGPU(), FakeGPU(power_mw=200_000)], clock=clock):
+    from zeus.monitor import ZeusMonitor  # binds `pynvml` at import: inside the block
+    logging.getLogger("zeus").setLevel(logging.ERROR)
+    monitor = ZeusMonitor(cpu_indices=[])
+    monitor.begin_window("w", sync_execution=False)
+    clock.advance(2.0)
+    print(monitor.end_window("w", sync_execution=False).gpu_energy)
+"""
+
+
+def test_zeus_monitor_runs_on_the_fake():
+    """The benchmarks compare against zeus on this fake. A subprocess, because zeus caches its
+    NVML binding and GPUs in globals; importing zeus takes a few seconds (skipped without it)."""
+    pytest.importorskip("zeus")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    result = subprocess.run(
+        [sys.executable, "-c", ZEUS_ON_FAKE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "{0: 168.0, 1: 400.0}"
