@@ -22,7 +22,7 @@ from typing import Any
 
 from perseus.controller import FrequencyController
 from perseus.devices.gpu import GPU
-from perseus.exceptions import ConfigError, PlanError
+from perseus.exceptions import ConfigError, PlanError, ServiceError
 from perseus.profiler.online import OnlineProfiler, Sweep, SweepStep
 from perseus.runtime.progress import Progress
 from perseus.schedules.instruction import Schedule
@@ -60,8 +60,8 @@ class PerseusRank:
     """Perseus on one rank (one GPU, one pipeline stage, possibly several model chunks).
 
     `schedule` is the whole job's schedule (every stage's instruction order); this rank runs
-    `schedule.stages[stage]`. `client`: a `perseus.server.PlannerClient`, or None to run at
-    default clocks and only measure. `wait_for_clock`: block each clock change until applied;
+    `schedule.stages[stage]`. `client`: a `perseus.server.PlannerClient` (closed by `close()`
+    when `close_client`), or None to run at default clocks and only measure. `wait_for_clock`: block each clock change until applied;
     only for emulated GPUs whose work reads the clock when issued (real kernels run long after
     the CPU issues them, and the training thread must not wait on the driver).
     """
@@ -83,6 +83,7 @@ class PerseusRank:
         handle_signals: bool = True,
         watchdog: bool = True,
         retry_s: float = 2.0,
+        close_client: bool = False,
         on_iteration: Callable[[IterationRecord], None] | None = None,
     ) -> None:
         if not 0 <= stage < schedule.num_stages:
@@ -125,6 +126,7 @@ class PerseusRank:
         self._closed = False
 
         self._client = client
+        self._close_client = close_client
         self._job_id: str | None = None
         self._stop = threading.Event()
         self._registrar: threading.Thread | None = None
@@ -206,6 +208,8 @@ class PerseusRank:
         self.controller.close()
         if self._registrar is not None:
             self._registrar.join(timeout=5.0)
+        if self._client is not None and self._close_client:
+            self._client.close()  # sends what is queued (final reports, the profile) first
         if self._progress is not None:
             self._progress.close()
 
@@ -322,20 +326,23 @@ class PerseusRank:
         )
 
     def _register(self, retry_s: float) -> None:
-        spec, info = self.job_spec(), self.rank_info()
+        """Rank 0 registers the job, every rank itself. The client retries an unreachable service
+        in the background; this loop only covers clients that raise instead."""
         warned = False
         while not self._stop.is_set():
             try:
-                job_id = self._client.register_job(spec)
+                spec, info = self.job_spec(), self.rank_info()
+                job_id = self._client.register_job(spec) if self.rank == 0 else spec.job_id()
                 self._client.register_rank(job_id, info)
                 self._job_id = job_id
-                if warned:
-                    logger.warning("rank %d: reached the Perseus planner; job %s registered", self.rank, job_id)
+                return
+            except (ConfigError, ServiceError) as e:
+                logger.error("rank %d: the Perseus planner refused this job (%s); running at default clocks", self.rank, e)
                 return
             except Exception as e:
                 if not warned:
                     logger.warning(
-                        "rank %d: cannot reach the Perseus planner (%s); training runs at default clocks "
+                        "rank %d: cannot reach the Perseus planner (%r); training runs at default clocks "
                         "and registration is retried every %g s", self.rank, e, retry_s,
                     )
                     warned = True

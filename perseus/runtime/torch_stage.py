@@ -102,9 +102,10 @@ def instrument(
         gpu = get_gpus()[int(os.environ.get("LOCAL_RANK", "0"))]
     if rank is None:
         rank = _global_rank(pp_rank)
+    own_client = client is None or isinstance(client, str)
     perseus_rank = PerseusRank(
         gpu, plan, pp_rank, client=_resolve_client(client), rank=rank, dp=dp, dp_index=dp_index,
-        tag=tag, profiling=profiling, **options,
+        tag=tag, profiling=profiling, close_client=own_client, **options,
     )
     hooks = _StageHooks(perseus_rank)
     for s in stages:
