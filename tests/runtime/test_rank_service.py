@@ -8,9 +8,11 @@ sweep, the service plans, both ranks apply the plan. About 3-5 s (service start-
 from __future__ import annotations
 
 import select
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -28,18 +30,26 @@ WORKS = {
 }
 
 
-@pytest.fixture
-def service(tmp_path, monkeypatch):
-    monkeypatch.setenv("PERSEUS_SIM_DIR", str(tmp_path / "sim"))
+def serve(state_dir, bind: str = "tcp://127.0.0.1:0") -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "perseus.cli.main", "serve", "--bind", "tcp://127.0.0.1:0",
-         "--state-dir", str(tmp_path / "state")],
+        [sys.executable, "-m", "perseus.cli.main", "serve", "--bind", bind, "--state-dir", str(state_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     ready, _, _ = select.select([proc.stdout], [], [], 30.0)
     line = proc.stdout.readline() if ready else ""
     assert "listening on" in line, line
-    yield line.split()[-1]
+    return proc, line.split()[-1]
+
+
+@pytest.fixture(autouse=True)
+def sim_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PERSEUS_SIM_DIR", str(tmp_path / "sim"))
+
+
+@pytest.fixture
+def service(tmp_path):
+    proc, endpoint = serve(tmp_path / "state")
+    yield endpoint
     proc.terminate()
     proc.wait(10)
 
@@ -91,3 +101,42 @@ def test_two_ranks_profile_get_planned_and_apply_the_plan(service):
     # The lighter stage 0 gets slowed down somewhere; the critical stage 1 keeps fast clocks.
     assert min(planned[0][-1]) < 1410
     assert status is not None
+
+
+def test_planner_down_at_start_then_up(tmp_path, caplog):
+    """Unreachable planner: default clocks, no step waits on the network, one warning; once
+    the service starts, the rank registers and enters the warm-up/profiling phases."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    gpu = SimGPU("a100-sxm", 0)
+    client = PlannerClient(f"tcp://127.0.0.1:{port}", timeout_s=0.3, poll_interval_s=0.05)
+    rank = PerseusRank(gpu, build_schedule("1f1b", 1, 2), 0, client=client, close_client=True,
+                       progress=False, handle_signals=False, watchdog=False)
+    longest = 0.0
+    proc = None
+    try:
+        for it in range(2000):
+            t0 = time.monotonic()
+            rank.on_step_begin()
+            longest = max(longest, time.monotonic() - t0)
+            for ins in rank.order:
+                rank.on_instruction_begin(ins.kind.value, ins.microbatch)
+                rank.on_instruction_end(ins.kind.value, ins.microbatch)
+            rank.on_step_end()
+            if it < 20:
+                assert rank.phase == "unplanned" and gpu.sm_clock() == gpu.max_frequency()
+                time.sleep(0.02)
+            elif proc is None:
+                proc, _ = serve(tmp_path / "state", f"tcp://127.0.0.1:{port}")
+            elif rank.phase in ("warmup", "profiling"):
+                break
+            else:
+                time.sleep(0.01)
+        assert rank.phase in ("warmup", "profiling")
+        assert longest < 0.1, f"a step waited {longest:.3f} s on the planner"
+    finally:
+        rank.close()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)

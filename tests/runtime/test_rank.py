@@ -1,0 +1,170 @@
+"""PerseusRank without a service: measuring, refusing bad plans, surviving a broken client,
+and the progress display. Simulated GPU on a virtual clock; well under a second."""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+
+import pytest
+
+from perseus.clock import VirtualClock
+from perseus.devices.sim import SimGPU, Work
+from perseus.exceptions import ConfigError
+from perseus.runtime import PerseusRank, Progress
+from perseus.schedules import build_schedule
+
+SCHEDULE = build_schedule("1f1b", 2, 4)
+WORK = Work(0.01)
+
+
+@dataclass
+class Assignment:
+    phase: str
+    frequencies: list[int] | None = None
+    profiling_frequency: int | None = None
+    plan_version: int = 0
+
+
+class PlannedClient:
+    def __init__(self, frequencies):
+        self.frequencies = frequencies
+
+    def register_job(self, spec):
+        return spec.job_id()
+
+    def register_rank(self, job_id, info):
+        pass
+
+    def assignment(self, iteration):
+        return Assignment("planned", self.frequencies, None, 1)
+
+    def upload_profile(self, *args):
+        pass
+
+    def report_iteration(self, *args):
+        pass
+
+
+class BrokenClient(PlannedClient):
+    def __init__(self):
+        super().__init__(None)
+
+    def register_rank(self, job_id, info):
+        raise RuntimeError("network on fire")
+
+    def assignment(self, iteration):
+        raise RuntimeError("network on fire")
+
+
+@pytest.fixture
+def gpu(tmp_path):
+    return SimGPU("a100-sxm", 1, clock=VirtualClock(), state_dir=str(tmp_path))
+
+
+def make_rank(gpu, client=None, **kwargs):
+    rank = PerseusRank(gpu, SCHEDULE, 1, client=client, progress=False, handle_signals=False,
+                       watchdog=False, wait_for_clock=True, retry_s=0.01, **kwargs)
+    if rank._registrar is not None:
+        rank._registrar.join(0.5)
+    return rank
+
+
+def run(rank, gpu, iterations=1):
+    clocks = []
+    for _ in range(iterations):
+        rank.on_step_begin()
+        for ins in rank.order:
+            rank.on_instruction_begin(ins.kind, ins.microbatch)
+            clocks.append(gpu.sm_clock())
+            gpu.execute(WORK)
+            rank.on_instruction_end(ins.kind, ins.microbatch)
+        rank.on_step_end()
+    return clocks
+
+
+def test_without_a_planner_runs_at_default_clocks_and_measures_iterations(gpu):
+    records = []
+    rank = make_rank(gpu, on_iteration=records.append)
+    clocks = run(rank, gpu, 2)
+    rank.close()
+    assert set(clocks) == {gpu.max_frequency()}
+    assert [r.iteration for r in records] == [0, 1]
+    assert records[0].phase == "unplanned"
+    assert records[0].time_s == pytest.approx(8 * WORK.time_s)
+    assert records[0].energy_j == pytest.approx(8 * gpu.predict(WORK)[1])
+
+
+def test_a_plan_is_applied_per_instruction(gpu):
+    plan = [1410, 1200, 1005, 990, 1200, 1410, 990, 1005]
+    rank = make_rank(gpu, PlannedClient(plan))
+    assert run(rank, gpu, 2) == plan * 2
+    assert rank.phase == "planned" and rank.plan_version == 1
+    rank.close()
+    assert gpu.sm_clock() == gpu.max_frequency()
+
+
+@pytest.mark.parametrize("plan, why", [([1234] * 8, "does not support"), ([1200] * 7, "7 frequencies for 8")])
+def test_a_bad_plan_is_refused_and_the_rank_runs_at_default_clocks(gpu, caplog, plan, why):
+    rank = make_rank(gpu, PlannedClient(plan))
+    with caplog.at_level(logging.ERROR):
+        clocks = run(rank, gpu, 2)
+    rank.close()
+    assert set(clocks) == {gpu.max_frequency()}
+    assert any(why in r.getMessage() for r in caplog.records)
+
+
+def test_a_broken_client_never_stops_training(gpu, caplog):
+    rank = make_rank(gpu, BrokenClient())
+    with caplog.at_level(logging.WARNING):
+        clocks = run(rank, gpu, 3)
+    rank.close()
+    assert set(clocks) == {gpu.max_frequency()} and rank.iteration == 2
+    assert sum("cannot reach the Perseus planner" in r.getMessage() for r in caplog.records) == 1
+    assert sum("asking the planner" in r.getMessage() for r in caplog.records) <= 1
+
+
+def test_hook_failures_are_logged_once_and_swallowed(gpu, caplog):
+    rank = make_rank(gpu)
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    rank.controller.before_instruction = broken
+    with caplog.at_level(logging.WARNING):
+        run(rank, gpu, 2)
+    rank.close()
+    assert sum("boom" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_stage_out_of_range_is_refused(gpu):
+    with pytest.raises(ConfigError, match="stage 5"):
+        PerseusRank(gpu, SCHEDULE, 5, watchdog=False, handle_signals=False)
+
+
+def test_progress_log_lines_only_on_change():
+    out = io.StringIO()
+    p = Progress(out, tty=False)
+    p.update(0, "warmup")
+    p.update(1, "warmup")
+    p.update(2, "profiling", 1410, 0, 3)
+    p.update(3, "profiling", 1410, 0, 3)
+    p.update(4, "profiling", 1320, 1, 3)
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "[perseus] iteration 0: warmup at default clocks",
+        "[perseus] iteration 2: profiling at 1410 MHz [0/3]",
+        "[perseus] iteration 4: profiling at 1320 MHz [1/3]",
+    ]
+
+
+def test_progress_bar_on_a_terminal():
+    out = io.StringIO()
+    p = Progress(out, tty=True)
+    p.update(7, "profiling", 1200, 2, 4)
+    p.close()
+    text = out.getvalue()
+    assert text.startswith("\r") and text.endswith("\n")
+    assert "profiling" in text and "1200 MHz" in text and "iteration 7" in text
+    assert "|" + "#" * 12 + "-" * 12 + "|" in text
