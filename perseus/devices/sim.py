@@ -9,15 +9,17 @@ A simulated GPU behaves like a real one where Perseus can tell:
   takes about 1.24x the time and 0.74x the energy of 1410 MHz).
 - The energy counter (mJ) integrates idle power plus the busy power of the work issued
   through `execute`, analytically over the GPU's clock (real or virtual), so it never
-  decreases and needs no background thread.
+  decreases and needs no background thread. On the real clock it counts work from every
+  process, as hardware does (see perseus.devices.sim_activity): `perseus monitor -- CMD`
+  measures the simulated work CMD runs. On a virtual clock (tests) work stays in-process.
 - The locked SM clock, the power limit and a throttle factor (`slowdown`, a straggler whose
   work takes that many times longer) persist in a small JSON file per GPU in a runtime
   folder ($PERSEUS_SIM_DIR, default /tmp/perseus-sim-<uid>), shared by every process: a
   lock left by a killed process stays visible until `perseus reset` clears it. The file
   exists only while the GPU is away from its defaults.
 
-The energy counter is per process: it counts the work this process issued on the GPU plus
-idle power (measure a job from inside it, as the runtime does).
+Two SimGPUs running work on the same GPU at once both add their power (real GPUs would
+time-share); the counter's origin is when the SimGPU object was made.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ import os
 import threading
 import time
 import uuid as uuid_lib
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from perseus.clock import REAL_CLOCK, Clock, RealClock
 from perseus.devices.gpu import GPU
+from perseus.devices.sim_activity import ActivityLog
 from perseus.exceptions import ConfigError, DeviceError
 
 SIM_DIR_ENV = "PERSEUS_SIM_DIR"
@@ -199,11 +201,17 @@ class SimGPU(GPU):
         self._state_cache = _DEFAULT_STATE
         self._lock = threading.Lock()
         # Energy: idle power since _origin, plus the extra (busy - idle) energy of finished
-        # segments, plus the finished part of queued segments (start, end, extra_w).
+        # work, plus the finished part of pending work [(start, end, extra_w)].
         self._origin = self._clock.now()
         self._extra_j = 0.0
-        self._segments: deque[tuple[float, float, float]] = deque()
+        self._pending: list[tuple[float, float, float]] = []
         self._busy_until = self._origin
+        # On the real clock, work is shared with other processes through the activity log.
+        self._activity = (
+            ActivityLog(self._path[: -len(".json")] + ".activity", self._idle_w)
+            if isinstance(self._clock, RealClock)
+            else None
+        )
 
     @property
     def clock(self) -> Clock:
@@ -225,32 +233,42 @@ class SimGPU(GPU):
 
     def energy_mj(self) -> float:
         now = self._now()
-        if not self._segments:  # idle since the last fold: no lock needed (see the fold below)
-            return (self._idle_w * (now - self._origin) + self._extra_j) * 1000.0
-        partial = 0.0
         with self._lock:
-            segments = self._segments
-            while segments:
-                start, end, extra_w = segments[0]
-                if end > now:
-                    if start < now:
-                        partial = extra_w * (now - start)
-                    break
-                # Add before removing, so a lock-free reader never misses this segment.
-                self._extra_j += extra_w * (end - start)
-                segments.popleft()
+            partial = self._settle(now)
             extra = self._extra_j
         return (self._idle_w * (now - self._origin) + extra + partial) * 1000.0
 
     def power_mw(self) -> float:
         now = self._now()
         with self._lock:
-            for start, end, extra_w in self._segments:
-                if start <= now < end:
-                    return (self._idle_w + extra_w) * 1000.0
-                if start > now:
-                    break
-        return self._idle_w * 1000.0
+            self._settle(now)
+            extra_w = sum(x for start, end, x in self._pending if start <= now < end)
+        return (self._idle_w + extra_w) * 1000.0
+
+    def _settle(self, now: float) -> float:
+        """Take in work other processes logged, fold finished work into the total, and return
+        the energy (J) running work has added so far. Call with the lock held."""
+        if self._activity is not None:
+            records, missed_j = self._activity.read_new(now)
+            self._extra_j += missed_j
+            origin, idle = self._origin, self._idle_w
+            for start, end, busy_w in records:
+                if end > origin:
+                    self._pending.append((max(start, origin), end, busy_w - idle))
+        if not self._pending:
+            return 0.0
+        partial = 0.0
+        running = []
+        for segment in self._pending:
+            start, end, extra_w = segment
+            if end <= now:
+                self._extra_j += extra_w * (end - start)
+            else:
+                running.append(segment)
+                if start < now:
+                    partial += extra_w * (now - start)
+        self._pending = running
+        return partial
 
     def supported_frequencies(self) -> list[int]:
         return list(self._freqs)
@@ -333,7 +351,10 @@ class SimGPU(GPU):
             end = start + duration
             self._busy_until = end
             if duration > 0:
-                self._segments.append((start, end, energy_j / duration - self._idle_w))
+                if self._activity is not None:
+                    self._activity.append(start, end, energy_j / duration)
+                else:
+                    self._pending.append((start, end, energy_j / duration - self._idle_w))
         if blocking:
             self.synchronize()
         return duration
