@@ -108,6 +108,11 @@ class FrequencyController:
         self._cursor = 0
 
     @property
+    def enabled(self) -> bool:
+        """False when this process may not change the GPU's clocks (then nothing is applied)."""
+        return self._enabled
+
+    @property
     def fallen_back(self) -> bool:
         """True once an out-of-order instruction dropped this plan to default clocks."""
         return self._fallback
@@ -130,11 +135,7 @@ class FrequencyController:
                 self._mismatch(i, kind, microbatch, chunk)
                 target = None
         if target != self._requested:
-            self._requested = target
-            self._slot = target
-            self._seq += 1
-            self.stats.requests += 1
-            self._wake.set()
+            self._request(target)
 
     def wait_applied(self, timeout: float = 1.0) -> bool:
         """Wait until the worker has applied the latest target (profiling needs exact clocks)."""
@@ -147,12 +148,16 @@ class FrequencyController:
         if frequency is not None:
             self._check([frequency])
         if frequency != self._requested:
-            self._requested = frequency
-            self._slot = frequency
-            self._seq += 1
-            self.stats.requests += 1
-            self._wake.set()
+            self._request(frequency)
         return self.wait_applied(timeout)
+
+    def _request(self, target: int | None) -> None:
+        """Hand `target` to the worker (the newest target replaces any not yet applied)."""
+        self._requested = target
+        self._slot = target
+        self._seq += 1
+        self.stats.requests += 1
+        self._wake.set()
 
     # Safety
     def reset(self) -> None:

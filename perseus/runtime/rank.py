@@ -221,7 +221,7 @@ class PerseusRank:
 
     # Iteration logic
     def _begin_iteration(self) -> None:
-        assignment = self._assignment()
+        assignment = self._assignment() if self.controller.enabled else None  # else: measure only
         phase = getattr(assignment, "phase", UNPLANNED)
         phase = getattr(phase, "value", phase)
         frequency = None

@@ -168,3 +168,18 @@ def test_progress_bar_on_a_terminal():
     assert text.startswith("\r") and text.endswith("\n")
     assert "profiling" in text and "1200 MHz" in text and "iteration 7" in text
     assert "|" + "#" * 12 + "-" * 12 + "|" in text
+
+
+def test_without_clock_permission_the_rank_only_measures(tmp_path, caplog):
+    class Locked(SimGPU):
+        def can_change_clocks(self):
+            return False
+
+    gpu = Locked("a100-sxm", 2, clock=VirtualClock(), state_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        rank = make_rank(gpu, PlannedClient([1005] * 8))
+        clocks = run(rank, gpu, 2)
+    rank.close()
+    assert set(clocks) == {gpu.max_frequency()} and rank.phase == "unplanned"
+    assert rank.last_iteration.energy_j > 0
+    assert any("may not change GPU clocks" in r.getMessage() for r in caplog.records)
