@@ -136,8 +136,8 @@ class Job:
     # ---- profiles and plans ------------------------------------------------------------------------
 
     def add_profile(self, rank: int, stage: int, profile: Profile) -> bool:
-        """Accept stage `stage`'s profile; True when it was the last one missing (time to plan).
-        A stage profiled already keeps its first profile."""
+        """Accept stage `stage`'s profile; False if the stage already has one (it keeps the first).
+        The last missing stage moves the job to planning."""
         info = self.rank(rank)
         if stage != info.stage:
             raise _bad_field(f"rank {rank} registered stage {info.stage} but uploaded a profile for stage {stage}")
@@ -148,9 +148,8 @@ class Job:
         if self.phase != JobPhase.PROFILING or stage in self.profiles:
             return False
         self.profiles[stage] = profile
-        if len(self.profiles) < self.spec.pp:
-            return False
-        self.phase = JobPhase.PLANNING
+        if len(self.profiles) == self.spec.pp:
+            self.phase = JobPhase.PLANNING
         return True
 
     def merged_profile(self) -> Profile:

@@ -1,0 +1,18 @@
+"""The planner service (`perseus serve`) and the client ranks use to talk to it."""
+
+from perseus.server.client import Assignment, PlannerClient
+from perseus.server.protocol import DEFAULT_ADDRESS, JobPhase, JobSpec, JobStatus, Phase, RankInfo, Status
+from perseus.server.service import PlannerService
+
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "Assignment",
+    "JobPhase",
+    "JobSpec",
+    "JobStatus",
+    "Phase",
+    "PlannerClient",
+    "PlannerService",
+    "RankInfo",
+    "Status",
+]

@@ -1,0 +1,204 @@
+"""Wire messages: validation of every field, envelopes, and the job state machine (no sockets)."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import pytest
+from server_helpers import FREQUENCIES, job_spec, rank_info, stage_profile
+
+from perseus.exceptions import ConfigError, ServiceError
+from perseus.profiler.profile import Profile, ProfilePoint
+from perseus.server.job import PLAN_LEAD_ITERATIONS, Job
+from perseus.server.planning import PlanResult, merge_profiles
+from perseus.server.protocol import (
+    MAX_MESSAGE_BYTES,
+    ErrorCode,
+    GetTable,
+    JobPhase,
+    JobSpec,
+    RankInfo,
+    RegisterJob,
+    ReportIteration,
+    RequestRejected,
+    UploadProfile,
+    decode_reply,
+    decode_request,
+    encode_error,
+    encode_reply,
+    encode_request,
+    profile_from_wire,
+    profile_to_wire,
+)
+
+
+def test_job_spec_round_trips_and_its_id_is_deterministic():
+    spec = job_spec(stage_orders=[[("forward", 0, 0), ("backward", 0, 0)], [("forward", 0, 0), ("backward", 0, 0)]], num_microbatches=1)
+    again = JobSpec.from_wire(msgpack.unpackb(msgpack.packb(spec.to_wire())))
+    assert again == spec and again.job_id() == spec.job_id()
+    assert job_spec(warmup_iterations=3).job_id() != job_spec().job_id()
+    # The profile cache key ignores data parallelism and sweep settings, not the GPU or tag.
+    assert job_spec(world_size=4, dp=2, warmup_iterations=5).profile_key() == job_spec().profile_key()
+    assert job_spec(tag="other").profile_key() != job_spec().profile_key()
+    assert job_spec(gpu_model="h100").profile_key() != job_spec().profile_key()
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"world_size": 3}, "pp * dp * tp"),
+        ({"num_microbatches": 0}, "num_microbatches"),
+        ({"num_microbatches": True}, "num_microbatches"),
+        ({"schedule_name": ""}, "schedule_name"),
+        ({"gpu_model": 5}, "gpu_model"),
+        ({"sweep_frequencies": [1410, 1410]}, "twice"),
+        ({"sweep_frequencies": [-5]}, "sweep_frequencies[0]"),
+        ({"blocking_power_w": math.nan}, "blocking_power_w"),
+        ({"schedule_style": "zigzag"}, "schedule_style"),
+        ({"stage_orders": [[("forward", 0, 0)]]}, "stage_orders"),
+        ({"stage_orders": [[("sideways", 0, 0)], [("forward", 0, 0)]]}, "stage_orders[0][0].kind"),
+        ({"stage_orders": [[("forward", 9, 0)], [("forward", 0, 0)]]}, "microbatch"),
+    ],
+)
+def test_job_spec_rejects_bad_fields_naming_them(overrides, words):
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]").replace("*", r"\*")):
+        job_spec(**overrides)
+
+
+def test_rank_info_sorts_frequencies_and_rejects_bad_ones():
+    assert rank_info(0, frequencies=[810, 1410, 1110]).frequencies == (1410, 1110, 810)
+    with pytest.raises(ConfigError, match="frequencies"):
+        rank_info(0, frequencies=[])
+    with pytest.raises(ConfigError, match="rank"):
+        rank_info(-1, stage=0)
+
+
+def test_profile_wire_round_trip_and_rejects_bad_rows():
+    profile = stage_profile(1)
+    again = profile_from_wire(msgpack.unpackb(msgpack.packb(profile_to_wire(profile))), "p")
+    assert again.points == profile.points and again.blocking_power_w == profile.blocking_power_w
+    doc = profile_to_wire(profile)
+    for bad_row, words in (([1, "forward", 1410, -1.0, 2.0], "time"), ([1, "sideways", 1410, 1.0, 2.0], "kind"), ([1, "forward", 1410, 1.0], "rows")):
+        with pytest.raises(ConfigError, match=words):
+            profile_from_wire({**doc, "rows": [bad_row]}, "p")
+    with pytest.raises(ConfigError, match="twice"):
+        profile_from_wire({**doc, "rows": [[1, "forward", 1410, 1.0, 2.0], [1, "forward", 1410, 1.0, 2.0]]}, "p")
+
+
+@pytest.mark.parametrize(
+    "payload, code",
+    [
+        (b"\xc1\xc1\xc1 not msgpack", "bad_frame"),
+        (msgpack.packb([1, 2, 3]), "bad_frame"),
+        (msgpack.packb({"v": 1, "id": 1, "type": "ping"})[:-3], "bad_frame"),
+        (msgpack.packb({"v": 1, "id": "one", "type": "ping"}), "bad_field"),
+        (msgpack.packb({"id": 1, "type": "ping"}), "bad_version"),
+        (msgpack.packb({"v": 99, "id": 1, "type": "ping"}), "bad_version"),
+        (msgpack.packb({"v": 1, "id": 1, "type": "explode"}), "unknown_type"),
+        (msgpack.packb({"v": 1, "id": 1, "type": "ping", "extra": 1}), "bad_field"),
+        (msgpack.packb({"v": 1, "id": 1, "type": "get_table", "job_id": "job-00", "rank": "0"}), "bad_field"),
+        (msgpack.packb({"v": 1, "id": 1, "type": "get_table", "job_id": "../../etc", "rank": 0}), "bad_field"),
+        (msgpack.packb({"v": 1, "id": 1, "type": "report_iteration", "job_id": "job-00", "rank": 0, "iteration": 1, "time_s": float("inf"), "energy_j": 1.0}), "bad_field"),
+        (msgpack.packb({"v": 1, "id": 1, "type": "ping", 5: 1}), "bad_frame"),
+        (msgpack.packb({"v": 1, "id": 1, "type": "ping", "pad": "x" * MAX_MESSAGE_BYTES}), "too_large"),
+    ],
+)
+def test_decode_request_rejects_malformed_frames(payload, code):
+    with pytest.raises(RequestRejected) as info:
+        decode_request(payload)
+    assert info.value.code == code and info.value.message
+
+
+def test_envelopes_round_trip():
+    spec = job_spec()
+    request_id, message = decode_request(encode_request(42, RegisterJob(spec)))
+    assert request_id == 42 and message == RegisterJob(spec)
+    assert decode_reply(encode_reply(42, GetTable(spec.job_id(), 1))) == (42, {"job_id": spec.job_id(), "rank": 1, "iteration": -1, "plan_version": 0})
+    request_id, error = decode_reply(encode_error(3, ErrorCode.UNKNOWN_JOB, "no such job"))
+    assert request_id == 3 and isinstance(error, ServiceError) and error.code == "unknown_job"
+
+
+def _job(**overrides) -> Job:
+    job = Job(job_spec(**overrides))
+    job.add_rank(rank_info(0))
+    job.add_rank(rank_info(1))
+    return job
+
+
+def test_job_table_sweeps_then_plans_with_a_lead():
+    job = _job()
+    table = job.table(0, iteration=-1, known_version=0)
+    assert table.sweep_frequencies == FREQUENCIES and table.warmup_iterations == 2 and table.frequencies is None
+    assert job.add_profile(0, 0, stage_profile(0)) and job.phase == JobPhase.PROFILING
+    assert not job.add_profile(0, 0, stage_profile(0))  # a stage keeps its first profile
+    job.table(1, iteration=7, known_version=0)
+    assert job.add_profile(1, 1, stage_profile(1)) and job.phase == JobPhase.PLANNING
+    merged = job.merged_profile()
+    assert merged.stages() == [0, 1] and merged.blocking_power_w == pytest.approx(83.64)
+    result = PlanResult(((1410, 1260, 1410, 1410, 1410, 1410, 1410, 1410), (1410,) * 8), 1.0, 100.0, 99.0, 1.0, 110.0, {})
+    plan = job.publish(result)
+    assert plan.version == 1 and plan.start_iteration == 7 + PLAN_LEAD_ITERATIONS
+    assert job.table(0, 8, known_version=0).frequencies == result.stage_frequencies[0]
+    assert job.table(0, 8, known_version=1).frequencies is None  # already held: not resent
+    job.rerun()
+    assert job.plan.start_iteration == 0 and job.last_iteration == -1
+
+
+def test_job_rejects_inconsistent_ranks_and_profiles():
+    job = _job()
+    with pytest.raises(ServiceError, match="GPU") as info:
+        job.add_rank(rank_info(1, gpu_model="h100"))
+    assert info.value.code == "bad_field"
+    twice = Job(job_spec(world_size=4, dp=2))
+    twice.add_rank(rank_info(0, stage=0, dp_index=0))
+    with pytest.raises(ServiceError, match="both claim"):
+        twice.add_rank(rank_info(1, stage=0, dp_index=0))
+    with pytest.raises(ServiceError, match="pp=2"):
+        job.add_rank(rank_info(1, stage=2))
+    with pytest.raises(ServiceError, match="sweep frequencies"):
+        job.add_rank(rank_info(1, frequencies=(1410, 1260)))
+    with pytest.raises(ServiceError, match="stage 0"):
+        job.add_profile(1, 0, stage_profile(0))
+    with pytest.raises(ServiceError, match="lacks backward"):
+        only_forward = Profile({(1, "forward"): stage_profile(1).points[(1, "forward")]}, 80.0)
+        job.add_profile(1, 1, only_forward)
+    with pytest.raises(ServiceError) as info:
+        job.table(5, 0, 0)
+    assert info.value.code == "unknown_rank"
+
+
+def test_job_tallies_measured_iterations_and_predicts_per_replica():
+    job = _job(world_size=4, dp=2)
+    for r, (stage, dp) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
+        job.ranks[r] = rank_info(r, stage=stage, dp_index=dp)
+    for r in range(4):
+        done = job.record(ReportIteration(job.job_id, r, 0, 1.0 + r / 10, 100.0))
+    assert done is not None and done[0].time_s == pytest.approx(1.3) and done[0].energy_j == pytest.approx(400.0)
+    status = job.status()
+    assert status.baseline_iterations == 1 and status.baseline_energy_j == pytest.approx(400.0)
+    job.publish(PlanResult(((1410,) * 8, (1410,) * 8), 1.0, 150.0, 140.0, 1.0, 200.0, {}))
+    status = job.status()
+    assert status.predicted_energy_j == pytest.approx(300.0)  # two pipelines
+    assert status.predicted_saving == pytest.approx(0.25)
+
+
+def test_job_record_round_trip():
+    job = _job()
+    job.add_profile(0, 0, stage_profile(0))
+    record = job.to_record()
+    again = Job.from_record(record, {0: stage_profile(0)}, None)
+    assert again.to_record() == record and again.phase == JobPhase.PROFILING and again.profiled_stages == (0,)
+
+
+def test_merge_profiles_prefers_the_spec_blocking_power():
+    merged = merge_profiles({0: stage_profile(0), 1: stage_profile(1)}, 70.0)
+    assert merged.blocking_power_w == 70.0 and sorted(merged.points) == [(0, "backward"), (0, "forward"), (1, "backward"), (1, "forward")]
+
+
+def test_upload_profile_validates_the_profile():
+    bad = Profile({(0, "forward"): [ProfilePoint(1410, 0.0, 1.0)]}, 80.0)
+    with pytest.raises(Exception, match="time"):
+        UploadProfile(job_spec().job_id(), 0, 0, bad)
+    with pytest.raises(ConfigError):
+        RankInfo(0, 0, gpu_model="x", frequencies=[1410.5])
