@@ -134,3 +134,16 @@ def test_online_profiler_reads_a_simulated_gpu(tmp_path):
             assert p.time == pytest.approx(t) and p.energy == pytest.approx(e)
     assert [p.frequency for p in profile.points[(1, "forward")]] == [1410, 1005]
     assert profile.blocking_power_w == pytest.approx(PRESET.idle_w)
+
+
+def test_several_chunks_get_one_profile_row_per_virtual_stage():
+    sweep = Sweep(1, [1410], warmup_iterations=0, iterations_per_frequency=1)
+    sweep.begin_iteration(0)
+    for virtual_stage, scale in ((1, 1.0), (5, 2.0)):  # rank 1's chunks 0 and 1 of a 4-rank loop
+        for mb in range(2):
+            sweep.record("forward", 0.01 * scale, 3.0 * scale, stage=virtual_stage)
+    sweep.end_iteration()
+    profile = sweep.profile(fallback_blocking_power_w=80.0)
+    assert set(profile.points) == {(1, "forward"), (5, "forward")}
+    assert profile.points[(5, "forward")][0].energy == pytest.approx(6.0)
+    assert profile.blocking_power_w == 80.0
