@@ -1,0 +1,70 @@
+"""`perseus demo`: Perseus end to end on simulated GPUs -- service, torchrun pipeline, saving."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from perseus.demo.launcher import DemoOptions, format_report, run_demo
+from perseus.demo.workload import DEFAULT_TIME_SCALE
+
+EPILOG = """examples:
+  perseus demo                         4 ranks, 8 microbatches: baseline, profiling, planning, planned
+  perseus demo --json                  one JSON object (baseline, planned, predicted/measured saving, ...)
+  perseus demo --plot out/             also write out/timeline.png: one baseline and one planned iteration
+  perseus demo --state-dir ./state     keep the profile: a second run skips profiling
+
+No GPU needed: every rank runs on a simulated A100-SXM that takes the time and draws the power
+of a GPT-3 pipeline stage at its current SM clock.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="run Perseus end to end on a simulated 4-GPU pipeline",
+        description="Start a planner service and a torchrun job (gloo, CPU) training a small transformer "
+        "split into pipeline stages with torch's Schedule1F1B, each rank on a simulated A100. Perseus "
+        "profiles the stages online, plans every instruction's SM clock, and applies the plan; the demo "
+        "prints iteration time and energy per phase and the predicted against the measured saving.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    parser.add_argument("--plot", metavar="DIR", default=None, help="write the measured timeline (timeline.png, timeline.json) to DIR")
+    parser.add_argument("--ranks", type=int, default=4, help="pipeline stages, one rank each (2-8; default 4)")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per iteration (default 8)")
+    parser.add_argument("--iterations", type=int, default=3, help="measured baseline and planned iterations (default 3)")
+    parser.add_argument("--sweep-step", type=int, default=4, metavar="N", help="profile every N-th supported clock (default 4)")
+    parser.add_argument("--state-dir", metavar="DIR", default=None, help="planner state directory (default: a temporary one)")
+    parser.add_argument("--port", type=int, default=None, help="planner service port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
+                        help=f"GPU work time scale; {DEFAULT_TIME_SCALE} makes the default iteration about 1 s")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, per-rank records) and print its path")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    options = DemoOptions(
+        ranks=args.ranks,
+        microbatches=args.microbatches,
+        iterations=args.iterations,
+        sweep_step=args.sweep_step,
+        state_dir=args.state_dir,
+        port=args.port,
+        seed=args.seed,
+        time_scale=args.time_scale,
+        plot_dir=args.plot,
+        keep_dir=args.keep,
+    )
+    progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    result = run_demo(options, progress)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(format_report(result))
+        if args.keep:
+            print(f"work folder kept: {result['work_dir']}")
+    return 0 if result["clocks_reset"] else 1

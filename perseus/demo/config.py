@@ -1,0 +1,50 @@
+"""The demo job's settings, passed from the launcher to every rank as one JSON file."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from perseus.demo.model import ModelConfig
+from perseus.demo.workload import DEFAULT_TIME_SCALE
+from perseus.exceptions import ConfigError
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    out_dir: str
+    num_microbatches: int = 8
+    microbatch_size: int = 2
+    seed: int = 0
+    learning_rate: float = 1e-3
+    time_scale: float = DEFAULT_TIME_SCALE
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # Iterations: baseline ones at maximum clocks without Perseus (the first warms up), then
+    # under Perseus: warm-up, profiling and planning, then `planned_iterations` planned ones
+    # (after the switch); `max_iterations` under Perseus stops the job even if no plan arrives.
+    baseline_iterations: int = 3
+    planned_iterations: int = 4
+    max_iterations: int = 200
+    # Perseus: the planner service's address (None: no Perseus, baseline iterations only)
+    server: str | None = None
+    warmup_iterations: int = 1
+    iterations_per_frequency: int = 2
+    sweep_frequencies: list[int] | None = None
+    tag: str = "perseus-demo"
+
+    def __post_init__(self) -> None:
+        for name in ("num_microbatches", "microbatch_size", "planned_iterations", "max_iterations"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"demo setting {name} must be >= 1, got {getattr(self, name)}")
+        if self.baseline_iterations < 2:
+            raise ConfigError(
+                f"demo setting baseline_iterations must be >= 2 (the first one warms up), got {self.baseline_iterations}"
+            )
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> DemoConfig:
+        doc = dict(doc)
+        doc["model"] = ModelConfig(**doc.get("model", {}))
+        return cls(**doc)

@@ -1,0 +1,359 @@
+"""`perseus demo`: a planner service, a 4-rank torchrun pipeline job on simulated A100s, and
+what Perseus saved, measured.
+
+The launcher starts `perseus serve` on a free loopback port, then torchrun with one
+`perseus.demo.worker` per rank (gloo on CPU, every rank on its own simulated GPU whose state
+lives in a private folder), follows rank 0's progress, and afterwards joins the ranks'
+measurements, reads the plan from the service's state directory and checks that every
+simulated GPU is back at its default clocks.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from perseus.demo.config import DemoConfig
+from perseus.atomic import write_json_atomic
+from perseus.demo.results import Iteration, load_iterations, phase_stats, split_phases
+from perseus.demo.workload import DEFAULT_TIME_SCALE
+from perseus.devices.sim import SimGPU, get_preset
+from perseus.exceptions import ConfigError, PerseusError
+
+PRESET = "a100-sxm"
+SERVICE_START_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    ranks: int = 4
+    microbatches: int = 8
+    iterations: int = 3  # measured baseline and planned iterations (each phase runs one more)
+    sweep_step: int = 4  # profile every n-th supported clock, from the highest
+    iterations_per_frequency: int = 2
+    state_dir: str | None = None  # default: a temporary one
+    port: int | None = None  # default: a free one
+    seed: int = 0
+    time_scale: float = DEFAULT_TIME_SCALE
+    plot_dir: str | None = None
+    keep_dir: bool = False  # keep the work folder (logs, per-rank records)
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.ranks <= 8:
+            raise ConfigError(f"--ranks must be between 2 and 8, got {self.ranks}")
+        if self.microbatches < self.ranks:
+            raise ConfigError(
+                f"--microbatches ({self.microbatches}) must be at least --ranks ({self.ranks}): 1F1B needs a "
+                "microbatch in flight on every stage"
+            )
+        if self.iterations < 1:
+            raise ConfigError(f"--iterations must be >= 1, got {self.iterations}")
+        if self.sweep_step < 1:
+            raise ConfigError(f"--sweep-step must be >= 1, got {self.sweep_step}")
+        if self.port is not None and not 1 <= self.port <= 65535:
+            raise ConfigError(f"--port must be a TCP port (1-65535), got {self.port}")
+
+
+class ServiceProcess:
+    """`perseus serve` as a child process on loopback; its log goes to `log_path`."""
+
+    def __init__(self, state_dir: str, log_path: str, port: int | None = None) -> None:
+        self.state_dir = state_dir
+        self.log_path = log_path
+        self.port = port
+        self.address: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = SERVICE_START_TIMEOUT_S) -> str:
+        """Start the service; returns its address once it listens."""
+        bind = f"tcp://127.0.0.1:{self.port or 0}"
+        cmd = [sys.executable, "-m", "perseus.cli.main", "serve", "--bind", bind, "--state-dir", self.state_dir]
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=_child_env())
+        assert self._proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        line = b""
+        while b"\n" not in line:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._proc.poll() is not None:
+                self.stop()
+                raise PerseusError(
+                    f"the planner service did not start ({'exited' if left > 0 else 'timed out'}); "
+                    f"its log:\n{_tail(self.log_path)}"
+                )
+            if select.select([self._proc.stdout], [], [], min(left, 0.2))[0]:
+                chunk = os.read(self._proc.stdout.fileno(), 4096)
+                if not chunk and self._proc.poll() is not None:
+                    continue
+                line += chunk
+        # "perseus serve: listening on tcp://127.0.0.1:PORT"
+        self.address = line.decode(errors="replace").strip().split()[-1]
+        return self.address
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it does not exit in time. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def torchrun_command(ranks: int, config_path: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+        "-m", "perseus.demo.worker", config_path,
+    ]
+
+
+def job_env(ranks: int, sim_dir: str) -> dict[str, str]:
+    """Environment of the ranks: simulated GPUs (rank r uses GPU r) with state in `sim_dir`."""
+    return _child_env(PERSEUS_GPU=f"sim:{PRESET}:{ranks}", PERSEUS_SIM_DIR=sim_dir, OMP_NUM_THREADS="1")
+
+
+def sim_gpus_at_default(ranks: int, sim_dir: str) -> bool:
+    """True when every simulated GPU of the job is at its default clocks and power limit."""
+    for i in range(ranks):
+        gpu = SimGPU(PRESET, i, state_dir=sim_dir)
+        if os.path.exists(gpu.state_path) or gpu.sm_clock() != gpu.max_frequency():
+            return False
+        if gpu.power_limit_mw() != gpu.default_power_limit_mw():
+            return False
+    return True
+
+
+def read_plan(state_dir: str, job_id: str | None) -> dict | None:
+    """The plan the service published for `job_id`, from its state directory (None if none)."""
+    from perseus.server.state import StateDir
+
+    for record in StateDir(state_dir).load_jobs():
+        if record.get("job_id") == job_id:
+            return record.get("plan")
+    return None
+
+
+def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None) -> dict:
+    """Run the whole demo; returns the result document (`perseus demo --json` prints it)."""
+    say = progress or (lambda _: None)
+    began = time.monotonic()
+    work = tempfile.mkdtemp(prefix="perseus-demo-")
+    try:
+        out_dir, sim_dir = os.path.join(work, "ranks"), os.path.join(work, "sim")
+        os.makedirs(out_dir)
+        os.makedirs(sim_dir)
+        state_dir = options.state_dir or os.path.join(work, "state")
+        os.makedirs(state_dir, exist_ok=True)
+        frequencies = get_preset(PRESET).frequencies
+
+        service = ServiceProcess(state_dir, os.path.join(work, "service.log"), options.port)
+        address = service.start()
+        say(f"planner service listening on {address} (state in {state_dir})")
+        try:
+            config = DemoConfig(
+                out_dir=out_dir,
+                num_microbatches=options.microbatches,
+                seed=options.seed,
+                time_scale=options.time_scale,
+                baseline_iterations=options.iterations + 1,
+                planned_iterations=options.iterations,
+                max_iterations=_max_iterations(options, len(frequencies[:: options.sweep_step])),
+                server=address,
+                iterations_per_frequency=options.iterations_per_frequency,
+                sweep_frequencies=list(frequencies[:: options.sweep_step]),
+            )
+            config_path = os.path.join(work, "config.json")
+            write_json_atomic(config_path, config.to_json())
+            say(f"torchrun: {options.ranks} ranks (gloo, CPU), each on a simulated A100-SXM; "
+                f"{options.microbatches} microbatches per iteration, Schedule1F1B")
+            rc = _run_job(options, config_path, sim_dir, os.path.join(work, "torchrun.log"), out_dir, say)
+        finally:
+            service.stop()
+        if rc != 0:
+            raise PerseusError(f"the demo job failed (torchrun exit code {rc}); its log:\n{_tail(os.path.join(work, 'torchrun.log'))}")
+
+        iterations = load_iterations(out_dir, options.ranks)
+        if not any(set(it.phases) == {"planned"} for it in iterations):
+            raise PerseusError(
+                "the demo job ran no planned iteration: the planner service published no plan; its log:\n"
+                + _tail(os.path.join(work, "service.log"))
+            )
+        job_id = _job_id(out_dir)
+        result = summarize(iterations, read_plan(state_dir, job_id))
+        result.update(
+            ranks=options.ranks,
+            microbatches=options.microbatches,
+            gpu=f"sim:{PRESET}",
+            job_id=job_id,
+            clocks_reset=sim_gpus_at_default(options.ranks, sim_dir),
+            wall_time_s=time.monotonic() - began,
+        )
+        if options.plot_dir:
+            from perseus.demo.plot import plot_timelines
+
+            phases = split_phases(iterations)
+            panels = [(name, phases[name][-1]) for name in ("baseline", "planned") if phases[name]]
+            if panels:
+                result["plots"] = plot_timelines(panels, options.plot_dir)
+        if options.keep_dir:
+            result["work_dir"] = work
+        return result
+    finally:
+        if not options.keep_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def summarize(iterations: list[Iteration], plan: dict | None) -> dict:
+    """Per-phase figures, predicted against measured saving, and whether the plan ran as published."""
+    phases = split_phases(iterations)
+    stats = {name: phase_stats(its) for name, its in phases.items()}
+    baseline, planned = stats["baseline"], stats["planned"]
+    result: dict = {name: (s.to_json() if s else None) for name, s in stats.items()}
+    result["iterations_run"] = len(iterations)
+    result["profiled"] = bool(phases["profiling"])
+    result["measured_saving"] = (1.0 - planned.energy_j / baseline.energy_j) if baseline and planned else None
+    result["iteration_time_change"] = (planned.iteration_time_s / baseline.iteration_time_s - 1.0) if baseline and planned else None
+    if plan is not None:
+        result["predicted"] = {
+            "iteration_time_s": plan["iteration_time_s"],
+            "energy_j": plan["energy_j"],
+            "baseline_iteration_time_s": plan["baseline_iteration_time_s"],
+            "baseline_energy_j": plan["baseline_energy_j"],
+        }
+        result["predicted_saving"] = 1.0 - plan["energy_j"] / plan["baseline_energy_j"]
+        result["plan_version"] = plan["version"]
+        result["plan_frequencies"] = [list(row) for row in plan["stage_frequencies"]]
+        result["plan_applied"] = plan_applied(phases["planned"], plan["stage_frequencies"])
+    else:
+        result["predicted"] = result["predicted_saving"] = result["plan_applied"] = None
+    return result
+
+
+def plan_applied(planned: list[Iteration], stage_frequencies: list[list[int]]) -> float | None:
+    """Fraction of planned instructions whose GPU work ran at the plan's clock."""
+    total = hits = 0
+    for it in planned:
+        for rank, spans in enumerate(it.spans):
+            want = stage_frequencies[rank]
+            total += max(len(spans), len(want))
+            hits += sum(1 for s, f in zip(spans, want) if s["frequency"] == f)
+    return hits / total if total else None
+
+
+def format_report(result: dict) -> str:
+    """The human-readable summary `perseus demo` prints."""
+    lines = [f"{'phase':<10} {'iterations':>10} {'iteration time':>15} {'energy (all GPUs)':>18}"]
+    for name in ("baseline", "profiling", "planned"):
+        s = result.get(name)
+        if s:
+            lines.append(f"{name:<10} {s['iterations']:>10} {s['iteration_time_s']:>13.3f} s {s['energy_j']:>16.1f} J")
+        else:
+            lines.append(f"{name:<10} {'-':>10}")
+    predicted, measured = result.get("predicted_saving"), result.get("measured_saving")
+    if predicted is not None and measured is not None:
+        ratio = f" ({measured / predicted:.0%} of predicted)" if predicted > 0 else ""
+        lines.append(f"energy saving: predicted {predicted:.1%}, measured {measured:.1%}{ratio}")
+    elif measured is not None:
+        lines.append(f"energy saving: measured {measured:.1%} (no plan found in the state directory)")
+    else:
+        lines.append("energy saving: not measured (a phase has no measured iterations)")
+    if result.get("iteration_time_change") is not None:
+        lines.append(f"iteration time: {result['iteration_time_change']:+.1%} planned against baseline")
+    if result.get("plan_applied") is not None:
+        lines.append(f"planned clocks applied on time: {result['plan_applied']:.0%} of instructions")
+    if not result.get("profiled"):
+        lines.append("profiling: skipped (the state directory held this job's profile)")
+    lines.append(f"clocks reset at the end: {'yes' if result['clocks_reset'] else 'NO'}")
+    for path in result.get("plots", []):
+        lines.append(f"timeline written: {path}")
+    lines.append(f"wall time: {result['wall_time_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def _max_iterations(options: DemoOptions, sweep_len: int) -> int:
+    """A generous cap under Perseus: warm-up, the whole sweep, planning, then the planned ones."""
+    return 1 + sweep_len * options.iterations_per_frequency + 20 + options.iterations + 1
+
+
+def _run_job(options: DemoOptions, config_path: str, sim_dir: str, log_path: str, out_dir: str,
+             say: Callable[[str], None]) -> int:
+    """Run torchrun to completion, reporting rank 0's finished iterations as they land."""
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            torchrun_command(options.ranks, config_path), stdout=log, stderr=subprocess.STDOUT,
+            env=job_env(options.ranks, sim_dir), start_new_session=True,
+        )
+    deadline = time.monotonic() + options.timeout_s
+    seen = 0
+    try:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise PerseusError(f"the demo job did not finish within {options.timeout_s:g} s; its log:\n{_tail(log_path)}")
+            time.sleep(0.25)
+            seen = _report_progress(out_dir, seen, say)
+        _report_progress(out_dir, seen, say)
+        return proc.returncode
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # torchrun passes it on; ranks reset their clocks
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _report_progress(out_dir: str, seen: int, say: Callable[[str], None]) -> int:
+    import json
+
+    try:
+        with open(os.path.join(out_dir, "rank0.json"), encoding="utf-8") as f:
+            records = json.load(f)["iterations"]
+    except (OSError, ValueError, KeyError):
+        return seen
+    for r in records[seen:]:
+        clocks = sorted({s["frequency"] for s in r["spans"]}, reverse=True)
+        clock = f"{clocks[0]} MHz" if len(clocks) == 1 else f"{clocks[-1]}-{clocks[0]} MHz"
+        say(f"iteration {r['iteration']:>3} {r['phase']:<10} {r['end'] - r['start']:.3f} s  rank 0 at {clock}")
+    return len(records)
+
+
+def _job_id(out_dir: str) -> str | None:
+    import json
+
+    with open(os.path.join(out_dir, "rank0.json"), encoding="utf-8") as f:
+        return json.load(f).get("job_id")
+
+
+def _child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,95 @@
+"""Demo results: per-rank records in, per-phase iteration time and energy out."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from perseus.exceptions import MeasurementError
+
+
+@dataclass(frozen=True)
+class PhaseStats:
+    """Means over a phase's measured iterations: slowest rank's time, energy summed over ranks."""
+
+    iterations: int
+    iteration_time_s: float
+    energy_j: float
+
+    def to_json(self) -> dict:
+        return {"iterations": self.iterations, "iteration_time_s": self.iteration_time_s, "energy_j": self.energy_j}
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One iteration of the whole job, as every rank measured it."""
+
+    index: int
+    phases: tuple[str, ...]  # per rank
+    time_s: float  # the slowest rank's window
+    energy_j: float  # sum over ranks
+    spans: tuple[tuple[dict, ...], ...]  # per rank: instruction spans, times relative to `start`
+    start: float
+
+    @property
+    def label(self) -> str:
+        """The job's phase in this iteration: the phase shared by every rank, else `mixed`."""
+        return self.phases[0] if len(set(self.phases)) == 1 else "mixed"
+
+
+def load_iterations(out_dir: str, world_size: int) -> list[Iteration]:
+    """Join the ranks' records (rank<R>.json in `out_dir`) iteration by iteration."""
+    docs = []
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                docs.append(json.load(f))
+        except (OSError, ValueError) as e:
+            raise MeasurementError(f"demo rank {rank} left no readable results in {path} ({e}); see its log above") from e
+    count = min(len(d["iterations"]) for d in docs)
+    iterations = []
+    for i in range(count):
+        rows = [d["iterations"][i] for d in docs]
+        start = min(r["start"] for r in rows)
+        iterations.append(
+            Iteration(
+                index=i,
+                phases=tuple(r["phase"] for r in rows),
+                time_s=max(r["end"] - r["start"] for r in rows),
+                energy_j=sum(r["energy_j"] for r in rows),
+                spans=tuple(
+                    tuple({**s, "start": s["start"] - start, "end": s["end"] - start} for s in r["spans"]) for r in rows
+                ),
+                start=start,
+            )
+        )
+    return iterations
+
+
+def split_phases(iterations: list[Iteration]) -> dict[str, list[Iteration]]:
+    """The measured iterations of each phase.
+
+    baseline: before Perseus, at maximum clocks, without the first iteration (it warms up the
+    pipeline). profiling: any rank sweeping clocks. planned: every rank running the plan,
+    without the first such iteration (the switch).
+    """
+    out: dict[str, list[Iteration]] = {"baseline": [], "profiling": [], "planned": []}
+    for it in iterations:
+        phases = set(it.phases)
+        if phases == {"baseline"} and it.index > 0:
+            out["baseline"].append(it)
+        elif "profiling" in phases:
+            out["profiling"].append(it)
+        elif phases == {"planned"}:
+            out["planned"].append(it)
+    out["planned"] = out["planned"][1:]
+    return out
+
+
+def phase_stats(iterations: list[Iteration]) -> PhaseStats | None:
+    if not iterations:
+        return None
+    n = len(iterations)
+    return PhaseStats(n, sum(i.time_s for i in iterations) / n, sum(i.energy_j for i in iterations) / n)
