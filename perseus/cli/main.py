@@ -19,6 +19,7 @@ COMMANDS = [
     "perseus.cli.power",
     "perseus.cli.reset",
     "perseus.cli.serve",
+    "perseus.cli.demo",
 ]
 
 
