@@ -73,23 +73,24 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(batch, args.width, generator=generator).to(device)
     targets = torch.randn(batch, 1, generator=generator).to(device)
-    losses: list[torch.Tensor] = []
+    previous_loss = None
     try:
         for _ in range(args.steps):
             optimizer.zero_grad(set_to_none=True)
-            # Perseus measures an iteration from one step() to the next: report the previous one.
-            record = stage.perseus.last_iteration
-            if rank == world - 1 and record is not None:
-                print(f"iteration {record.iteration}: {record.phase}, {record.time_s:.3f} s, "
-                      f"{record.energy_j:.1f} J on this GPU, loss {torch.stack(losses).mean().item():.4f}", flush=True)
+            losses: list[torch.Tensor] = []
             if rank == 0:
                 schedule.step(inputs)
             elif rank == world - 1:
-                losses = []
                 schedule.step(target=targets, losses=losses)
             else:
                 schedule.step()
             optimizer.step()
+            # An iteration ends where the next step() starts: Perseus has just measured the previous one.
+            record = stage.perseus.last_iteration
+            if rank == world - 1 and record is not None:
+                print(f"iteration {record.iteration}: {record.phase}, {record.time_s:.3f} s, "
+                      f"{record.energy_j:.1f} J on this GPU, loss {previous_loss:.4f}", flush=True)
+            previous_loss = torch.stack(losses).mean().item() if losses else None
     finally:
         stage.perseus.close()  # finish the last iteration and put the GPU back at default clocks
         dist.destroy_process_group()

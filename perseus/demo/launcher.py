@@ -119,16 +119,18 @@ class ServiceProcess:
             proc.stdout.close()
 
 
-def torchrun_command(ranks: int, config_path: str) -> list[str]:
-    return [
+def start_job(ranks: int, config_path: str, sim_dir: str, log_path: str) -> subprocess.Popen[bytes]:
+    """Start torchrun with `ranks` demo workers (in their own process group), output to `log_path`.
+
+    Rank r runs on simulated GPU r, whose state lives in `sim_dir`.
+    """
+    cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
         "-m", "perseus.demo.worker", config_path,
     ]
-
-
-def job_env(ranks: int, sim_dir: str) -> dict[str, str]:
-    """Environment of the ranks: simulated GPUs (rank r uses GPU r) with state in `sim_dir`."""
-    return _child_env(PERSEUS_GPU=f"sim:{PRESET}:{ranks}", PERSEUS_SIM_DIR=sim_dir, OMP_NUM_THREADS="1")
+    env = _child_env(PERSEUS_GPU=f"sim:{PRESET}:{ranks}", PERSEUS_SIM_DIR=sim_dir, OMP_NUM_THREADS="1")
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def sim_gpus_at_default(ranks: int, sim_dir: str) -> bool:
@@ -163,24 +165,12 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
         os.makedirs(sim_dir)
         state_dir = options.state_dir or os.path.join(work, "state")
         os.makedirs(state_dir, exist_ok=True)
-        frequencies = get_preset(PRESET).frequencies
 
         service = ServiceProcess(state_dir, os.path.join(work, "service.log"), options.port)
         address = service.start()
         say(f"planner service listening on {address} (state in {state_dir})")
         try:
-            config = DemoConfig(
-                out_dir=out_dir,
-                num_microbatches=options.microbatches,
-                seed=options.seed,
-                time_scale=options.time_scale,
-                baseline_iterations=options.iterations + 1,
-                planned_iterations=options.iterations,
-                max_iterations=_max_iterations(options, len(frequencies[:: options.sweep_step])),
-                server=address,
-                iterations_per_frequency=options.iterations_per_frequency,
-                sweep_frequencies=list(frequencies[:: options.sweep_step]),
-            )
+            config = demo_config(options, out_dir, address)
             config_path = os.path.join(work, "config.json")
             write_json_atomic(config_path, config.to_json())
             say(f"torchrun: {options.ranks} ranks (gloo, CPU), each on a simulated A100-SXM; "
@@ -289,19 +279,28 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _max_iterations(options: DemoOptions, sweep_len: int) -> int:
-    """A generous cap under Perseus: warm-up, the whole sweep, planning, then the planned ones."""
-    return 1 + sweep_len * options.iterations_per_frequency + 20 + options.iterations + 1
+def demo_config(options: DemoOptions, out_dir: str, address: str | None) -> DemoConfig:
+    """What every rank runs: `options` with the planner at `address` (None: baseline only)."""
+    sweep = list(get_preset(PRESET).frequencies[:: options.sweep_step])
+    return DemoConfig(
+        out_dir=out_dir,
+        num_microbatches=options.microbatches,
+        seed=options.seed,
+        time_scale=options.time_scale,
+        baseline_iterations=options.iterations + 1,
+        planned_iterations=options.iterations,
+        # A generous cap under Perseus: warm-up, the whole sweep, planning, then the planned ones.
+        max_iterations=1 + len(sweep) * options.iterations_per_frequency + 20 + options.iterations + 1,
+        server=address,
+        iterations_per_frequency=options.iterations_per_frequency,
+        sweep_frequencies=sweep,
+    )
 
 
 def _run_job(options: DemoOptions, config_path: str, sim_dir: str, log_path: str, out_dir: str,
              say: Callable[[str], None]) -> int:
     """Run torchrun to completion, reporting rank 0's finished iterations as they land."""
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            torchrun_command(options.ranks, config_path), stdout=log, stderr=subprocess.STDOUT,
-            env=job_env(options.ranks, sim_dir), start_new_session=True,
-        )
+    proc = start_job(options.ranks, config_path, sim_dir, log_path)
     deadline = time.monotonic() + options.timeout_s
     seen = 0
     try:

@@ -136,7 +136,7 @@ class _Trainer:
         self.optimizer.step()
 
     def save(self) -> None:
-        doc = {"rank": self.rank, "world_size": self.world, "job_id": self.job_id, "iterations": self.records}
+        doc = {"rank": self.rank, "pid": os.getpid(), "world_size": self.world, "job_id": self.job_id, "iterations": self.records}
         write_json_atomic(self.path, doc, indent=None, fsync=False)  # a progress record, rewritten every iteration
 
 

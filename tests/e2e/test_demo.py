@@ -1,0 +1,170 @@
+"""End to end: the planner service, torchrun ranks (gloo, CPU) and simulated GPUs, for real.
+
+Slow by nature (each torchrun start imports torch in every rank): the module runs three
+short jobs on 2 ranks with GPU work scaled down (about 0.15 s per iteration) and a coarse
+profiling sweep, and shares the first job's state directory with the later ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from perseus.atomic import write_json_atomic
+from perseus.demo.launcher import (
+    DemoOptions,
+    ServiceProcess,
+    demo_config,
+    format_report,
+    run_demo,
+    sim_gpus_at_default,
+    start_job,
+)
+from perseus.demo.results import load_iterations, split_phases
+from perseus.devices.sim import SimGPU
+
+RANKS = 2
+OPTIONS = DemoOptions(
+    ranks=RANKS, microbatches=4, iterations=2, sweep_step=8, iterations_per_frequency=1, time_scale=0.05, timeout_s=240
+)
+MAX_MHZ = 1410
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("planner-state"))
+
+
+@pytest.fixture(scope="module")
+def demo(state_dir, tmp_path_factory):
+    plot_dir = str(tmp_path_factory.mktemp("plot"))
+    options = DemoOptions(**{**OPTIONS.__dict__, "state_dir": state_dir, "plot_dir": plot_dir})
+    return run_demo(options)
+
+
+def _rank_records(out_dir: str, rank: int) -> dict | None:
+    try:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class _Job:
+    """One torchrun demo job against a planner service on `state_dir`, in `tmp`."""
+
+    def __init__(self, tmp, state_dir: str, **changes) -> None:
+        self.out_dir, self.sim_dir = str(tmp / "ranks"), str(tmp / "sim")
+        os.makedirs(self.out_dir)
+        os.makedirs(self.sim_dir)
+        self.service = ServiceProcess(state_dir, str(tmp / "service.log"))
+        self.address = self.service.start()
+        config = demo_config(OPTIONS, self.out_dir, self.address)
+        config_path = str(tmp / "config.json")
+        write_json_atomic(config_path, {**config.to_json(), **changes})
+        self.log = str(tmp / "torchrun.log")
+        self.proc = start_job(RANKS, config_path, self.sim_dir, self.log)
+
+    def records(self, rank: int = 0) -> dict | None:
+        return _rank_records(self.out_dir, rank)
+
+    def planned_iterations(self, rank: int = 0) -> int:
+        doc = self.records(rank)
+        return sum(1 for r in doc["iterations"] if r["phase"] == "planned") if doc else 0
+
+    def wait(self, timeout_s: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except Exception:
+            self.proc.kill()
+            raise
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.service.stop()
+
+    def log_tail(self) -> str:
+        with open(self.log, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-30:])
+
+
+def test_demo_profiles_plans_applies_and_saves(demo):
+    assert demo["profiled"], "a fresh state directory must be profiled"
+    assert demo["clocks_reset"] is True
+    # The plan is non-trivial and every planned instruction ran at its planned clock.
+    plan = demo["plan_frequencies"]
+    assert len(plan) == RANKS and all(len(row) == 2 * OPTIONS.microbatches for row in plan)
+    assert min(min(row) for row in plan) < MAX_MHZ
+    assert demo["plan_applied"] >= 0.95
+    # Energy went down by a good part of what the planner predicted, at about the same speed.
+    assert 0 < demo["predicted_saving"] < 0.5
+    assert demo["measured_saving"] > 0.3 * demo["predicted_saving"]
+    assert abs(demo["iteration_time_change"]) < 0.15
+    assert demo["baseline"]["iterations"] == OPTIONS.iterations
+    assert demo["planned"]["iterations"] == OPTIONS.iterations
+    png, data = demo["plots"]
+    assert os.path.getsize(png) > 0
+    with open(data, encoding="utf-8") as f:
+        panels = json.load(f)
+    assert [p["panel"] for p in panels] == ["baseline", "planned"]
+    assert all(len(p["ranks"][r]) == 2 * OPTIONS.microbatches for p in panels for r in range(RANKS))
+    report = format_report(demo)
+    assert "energy saving: predicted" in report and "clocks reset at the end: yes" in report
+
+
+def test_restarted_service_resumes_without_profiling_and_training_survives_its_stop(demo, state_dir, tmp_path):
+    # A new service process on the first job's state: the same job skips profiling.
+    job = _Job(tmp_path, state_dir, planned_iterations=6)
+    try:
+        _wait_for(lambda: job.planned_iterations() >= 1, 90, "a planned iteration")
+        job.service.stop()  # the planner goes away mid-run
+        stopped_at = time.monotonic()
+        assert job.wait() == 0, job.log_tail()
+    finally:
+        job.close()
+    iterations = load_iterations(job.out_dir, RANKS)
+    phases = {p for it in iterations for p in it.phases}
+    assert "profiling" not in phases
+    after_stop = [it for it in iterations if it.start > stopped_at]
+    assert after_stop, "training must go on after the planner stopped"
+    assert all(set(it.phases) == {"planned"} for it in after_stop), [it.phases for it in after_stop]
+    planned = split_phases(iterations)["planned"]
+    assert planned and all(
+        [s["frequency"] for s in it.spans[r]] == demo["plan_frequencies"][r] for it in planned for r in range(RANKS)
+    )
+    assert sim_gpus_at_default(RANKS, job.sim_dir)
+
+
+def test_sigkilled_rank_gets_its_gpu_back_to_default_clocks(demo, state_dir, tmp_path):
+    job = _Job(tmp_path, state_dir, planned_iterations=50)
+    try:
+        _wait_for(lambda: job.planned_iterations(1) >= 1, 90, "rank 1 running the plan")
+        gpu = SimGPU("a100-sxm", 1, state_dir=job.sim_dir)
+        _wait_for(lambda: os.path.exists(gpu.state_path), 5, "rank 1's GPU to be at a planned clock")
+        os.kill(job.records(1)["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        _wait_for(lambda: not os.path.exists(gpu.state_path), 1.0, "the watchdog to reset rank 1's GPU")
+        assert time.monotonic() - killed <= 1.0
+        assert gpu.sm_clock() == MAX_MHZ
+        job.wait(60)  # torchrun stops the other rank
+    finally:
+        job.close()
+    assert sim_gpus_at_default(RANKS, job.sim_dir)
