@@ -82,7 +82,7 @@ def test_oversized_messages_are_refused(serve):
     _ping_ok(served.endpoint)
 
 
-def test_job_profiles_then_gets_the_planners_frequencies(serve, tmp_path):
+def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path):
     Planner = planner()
     served = serve()
     spec = job_spec()
@@ -92,6 +92,8 @@ def test_job_profiles_then_gets_the_planners_frequencies(serve, tmp_path):
         for r, client in enumerate(clients):
             client.register_rank(job_id, rank_info(r))
         _wait(lambda: all(c.assignment(0).phase == Phase.WARMUP for c in clients))
+        for r, client in enumerate(clients):
+            client.report_iteration(job_id, r, 0, 0.25, 30.0)  # warm-up: the measured baseline
         # Warm-up, then the sweep: frequency k for iterations 2 + 2k, 2 + 2k + 1.
         a = clients[1].assignment(2 + 2 * 3 + 1)
         assert a.phase == Phase.PROFILING and a.profiling_frequency == FREQUENCIES[3] and a.frequencies is None
@@ -100,15 +102,28 @@ def test_job_profiles_then_gets_the_planners_frequencies(serve, tmp_path):
         clients[1].assignment(5)  # the furthest iteration any rank reached: the plan starts after it
         clients[1].upload_profile(job_id, 1, stage_profile(1))
         assert all(c.wait_for_plan(20.0) for c in clients)
+
         expected = Planner(build_schedule("1f1b", 2, 4), merge_profiles({0: stage_profile(0), 1: stage_profile(1)}, None)).plan()
-        for r, client in enumerate(clients):
-            a = client.assignment(1000)
-            assert a.phase == Phase.PLANNED and a.plan_version == 1
-            assert a.frequencies == expected.stage_frequencies(r)
         assert expected.stage_frequencies(0) != expected.stage_frequencies(1)  # the plan is not trivial
+        start = min(i for i in range(100) if clients[0].assignment(i).phase == Phase.PLANNED)
+        assert start > 5
+        for r, client in enumerate(clients):
+            a = client.assignment(start)
+            assert a.phase == Phase.PLANNED and a.plan_version == 1 and a.frequencies == expected.stage_frequencies(r)
+            assert client.assignment(start - 1).phase == Phase.PLANNING
+            for it in range(start, start + 3):
+                client.report_iteration(job_id, r, it, 0.23, 26.0 + r)
+        assert all(c.flush(5.0) for c in clients)
+
         status = clients[0].status(job_id).jobs[0]
-        assert status.phase == "planned" and status.predicted_energy_j == pytest.approx(expected.energy_j)
+        assert status.phase == "planned" and status.plan_version == 1
+        assert status.predicted_energy_j == pytest.approx(expected.energy_j)
         assert status.predicted_iteration_time_s == pytest.approx(expected.iteration_time_s)
+        assert 0 < status.predicted_saving < 0.5
+        assert status.baseline_iterations == 1 and status.baseline_energy_j == pytest.approx(60.0)
+        assert status.planned_iterations == 3 and status.planned_energy_j == pytest.approx(53.0)
+        assert status.planned_iteration_time_s == pytest.approx(0.23) and status.measured_saving == pytest.approx(1 - 53 / 60)
+        assert f"job {job_id} iteration {start} (plan v1)" in served.log()
         state = tmp_path / "state"
         assert (state / "jobs" / job_id / "plan.json").exists() and (state / "profiles" / f"{spec.profile_key()}.json").exists()
     finally:
@@ -116,41 +131,14 @@ def test_job_profiles_then_gets_the_planners_frequencies(serve, tmp_path):
             c.close()
 
 
-def test_measured_iterations_are_logged_against_the_prediction(serve):
-    planner()
-    served = serve()
-    spec = job_spec(warmup_iterations=1)
-    with PlannerClient(served.endpoint, poll_interval_s=0.05) as c0, PlannerClient(served.endpoint, poll_interval_s=0.05) as c1:
-        job_id = c0.register_job(spec)
-        c0.register_rank(job_id, rank_info(0))
-        c1.register_rank(job_id, rank_info(1))
-        for r, c in enumerate((c0, c1)):
-            c.report_iteration(job_id, r, 0, 0.25, 30.0)  # warm-up: the measured baseline
-            c.upload_profile(job_id, r, stage_profile(r))
-        assert c0.wait_for_plan(20.0) and c1.wait_for_plan(20.0)
-        start = 0
-        for r, c in enumerate((c0, c1)):
-            start = max(i for i in range(100) if c.assignment(i).phase != Phase.PLANNED) + 1
-            for it in range(start, start + 3):
-                c.report_iteration(job_id, r, it, 0.23, 26.0 + r)
-        assert c0.flush(5.0) and c1.flush(5.0)
-        status = c0.status(job_id).jobs[0]
-    assert status.baseline_iterations == 1 and status.baseline_energy_j == pytest.approx(60.0)
-    assert status.planned_iterations == 3 and status.planned_energy_j == pytest.approx(53.0)
-    assert status.planned_iteration_time_s == pytest.approx(0.23) and status.measured_saving == pytest.approx(1 - 53 / 60)
-    assert 0 < status.predicted_saving < 0.5
-    log = served.log()
-    assert f"job {job_id} iteration {start}" in log and "predicted" in log
-
-
 def test_restarted_service_resumes_without_profiling_again(serve, tmp_path):
     planner()
     state = tmp_path / "state"
     served = serve(state)
-    port_endpoint = served.endpoint
+    endpoint = served.endpoint
     spec = job_spec()
-    c0 = PlannerClient(port_endpoint, timeout_s=0.5, poll_interval_s=0.05)
-    c1 = PlannerClient(port_endpoint, timeout_s=0.5, poll_interval_s=0.05)
+    c0 = PlannerClient(endpoint, timeout_s=0.5, poll_interval_s=0.05)
+    c1 = PlannerClient(endpoint, timeout_s=0.5, poll_interval_s=0.05)
     try:
         job_id = c0.register_job(spec)
         c0.register_rank(job_id, rank_info(0))
@@ -159,30 +147,31 @@ def test_restarted_service_resumes_without_profiling_again(serve, tmp_path):
         assert c0.flush(5.0)
         served.stop(signal.SIGKILL)  # mid-profiling: stage 0 is in, stage 1 is not
 
-        served = serve(state, bind=port_endpoint)
+        served = serve(state, bind=endpoint)
         c1.upload_profile(job_id, 1, stage_profile(1))  # the client reconnects on its own
         assert c0.wait_for_plan(20.0) and c1.wait_for_plan(20.0)
-        plan0 = c0.assignment(10_000)
-        served.stop(signal.SIGKILL)  # planned: the plan is on disk
-
-        assert c0.assignment(10_001) is plan0  # the service is gone: the rank keeps its plan
-        served = serve(state, bind=port_endpoint)
-        status = _wait(lambda: c0.status(job_id))
-        job = status.jobs[0]
-        assert job.phase == "planned" and job.plan_version == 1 and job.profiled_stages == (0, 1)
-        assert "every stage profiled; planning" not in served.log()  # resumed, not re-planned
-        _wait(lambda: c1.assignment(10_000).phase == Phase.PLANNED)
+        plan0, plan1 = c0.assignment(10_000), c1.assignment(10_000)
+        assert "stage 0 profiled" not in served.log()  # stage 0 came from the state directory
 
         # A new job with the same signature (more warm-up, data parallel) skips profiling.
         other = job_spec(world_size=4, dp=2, warmup_iterations=5)
-        with PlannerClient(served.endpoint) as c:
+        with PlannerClient(endpoint, poll_interval_s=0.05) as c:
             assert c.register_job(other) != job_id
-            reply = request(served.endpoint, "register_job", spec=other.to_wire())
+            reply = request(endpoint, "register_job", spec=other.to_wire())
             assert reply["ok"] and reply["cached"] is True
             c.register_rank(other.job_id(), rank_info(3, stage=1, dp_index=1))
             assert c.wait_for_plan(20.0)
             assignment = c.assignment(0)
-            assert assignment.phase == Phase.PLANNED and assignment.frequencies == c1.assignment(10_000).frequencies
+            assert assignment.phase == Phase.PLANNED and assignment.frequencies == plan1.frequencies
+        served.stop(signal.SIGKILL)  # planned: the plans are on disk
+
+        assert c0.assignment(10_001) is plan0  # the service is gone: the rank keeps its plan
+        served = serve(state, bind=endpoint)
+        job = _wait(lambda: c0.status(job_id)).jobs[0]
+        assert job.phase == "planned" and job.plan_version == 1 and job.profiled_stages == (0, 1)
+        assert "planning" not in served.log()  # resumed, neither profiled nor planned again
+        c1.report_iteration(job_id, 1, 10_002, 0.2, 20.0)
+        assert c1.flush(5.0) and c1.assignment(10_002) is plan1
     finally:
         c0.close()
         c1.close()
