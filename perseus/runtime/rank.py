@@ -119,7 +119,7 @@ class PerseusRank:
         self.last_iteration: IterationRecord | None = None
         self._in_step = False
         self._profiling = False  # this iteration is measured by the profiler
-        self._uploaded = False
+        self._holds_plan = False  # the controller runs plan `plan_version` (or refused it)
         self._frequency: int | None = None
         self._step_start: tuple[float, float] = (0.0, 0.0)
         self._warned: set[str] = set()
@@ -236,13 +236,13 @@ class PerseusRank:
             self._profiling = step.measured
             self.controller.set_uniform(frequency)
             self.controller.apply_now(frequency)  # measured clocks must be exact from instruction one
+            self._holds_plan = False
         elif phase == PLANNED and assignment.frequencies is not None:
-            if assignment.plan_version != self.plan_version:
+            if assignment.plan_version != self.plan_version or not self._holds_plan:
                 self._apply_plan(assignment.frequencies, assignment.plan_version)
-        elif phase == PLANNED and self.plan_version:
-            pass  # the service confirmed the plan this rank already holds
         else:
             self.controller.set_uniform(None)
+            self._holds_plan = False
         self.controller.begin_iteration()
         self.phase = phase
         self._frequency = frequency
@@ -254,6 +254,7 @@ class PerseusRank:
 
     def _apply_plan(self, frequencies: Any, version: int) -> None:
         self.plan_version = version
+        self._holds_plan = True
         try:
             self.controller.set_plan(self._keys, frequencies, version)
         except PlanError as e:
@@ -285,7 +286,6 @@ class PerseusRank:
         )
         if self._client is not None and self._job_id is not None and self.dp_index == 0:
             self._client.upload_profile(self._job_id, self.stage, profile)
-        self._uploaded = True
 
     def _assignment(self) -> Any:
         if self._client is None or self._job_id is None:
@@ -293,7 +293,7 @@ class PerseusRank:
         try:
             return self._client.assignment(self.iteration)
         except Exception as e:
-            self._warn_once("assignment", f"asking the planner for iteration {self.iteration} failed ({e!r}); keeping the current clocks plan")
+            self._warn_once("assignment", f"asking the planner for iteration {self.iteration} failed ({e!r}); keeping the current clocks")
             return None
 
     # Registration (background: the planner may be late or down)

@@ -183,3 +183,15 @@ def test_without_clock_permission_the_rank_only_measures(tmp_path, caplog):
     assert set(clocks) == {gpu.max_frequency()} and rank.phase == "unplanned"
     assert rank.last_iteration.energy_j > 0
     assert any("may not change GPU clocks" in r.getMessage() for r in caplog.records)
+
+
+def test_the_plan_comes_back_after_an_unplanned_spell(gpu):
+    plan = [1200] * 8
+    client = PlannedClient(plan)
+    rank = make_rank(gpu, client)
+    assert run(rank, gpu) == plan
+    client.assignment = lambda iteration: Assignment("unplanned")
+    assert run(rank, gpu) == [gpu.max_frequency()] * 8
+    del client.assignment  # the same plan version again
+    assert run(rank, gpu) == plan
+    rank.close()
