@@ -1,0 +1,151 @@
+"""The LP relaxation: a certified lower bound on a plan's energy at a deadline.
+
+Each instruction's duration d_i may take any value on its hull (continuous in [t_min, t_max]) and
+costs the lower convex hull of its choices' effective energies there. Minimising
+sum(hull_i(d_i)) + P_block * N * T over start times S with S_j >= S_i + d_i along every edge and
+S_i + d_i <= T <= deadline is project crashing with convex costs. Its optimum is at most the
+energy of any frequency plan that meets the deadline, so it certifies how far a plan can be from
+optimal, and its durations guide the rounding.
+
+Hull costs are written as d_i = t_min,i + sum_k delta_ik with 0 <= delta_ik <= len_k and cost
+slope_k per unit of delta_ik (convex, so cheaper slopes fill first). Time is in milliseconds
+inside the LP so that the solver's absolute tolerances are tight relative to iteration times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import os
+import sys
+
+import highspy
+import numpy as np
+import scipy.sparse as sp
+
+from perseus.exceptions import PlanError
+from perseus.planner.problem import Problem
+
+_MS = 1000.0
+
+
+@dataclass(frozen=True)
+class Relaxation:
+    """One LP optimum. `lower_bound_j` bounds the energy of every plan with T <= deadline."""
+
+    lower_bound_j: float
+    iteration_time_s: float
+    start_s: np.ndarray
+    duration_s: np.ndarray
+
+    @property
+    def finish_s(self) -> np.ndarray:
+        return self.start_s + self.duration_s
+
+
+class HullLP:
+    """The relaxation of one Problem, kept in a HiGHS instance so successive deadlines warm-start."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        dag = problem.dag
+        n = problem.num_nodes
+        seg_node, seg_len, seg_slope = [], [], []
+        t_min = np.empty(n)
+        c_max = np.empty(n)
+        for k, opts in enumerate(problem.options):
+            nodes = np.flatnonzero(problem.node_type == k)
+            length, slope = opts.segments()
+            t_min[nodes] = opts.time[0]
+            c_max[nodes] = opts.cost[0]
+            seg_node.append(np.repeat(nodes, len(length)))
+            seg_len.append(np.tile(length, len(nodes)))
+            seg_slope.append(np.tile(slope, len(nodes)))
+        seg = np.concatenate(seg_node)
+        order = np.argsort(seg, kind="stable")  # keep each node's segments together
+        seg = seg[order]
+        length = np.concatenate(seg_len)[order] * _MS
+        slope = np.concatenate(seg_slope)[order] / _MS
+        ns = len(seg)
+        self._constant = float(c_max.sum())
+
+        # Columns: S (n), d (n), delta (ns), T.
+        self._t_col = 2 * n + ns
+        sinks = np.flatnonzero(np.diff(dag.succ_ptr) == 0)
+        e = len(dag.src)
+        r_edge = np.arange(e)
+        r_sink = e + np.arange(len(sinks))
+        r_dur = e + len(sinks) + np.arange(n)
+        rows = np.concatenate([np.repeat(r_edge, 3), np.repeat(r_sink, 3), r_dur, e + len(sinks) + seg])
+        cols = np.concatenate([
+            np.stack([dag.dst, dag.src, n + dag.src], 1).ravel(),
+            np.stack([np.full(len(sinks), self._t_col), sinks, n + sinks], 1).ravel(),
+            n + np.arange(n),
+            2 * n + np.arange(ns),
+        ])
+        vals = np.concatenate([
+            np.tile([1.0, -1.0, -1.0], e),
+            np.tile([1.0, -1.0, -1.0], len(sinks)),
+            np.ones(n),
+            -np.ones(ns),
+        ])
+        num_rows = e + len(sinks) + n
+        a = sp.csc_matrix((vals, (rows, cols)), shape=(num_rows, self._t_col + 1))
+        inf = highspy.kHighsInf
+        lp = highspy.HighsLp()
+        lp.num_col_ = self._t_col + 1
+        lp.num_row_ = num_rows
+        cost = np.zeros(self._t_col + 1)
+        cost[2 * n : 2 * n + ns] = slope
+        cost[self._t_col] = problem.blocking_power_w * problem.num_stages / _MS
+        lp.col_cost_ = cost
+        lp.col_lower_ = np.zeros(self._t_col + 1)
+        upper = np.full(self._t_col + 1, inf)
+        upper[2 * n : 2 * n + ns] = length
+        lp.col_upper_ = upper
+        lp.row_lower_ = np.concatenate([np.zeros(e + len(sinks)), t_min * _MS])
+        lp.row_upper_ = np.concatenate([np.full(e + len(sinks), inf), t_min * _MS])
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_ = a.indptr
+        lp.a_matrix_.index_ = a.indices
+        lp.a_matrix_.value_ = a.data
+        self._highs = _quiet_highs()
+        self._highs.setOptionValue("threads", 1)
+        self._highs.setOptionValue("random_seed", 0)
+        self._highs.passModel(lp)
+        self._n = n
+
+    def solve(self, deadline_s: float | None, warm: bool = False) -> Relaxation:
+        """Optimum with T <= deadline_s (None: no deadline). `warm` reuses the last basis, which
+        is faster for a sweep but lets the chosen optimum depend on the previous call."""
+        h = self._highs
+        if not warm:
+            h.clearSolver()
+        upper = highspy.kHighsInf if deadline_s is None else deadline_s * _MS
+        h.changeColBounds(self._t_col, 0.0, upper)
+        h.run()
+        status = h.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            raise PlanError(f"no plan can finish within {deadline_s:.6g} s, even at the fastest frequencies")
+        if status != highspy.HighsModelStatus.kOptimal:
+            raise PlanError(f"the LP relaxation did not solve: {h.modelStatusToString(status)}")
+        x = np.asarray(h.getSolution().col_value)
+        n = self._n
+        bound = h.getInfo().objective_function_value + self._constant
+        return Relaxation(float(bound), float(x[self._t_col] / _MS), x[:n] / _MS, x[n : 2 * n] / _MS)
+
+
+def _quiet_highs() -> highspy.Highs:
+    """A silent HiGHS instance. HiGHS prints a banner to file descriptor 1 the first time one is
+    constructed, before any option can turn output off, so stdout is pointed at /dev/null meanwhile."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highs = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    highs.setOptionValue("output_flag", False)
+    return highs

@@ -1,0 +1,76 @@
+"""From continuous durations to profile frequencies, never breaking the deadline.
+
+Both passes walk the nodes in topological order, start each node when its predecessors end
+(exactly as the evaluator does, so the floating-point times agree bit for bit) and give it the
+cheapest choice that still ends by a per-node limit. Cheaper is slower on the Pareto set, so
+"cheapest within a limit" is "slowest within a limit".
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+import numpy as np
+
+from perseus.planner.problem import Problem
+
+
+class Walker:
+    """Plain-Python views of a Problem's arrays (built once per Problem): the passes are scalar
+    loops, and over lists those beat per-element numpy calls."""
+
+    def __init__(self, problem: Problem) -> None:
+        dag = problem.dag
+        ptr, idx = dag.pred_ptr.tolist(), dag.pred_idx.tolist()
+        self.preds = [idx[ptr[i] : ptr[i + 1]] for i in range(problem.num_nodes)]
+        sptr, sidx = dag.succ_ptr.tolist(), dag.succ_idx.tolist()
+        self.succs = [sidx[sptr[i] : sptr[i + 1]] for i in range(problem.num_nodes)]
+        type_times = [opts.time.tolist() for opts in problem.options]
+        self.times = [type_times[k] for k in problem.node_type.tolist()]
+
+    def walk(self, limit: list[float]) -> list[int]:
+        """Topological pass: node i takes the slowest choice that ends by limit[i] (the fastest
+        if none does; the caller re-checks the deadline)."""
+        end = [0.0] * len(self.times)
+        out = [0] * len(self.times)
+        for i, times in enumerate(self.times):
+            start = max((end[p] for p in self.preds[i]), default=0.0)
+            k = bisect_right(times, limit[i] - start) - 1
+            # Correct for rounding in `limit - start`: the test that counts is start + t <= limit.
+            while k >= 0 and start + times[k] > limit[i]:
+                k -= 1
+            if k + 1 < len(times) and start + times[k + 1] <= limit[i]:
+                k += 1
+            out[i] = max(k, 0)
+            end[i] = start + times[out[i]]
+        return out
+
+    def latest_finish(self, choice: list[int], deadline_s: float) -> list[float]:
+        """Latest end of every node such that, with successors at their current choices, the
+        iteration still ends by the deadline."""
+        n = len(self.times)
+        latest = [deadline_s] * n
+        for i in range(n - 1, -1, -1):
+            for j in self.succs[i]:
+                v = latest[j] - self.times[j][choice[j]]
+                if v < latest[i]:
+                    latest[i] = v
+        return latest
+
+
+def round_down(problem: Problem, finish_s: np.ndarray, slack_s: float = 0.0, walker: Walker | None = None) -> np.ndarray:
+    """Each node at the slowest choice that ends by its relaxed finish time (plus `slack_s`, a
+    tolerance for the LP's own rounding). Nodes start no later than in the relaxation."""
+    walker = walker or Walker(problem)
+    limit = (np.asarray(finish_s) + slack_s).tolist()
+    return np.array(walker.walk(limit), dtype=np.int64)
+
+
+def fill_slack(problem: Problem, choice: np.ndarray, deadline_s: float, walker: Walker | None = None) -> np.ndarray:
+    """Slow every node down into the slack the deadline leaves it, earliest nodes first. A plan
+    that met the deadline still meets it; each node is at least as slow (as cheap) as before."""
+    walker = walker or Walker(problem)
+    current = choice.tolist()
+    latest = walker.latest_finish(current, deadline_s)
+    return np.array(walker.walk(latest), dtype=np.int64)
+

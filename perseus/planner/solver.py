@@ -1,0 +1,160 @@
+"""The planner: minimum-energy frequency plans at a deadline, and the time-energy frontier.
+
+Per deadline: solve the LP relaxation over each instruction's convex hull (the certified lower
+bound), round every instruction down to the slowest profiled choice that ends by its relaxed
+finish time (so the deadline still holds), then slow instructions into whatever slack the
+rounding left. Small DAGs are solved exactly as a MILP instead. Every plan is re-evaluated by
+the evaluator, and only plans that meet the deadline there are returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from perseus.exceptions import ConfigError, PlanError
+from perseus.planner.evaluator import Evaluator, max_frequencies
+from perseus.planner.exact import MAX_BINARIES, num_binaries, solve_exact
+from perseus.planner.lp import HullLP, Relaxation
+from perseus.planner.plan import Plan
+from perseus.planner.problem import Problem
+from perseus.planner.rounding import Walker, fill_slack, round_down
+from perseus.profiler.profile import Profile
+from perseus.schedules.instruction import Schedule
+
+# Tolerance (s) for the LP's own rounding when comparing choice times to relaxed finish times.
+_LP_SLACK_S = 1e-9
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One point of the time-energy frontier: the plan for one deadline and its bound."""
+
+    time_s: float
+    energy_j: float
+    lower_bound_j: float
+    plan: Plan
+
+
+class Planner:
+    """Plans for one (schedule, profile). Pure: no I/O, no clocks; same inputs, same plans."""
+
+    def __init__(self, schedule: Schedule, profile: Profile) -> None:
+        self.schedule = schedule
+        self.profile = profile
+        self.problem = Problem.build(schedule, profile)
+        self.evaluator = Evaluator(self.problem.dag, profile)
+        self._walker = Walker(self.problem)
+        self._lp = HullLP(self.problem)
+        self._exact = num_binaries(self.problem) <= MAX_BINARIES
+        reference = self.evaluator.evaluate(max_frequencies(schedule, profile))
+        self.max_frequency_time_s = reference.iteration_time_s
+        self.max_frequency_energy_j = reference.energy_j
+        self.fastest_time_s = self.problem.iteration_time(self.problem.times(self.problem.fastest()))
+        self._min_energy: Plan | None = None
+
+    def plan(self, deadline: float | None = None, max_slowdown: float | None = None) -> Plan:
+        """Minimum-energy plan with iteration time <= deadline (s). Default: no slowdown against
+        every GPU at its maximum frequency; `max_slowdown` F: deadline F x that time. Beyond the
+        minimum-energy time T* the plan stays at T*."""
+        return self._solve(self._deadline(deadline, max_slowdown), warm=False)
+
+    def min_energy_plan(self) -> Plan:
+        """The plan of least energy at any iteration time (its time is T*)."""
+        if self._min_energy is None:
+            self._min_energy = self._solve(None, warm=False)
+        return self._min_energy
+
+    def frontier(self, num_points: int = 50) -> list[FrontierPoint]:
+        """Plans for `num_points` deadlines evenly spaced from the fastest iteration time to T*,
+        fastest first. Energy never increases along the list."""
+        if num_points < 2:
+            raise ConfigError(f"a frontier needs at least 2 points, got {num_points}")
+        slowest = self.min_energy_plan()
+        deadlines = np.linspace(self.fastest_time_s, slowest.iteration_time_s, num_points)
+        self._lp.solve(float(deadlines[0]), warm=False)
+        points: list[FrontierPoint] = []
+        best: Plan | None = None
+        for k, deadline in enumerate(deadlines.tolist()):
+            plan = slowest if k == num_points - 1 else self._solve(deadline, warm=True)
+            if best is not None and best.energy_j < plan.energy_j:
+                # A faster plan is cheaper: it meets this deadline too.
+                plan = _with_deadline(best, plan.lower_bound_j, deadline)
+            best = plan
+            points.append(FrontierPoint(plan.iteration_time_s, plan.energy_j, plan.lower_bound_j, plan))
+        return points
+
+    def _deadline(self, deadline: float | None, max_slowdown: float | None) -> float:
+        if deadline is not None and max_slowdown is not None:
+            raise ConfigError("give either a deadline or a max_slowdown, not both")
+        if max_slowdown is not None:
+            if not (np.isfinite(max_slowdown) and max_slowdown > 0):
+                raise ConfigError(f"max_slowdown must be a positive factor (1.0 = no slowdown), got {max_slowdown}")
+            return max_slowdown * self.max_frequency_time_s
+        if deadline is None:
+            return self.max_frequency_time_s
+        if not (np.isfinite(deadline) and deadline > 0):
+            raise ConfigError(f"deadline must be a positive number of seconds, got {deadline}")
+        return float(deadline)
+
+    def _solve(self, deadline_s: float | None, warm: bool) -> Plan:
+        if deadline_s is not None and deadline_s < self.fastest_time_s:
+            raise PlanError(
+                f"no plan finishes within {deadline_s:.6g} s: even the fastest frequencies take "
+                f"{self.fastest_time_s:.6g} s per iteration; relax the deadline"
+            )
+        relaxation = self._lp.solve(deadline_s, warm=warm)
+        candidates = self._round(relaxation, deadline_s)
+        if self._exact:
+            exact = solve_exact(self.problem, deadline_s)
+            if exact is not None:
+                candidates.append(exact)
+        if deadline_s is None or deadline_s >= self.max_frequency_time_s:
+            candidates.append(self.problem.fastest())
+        return self._best(candidates, deadline_s, relaxation)
+
+    def _round(self, relaxation: Relaxation, deadline_s: float | None) -> list[np.ndarray]:
+        rounded = round_down(self.problem, relaxation.finish_s, _LP_SLACK_S, self._walker)
+        rounded_time = self.problem.iteration_time(self.problem.times(rounded))
+        candidates = [rounded]
+        # Fill slack up to the rounded plan's own time (a longer iteration costs blocking power
+        # on every stage) and, when a deadline leaves more room, up to the deadline.
+        limit = rounded_time if deadline_s is None else min(rounded_time, deadline_s)
+        candidates.append(fill_slack(self.problem, rounded, limit, self._walker))
+        if deadline_s is not None and deadline_s > limit:
+            candidates.append(fill_slack(self.problem, rounded, deadline_s, self._walker))
+        return candidates
+
+    def _best(self, candidates: list[np.ndarray], deadline_s: float | None, relaxation: Relaxation) -> Plan:
+        best, best_te = None, (np.inf, np.inf)
+        for choice in candidates:
+            t, e = self.problem.energy(choice)
+            if deadline_s is not None and t > deadline_s:
+                continue
+            if (e, t) < (best_te[1], best_te[0]):
+                best, best_te = choice, (t, e)
+        if best is None:
+            raise PlanError(f"no rounding of the relaxation met the deadline {deadline_s:.9g} s; report this with the profile")
+        frequencies = self.problem.frequencies(best)
+        evaluation = self.evaluator.evaluate(frequencies)
+        if deadline_s is not None and evaluation.iteration_time_s > deadline_s:
+            raise PlanError(f"internal error: plan takes {evaluation.iteration_time_s!r} s, over the deadline {deadline_s!r} s")
+        # The LP optimum can exceed an optimal plan's energy only by the solver's tolerance.
+        if relaxation.lower_bound_j > evaluation.energy_j * (1 + 1e-7):
+            raise PlanError(f"internal error: LP bound {relaxation.lower_bound_j!r} J above a plan's energy {evaluation.energy_j!r} J")
+        bound = min(relaxation.lower_bound_j, evaluation.energy_j)
+        return Plan(
+            frequencies=frequencies,
+            iteration_time_s=evaluation.iteration_time_s,
+            energy_j=evaluation.energy_j,
+            lower_bound_j=bound,
+            gap=(evaluation.energy_j - bound) / bound,
+            deadline_s=evaluation.iteration_time_s if deadline_s is None else deadline_s,
+            schedule=self.schedule,
+        )
+
+
+def _with_deadline(plan: Plan, lower_bound_j: float, deadline_s: float) -> Plan:
+    bound = min(lower_bound_j, plan.energy_j)
+    return Plan(plan.frequencies, plan.iteration_time_s, plan.energy_j, bound, (plan.energy_j - bound) / bound, deadline_s, plan.schedule)
