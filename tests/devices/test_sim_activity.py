@@ -34,7 +34,8 @@ def test_a_counter_sees_work_another_object_ran():
     e1 = reader.energy_mj()
     t1 = time.monotonic()
     assert duration == pytest.approx(0.05)
-    assert (e1 - e0) / 1000 == pytest.approx(IDLE_W * (t1 - t0) + EXTRA_W * duration, rel=1e-3)
+    # Reads and timestamps differ by scheduling jitter: allow 20 ms of idle power.
+    assert (e1 - e0) / 1000 == pytest.approx(IDLE_W * (t1 - t0) + EXTRA_W * duration, abs=IDLE_W * 0.02)
     assert SimGPU("a100-sxm", 1).energy_mj() < 1000 * IDLE_W * (time.monotonic() - t0)  # other GPU: idle
 
 
@@ -47,8 +48,11 @@ def test_monitor_counts_work_a_child_process_runs():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     m = monitor.end_window("child")
     _, work_j = predict("a100-sxm", Work(0.2), 1410)
-    assert m.gpu_energy_j[0] == pytest.approx(IDLE_W * m.time_s, rel=1e-3)
-    assert m.gpu_energy_j[1] == pytest.approx(IDLE_W * (m.time_s - 0.2) + work_j, rel=1e-3)
+    # The window's timestamps and counter reads differ by scheduling jitter: allow 20 ms of idle
+    # power (the child's work adds about 60 J beyond idle).
+    jitter_j = IDLE_W * 0.02
+    assert m.gpu_energy_j[0] == pytest.approx(IDLE_W * m.time_s, abs=jitter_j)
+    assert m.gpu_energy_j[1] == pytest.approx(IDLE_W * (m.time_s - 0.2) + work_j, abs=jitter_j)
 
 
 def records(n, start=100.0):
