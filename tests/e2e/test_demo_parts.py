@@ -1,0 +1,130 @@
+"""The demo's parts in one process, on a virtual clock: workload table, GPU emulation, results."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from perseus.clock import VirtualClock
+from perseus.demo.emulation import EmulatedStage, GPUEmulator
+from perseus.demo.launcher import DemoOptions, plan_applied, summarize
+from perseus.demo.model import ModelConfig, build_stage, lm_loss, make_batch
+from perseus.demo.results import Iteration, split_phases
+from perseus.demo.workload import DEFAULT_TIME_SCALE, GPT3_A100_STAGES, stage_works
+from perseus.devices.sim import SimGPU, predict
+from perseus.exceptions import ConfigError
+from perseus.schedules.instruction import Kind
+
+
+def test_stage_works_merge_the_measured_stages_and_keep_the_last_heaviest():
+    works = stage_works(4, time_scale=1.0)
+    fwd = [w[Kind.FORWARD].time_s for w in works]
+    bwd = [w[Kind.BACKWARD].time_s for w in works]
+    assert fwd[0] == pytest.approx(2 * GPT3_A100_STAGES[0][0])
+    assert fwd[3] == pytest.approx(GPT3_A100_STAGES[6][0] + GPT3_A100_STAGES[7][0])
+    assert fwd[3] > fwd[0] and bwd[3] > bwd[0]
+    assert sum(fwd) == pytest.approx(sum(s[0] for s in GPT3_A100_STAGES))
+    # 1F1B, 4 stages x 8 microbatches: about a second at the default scale.
+    scaled = stage_works(4)
+    critical = (8 + 3) * (scaled[3][Kind.FORWARD].time_s + scaled[3][Kind.BACKWARD].time_s)
+    assert 0.8 < critical < 1.2
+    with pytest.raises(ConfigError, match="1 to 8 pipeline stages"):
+        stage_works(9)
+    with pytest.raises(ConfigError, match="time scale"):
+        stage_works(2, time_scale=0)
+    assert DEFAULT_TIME_SCALE > 0
+
+
+def test_emulated_stage_runs_each_instruction_on_the_simulated_gpu(tmp_path):
+    clock = VirtualClock()
+    gpu = SimGPU("a100-sxm", 0, clock=clock, state_dir=str(tmp_path))
+    works = stage_works(2, time_scale=0.1)[0]
+    config = ModelConfig()
+    emulator = GPUEmulator(gpu, works)
+    stage = EmulatedStage(build_stage(config, 0, 2, seed=0), emulator)
+    tokens, _ = make_batch(config, 2, seed=0)
+
+    gpu.lock_sm_clock(1050)
+    e0 = gpu.energy_mj()
+    out = stage(tokens)
+    e1 = gpu.energy_mj()
+    out.sum().backward()
+    e2 = gpu.energy_mj()
+    spans = emulator.take_spans()
+
+    t_fwd, e_fwd = predict("a100-sxm", works[Kind.FORWARD], 1050)
+    t_bwd, e_bwd = predict("a100-sxm", works[Kind.BACKWARD], 1050)
+    assert [(s.kind, s.microbatch, s.frequency) for s in spans] == [("forward", 0, 1050), ("backward", 0, 1050)]
+    assert spans[0].end - spans[0].start == pytest.approx(t_fwd)
+    assert spans[1].end - spans[1].start == pytest.approx(t_bwd)
+    assert (e1 - e0) / 1000 == pytest.approx(e_fwd)  # the counter around the instruction sees the work
+    assert (e2 - e1) / 1000 == pytest.approx(e_bwd)
+    assert emulator.take_spans() == []
+
+
+def test_emulator_refuses_a_real_gpu():
+    class NotSim:
+        pass
+
+    with pytest.raises(ConfigError, match="PERSEUS_GPU=sim"):
+        GPUEmulator(NotSim(), {})  # type: ignore[arg-type]
+
+
+def test_last_stage_loss_trains():
+    config = ModelConfig()
+    first, last = build_stage(config, 0, 2, seed=1), build_stage(config, 1, 2, seed=1)
+    tokens, targets = make_batch(config, 4, seed=1)
+    optimizer = torch.optim.SGD([*first.parameters(), *last.parameters()], lr=0.1)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = lm_loss(last(first(tokens)), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def _it(index, phases, time_s, energy_j, freqs=()):
+    spans = tuple(tuple({"kind": "forward", "microbatch": i, "start": 0.0, "end": 0.1, "frequency": f}
+                        for i, f in enumerate(row)) for row in freqs)
+    return Iteration(index, tuple(phases), time_s, energy_j, spans, 0.0)
+
+
+def test_phases_drop_warmup_and_switch_iterations_and_summarize():
+    plan = {"stage_frequencies": [[1410, 1200], [1000, 1410]], "iteration_time_s": 1.0, "energy_j": 90.0,
+            "baseline_iteration_time_s": 1.0, "baseline_energy_j": 100.0, "version": 1}
+    its = [
+        _it(0, ["baseline"] * 2, 2.0, 500.0),  # warms up: dropped
+        _it(1, ["baseline"] * 2, 1.0, 100.0),
+        _it(2, ["baseline"] * 2, 1.0, 102.0),
+        _it(3, ["warmup"] * 2, 1.0, 101.0),
+        _it(4, ["profiling", "planning"], 1.2, 95.0),
+        _it(5, ["planning"] * 2, 1.0, 100.0),
+        _it(6, ["planned"] * 2, 1.0, 95.0, plan["stage_frequencies"]),  # the switch: dropped
+        _it(7, ["planned"] * 2, 1.01, 91.0, plan["stage_frequencies"]),
+        _it(8, ["planned"] * 2, 1.01, 93.0, [[1410, 1410], [1000, 1410]]),
+    ]
+    phases = split_phases(its)
+    assert [i.index for i in phases["baseline"]] == [1, 2]
+    assert [i.index for i in phases["profiling"]] == [4]
+    assert [i.index for i in phases["planned"]] == [7, 8]
+    result = summarize(its, plan)
+    assert result["baseline"] == {"iterations": 2, "iteration_time_s": 1.0, "energy_j": 101.0}
+    assert result["planned"]["energy_j"] == pytest.approx(92.0)
+    assert result["measured_saving"] == pytest.approx(1 - 92 / 101)
+    assert result["predicted_saving"] == pytest.approx(0.1)
+    assert result["iteration_time_change"] == pytest.approx(0.01)
+    assert result["plan_applied"] == pytest.approx(7 / 8)
+    assert plan_applied([], plan["stage_frequencies"]) is None
+    assert summarize(its, None)["predicted_saving"] is None
+
+
+def test_options_are_checked():
+    with pytest.raises(ConfigError, match="--microbatches"):
+        DemoOptions(ranks=4, microbatches=2)
+    with pytest.raises(ConfigError, match="--ranks"):
+        DemoOptions(ranks=1)
+    with pytest.raises(ConfigError, match="--port"):
+        DemoOptions(port=70000)
