@@ -11,17 +11,24 @@ from perseus.planner.evaluator import (
     shared_frequencies,
     uniform_frequencies,
 )
+from perseus.planner.plan import Plan, load_plan, save_plan
+from perseus.planner.solver import FrontierPoint, Planner
 
 __all__ = [
     "Choices",
     "DagArrays",
     "Evaluation",
     "Evaluator",
+    "FrontierPoint",
+    "Plan",
+    "Planner",
     "StageStats",
     "build_dag",
     "dag_arrays",
     "evaluate",
+    "load_plan",
     "max_frequencies",
+    "save_plan",
     "shared_frequencies",
     "uniform_frequencies",
 ]
