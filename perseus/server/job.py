@@ -6,7 +6,7 @@ No sockets and no threads: the service calls these methods from its loop thread 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from perseus.exceptions import ServiceError
@@ -28,15 +28,11 @@ def _bad_field(message: str) -> ServiceError:
 
 
 @dataclass(frozen=True)
-class PublishedPlan:
+class PublishedPlan(PlanResult):
+    """A plan as ranks see it: its version and the iteration it applies from (job.json's "plan")."""
+
     version: int
     start_iteration: int
-    stage_frequencies: tuple[tuple[int, ...], ...]
-    iteration_time_s: float
-    energy_j: float
-    lower_bound_j: float
-    baseline_iteration_time_s: float
-    baseline_energy_j: float
 
     @classmethod
     def from_record(cls, doc: dict[str, Any]) -> PublishedPlan:
@@ -163,14 +159,9 @@ class Job:
     def publish(self, result: PlanResult) -> PublishedPlan:
         self.last_version += 1
         self.plan = PublishedPlan(
+            **{f.name: getattr(result, f.name) for f in fields(result)},
             version=self.last_version,
             start_iteration=self.last_iteration + PLAN_LEAD_ITERATIONS if self.last_iteration >= 0 else 0,
-            stage_frequencies=result.stage_frequencies,
-            iteration_time_s=result.iteration_time_s,
-            energy_j=result.energy_j,
-            lower_bound_j=result.lower_bound_j,
-            baseline_iteration_time_s=result.baseline_iteration_time_s,
-            baseline_energy_j=result.baseline_energy_j,
         )
         self.phase = JobPhase.PLANNED
         self.error = ""

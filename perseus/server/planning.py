@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,11 +66,11 @@ class PlanResult:
     lower_bound_j: float
     baseline_iteration_time_s: float
     baseline_energy_j: float
-    document: Any  # the planner's plan.to_json(), as a JSON value
 
 
-def plan_job(schedule: Schedule, profile: Profile) -> PlanResult:
-    """Plan with no slowdown. PlanError (with the planner's reason) if it cannot."""
+def plan_job(schedule: Schedule, profile: Profile) -> tuple[PlanResult, dict[str, Any]]:
+    """Plan with no slowdown: the result and the planner's plan document (`Plan.to_json()`).
+    PlanError (with the planner's reason) if it cannot."""
     # Imported here: the planner pulls in cvxpy and friends, which would make the service (and
     # every test that starts it) slow to start; only the worker thread pays the import.
     from perseus.planner import evaluate, max_frequencies
@@ -89,13 +88,12 @@ def plan_job(schedule: Schedule, profile: Profile) -> PlanResult:
         if len(freqs) != len(row):
             raise PlanError(f"planner returned {len(freqs)} frequencies for stage {s}, which runs {len(row)} instructions")
         stage_frequencies.append(freqs)
-    document = plan.to_json()
-    return PlanResult(
+    result = PlanResult(
         stage_frequencies=tuple(stage_frequencies),
         iteration_time_s=float(plan.iteration_time_s),
         energy_j=float(plan.energy_j),
         lower_bound_j=float(plan.lower_bound_j),
         baseline_iteration_time_s=float(baseline.iteration_time_s),
         baseline_energy_j=float(baseline.energy_j),
-        document=json.loads(document) if isinstance(document, str) else document,
     )
+    return result, plan.to_json()

@@ -37,7 +37,14 @@ MAX_INSTRUCTIONS = 1 << 20
 MAX_PROFILE_ROWS = 100_000
 
 
-class ErrorCode(str, enum.Enum):
+class _Name(str, enum.Enum):
+    """A wire name: str() and f-strings give the value ("planned"), as on the wire."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ErrorCode(_Name):
     BAD_FRAME = "bad_frame"  # not one msgpack map in one frame
     BAD_VERSION = "bad_version"  # missing or other protocol version
     BAD_FIELD = "bad_field"  # a field is missing, unknown, of the wrong type or out of range
@@ -48,7 +55,7 @@ class ErrorCode(str, enum.Enum):
     INTERNAL = "internal"
 
 
-class Phase(str, enum.Enum):
+class Phase(_Name):
     """What a rank does in one iteration."""
 
     UNPLANNED = "unplanned"  # no table from the service (unreachable, or planning failed): max clocks
@@ -58,7 +65,7 @@ class Phase(str, enum.Enum):
     PLANNED = "planned"  # the plan's frequency for each instruction
 
 
-class JobPhase(str, enum.Enum):
+class JobPhase(_Name):
     """Where a job is, as the service sees it."""
 
     PROFILING = "profiling"  # waiting for every stage's profile (ranks warm up, then sweep)

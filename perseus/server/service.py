@@ -73,7 +73,7 @@ class PlannerService:
         self.jobs: dict[str, Job] = {}
         self.endpoint: str | None = None
         self._planning: set[str] = set()
-        self._results: queue.SimpleQueue[tuple[str, PlanResult | BaseException, float]] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[str, tuple[PlanResult, dict] | BaseException, float]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._context = zmq.Context()
         self._socket: zmq.Socket | None = None
@@ -169,7 +169,8 @@ class PlannerService:
         except Exception as e:
             log.exception("internal error handling %s", request.TYPE)
             code, message = ErrorCode.INTERNAL, f"internal error ({type(e).__name__}: {e}); the service log has the traceback"
-        log.info("%s refused: [%s] %s", request.TYPE, code.value, message)
+        quiet = code in (ErrorCode.UNKNOWN_JOB, ErrorCode.UNKNOWN_RANK)  # ranks retry these until rank 0 registers
+        log.log(logging.DEBUG if quiet else logging.INFO, "%s refused: [%s] %s", request.TYPE, code.value, message)
         return [identity, encode_error(request_id, code, message)]
 
     # ---- requests ------------------------------------------------------------------------------
@@ -254,7 +255,7 @@ class PlannerService:
     def _plan_worker(self, job_id: str, schedule: Any, profile: Any) -> None:
         start = time.perf_counter()
         try:
-            result: PlanResult | BaseException = plan_job(schedule, profile)
+            result: tuple[PlanResult, dict] | BaseException = plan_job(schedule, profile)
         except BaseException as e:  # reported to the loop thread, which records the failure
             result = e
         self._results.put((job_id, result, time.perf_counter() - start))
@@ -275,9 +276,10 @@ class PlannerService:
                     job.fail(f"planning failed with an internal error ({type(result).__name__}: {result})")
                 log.error("job %s: %s; its ranks stay at maximum clocks", job_id, job.error)
             else:
+                result, document = result
                 profile = job.merged_profile()
                 plan = job.publish(result)
-                self.state.save_plan_document(job_id, result.document)
+                self.state.save_plan_document(job_id, document)
                 if job.cached_profile is None:
                     self.state.save_cached_profile(job.spec.profile_key(), job.spec.signature(), profile)
                 saving = 1.0 - result.energy_j / result.baseline_energy_j

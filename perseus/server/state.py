@@ -1,6 +1,6 @@
 """The service's state directory: job records, stage profiles, cached profiles and plans as JSON.
 
-Layout (every file written atomically: a temp file in the same folder, then os.replace):
+Layout (every file written atomically, see perseus.atomic):
     jobs/<job_id>/job.json            spec, ranks, sweep, phase, the published plan's frequencies
     jobs/<job_id>/stage-<s>.json      the profile stage s's rank uploaded
     jobs/<job_id>/plan.json           the planner's full plan document
@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from perseus.atomic import write_json_atomic
 from perseus.exceptions import ConfigError, ProfileError
 from perseus.profiler.profile import Profile, load_profile, save_profile
 
@@ -23,21 +23,6 @@ log = logging.getLogger(__name__)
 
 JOB_FORMAT = "perseus.server.job"
 SIGNATURE_META = "perseus.signature"
-
-
-def write_json_atomic(path: Path, doc: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def default_state_dir() -> str:

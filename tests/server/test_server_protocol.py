@@ -136,7 +136,7 @@ def test_job_table_sweeps_then_plans_with_a_lead():
     assert job.add_profile(1, 1, stage_profile(1)) and job.phase == JobPhase.PLANNING
     merged = job.merged_profile()
     assert merged.stages() == [0, 1] and merged.blocking_power_w == pytest.approx(83.64)
-    result = PlanResult(((1410, 1260, 1410, 1410, 1410, 1410, 1410, 1410), (1410,) * 8), 1.0, 100.0, 99.0, 1.0, 110.0, {})
+    result = PlanResult(((1410, 1260, 1410, 1410, 1410, 1410, 1410, 1410), (1410,) * 8), 1.0, 100.0, 99.0, 1.0, 110.0)
     plan = job.publish(result)
     assert plan.version == 1 and plan.start_iteration == 7 + PLAN_LEAD_ITERATIONS
     assert job.table(0, 8, known_version=0).frequencies == result.stage_frequencies[0]
@@ -177,7 +177,7 @@ def test_job_tallies_measured_iterations_and_predicts_per_replica():
     assert done is not None and done[0].time_s == pytest.approx(1.3) and done[0].energy_j == pytest.approx(400.0)
     status = job.status()
     assert status.baseline_iterations == 1 and status.baseline_energy_j == pytest.approx(400.0)
-    job.publish(PlanResult(((1410,) * 8, (1410,) * 8), 1.0, 150.0, 140.0, 1.0, 200.0, {}))
+    job.publish(PlanResult(((1410,) * 8, (1410,) * 8), 1.0, 150.0, 140.0, 1.0, 200.0))
     status = job.status()
     assert status.predicted_energy_j == pytest.approx(300.0)  # two pipelines
     assert status.predicted_saving == pytest.approx(0.25)
