@@ -18,6 +18,7 @@ COMMANDS = [
     "perseus.cli.monitor",
     "perseus.cli.power",
     "perseus.cli.reset",
+    "perseus.cli.plan",
     "perseus.cli.serve",
     "perseus.cli.demo",
 ]
