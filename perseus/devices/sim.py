@@ -207,11 +207,10 @@ class SimGPU(GPU):
         self._pending: list[tuple[float, float, float]] = []
         self._busy_until = self._origin
         # On the real clock, work is shared with other processes through the activity log.
-        self._activity = (
-            ActivityLog(self._path[: -len(".json")] + ".activity", self._idle_w)
-            if isinstance(self._clock, RealClock)
-            else None
-        )
+        self._activity: ActivityLog | None = None
+        if isinstance(self._clock, RealClock):
+            log = os.path.join(os.path.dirname(self._path), "activity", f"{self.preset.name}-{index}.log")
+            self._activity = ActivityLog(log, self._idle_w)
 
     @property
     def clock(self) -> Clock:

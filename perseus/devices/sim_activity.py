@@ -2,7 +2,8 @@
 
 A real GPU's energy counter counts all work on it, whichever process issued it. So a simulated
 GPU on the real clock appends each piece of work it runs as a fixed-size record (start, end,
-busy power; times on the system-wide monotonic clock) to a log next to its state file, and
+busy power; times on the system-wide monotonic clock) to a log in the `activity` folder of
+the runtime folder (beside the state files, which stay one per changed GPU), and
 every SimGPU of that GPU, in any process, reads the records it has not seen yet: `perseus
 monitor -- CMD` counts the energy of the simulated work CMD runs.
 
@@ -34,7 +35,7 @@ class ActivityLog:
     def __init__(self, path: str, idle_w: float) -> None:
         self.path = path
         self.idle_w = idle_w
-        self._lock_path = os.path.join(os.path.dirname(path), ".activity.lock")
+        self._lock_path = os.path.join(os.path.dirname(path), ".lock")
         self._lock_fd: int | None = None
         self._fd: int | None = None  # the generation this reader is on
         self._ino = -1

@@ -65,7 +65,7 @@ def extra_j(recs):
 
 def test_log_is_bounded_and_readers_lose_nothing(sim_dir, monkeypatch):
     monkeypatch.setattr(sim_activity, "MAX_BYTES", RECORD.size * 10)
-    path = str(sim_dir / "a100-sxm-0.activity")
+    path = str(sim_dir / "activity" / "a100-sxm-0.log")
     writer = ActivityLog(path, IDLE_W)
     steady, lagging = ActivityLog(path, IDLE_W), ActivityLog(path, IDLE_W)
     seen, missed_total = [], 0.0
@@ -89,7 +89,7 @@ def test_log_is_bounded_and_readers_lose_nothing(sim_dir, monkeypatch):
 
 
 def test_a_removed_log_starts_over(sim_dir):
-    path = str(sim_dir / "a40-0.activity")
+    path = str(sim_dir / "activity" / "a40-0.log")
     writer, reader = ActivityLog(path, IDLE_W), ActivityLog(path, IDLE_W)
     writer.append(1.0, 2.0, 200.0)
     assert reader.read_new(time.monotonic()) == ([(1.0, 2.0, 200.0)], 0.0)
@@ -103,4 +103,10 @@ def test_virtual_clock_gpus_keep_their_work_to_themselves(sim_dir):
     from perseus.clock import VirtualClock
 
     SimGPU("a100-sxm", 0, clock=VirtualClock()).execute(Work(1.0))
-    assert not list(sim_dir.glob("*.activity"))
+    assert not (sim_dir / "activity").exists()
+
+
+def test_the_log_stays_out_of_the_state_files(sim_dir):
+    SimGPU("a100-sxm", 2).execute(Work(0.001))
+    assert sorted(p.name for p in sim_dir.iterdir()) == ["activity"]
+    assert [p.name for p in (sim_dir / "activity").iterdir() if not p.name.startswith(".")] == ["a100-sxm-2.log"]
