@@ -1,0 +1,128 @@
+"""`perseus plan`: plan GPU frequencies for a pipeline schedule from a time-energy profile."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import tempfile
+from pathlib import Path
+
+from perseus.exceptions import ConfigError
+
+EPILOG = """examples:
+  perseus plan --profile gpt3.csv --blocking-power 83.64 --schedule 1f1b --stages 8 --microbatches 96
+  perseus plan --profile gpt3.csv --blocking-power 83.64 --stages 8 --microbatches 96 --max-slowdown 1.1 --out plan.json
+  perseus plan --profile prof.json --stages 4 --microbatches 16 --frontier frontier.csv --plot plots/
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from perseus.schedules import SCHEDULES
+
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan per-instruction GPU frequencies that cut energy within a deadline",
+        description="Choose an SM frequency for every instruction of one pipeline iteration: the least "
+        "energy within the deadline (default: no slowdown against every GPU at its maximum clock). "
+        "Prints the plan next to the baselines, with a certified lower bound on the energy.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--profile", required=True, type=Path, help="time-energy profile (.csv or .json)")
+    parser.add_argument("--blocking-power", type=float, help="watts a GPU draws while waiting on a peer (required for CSV profiles)")
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
+    parser.add_argument("--stages", type=int, required=True, help="number of pipeline stages (ranks)")
+    parser.add_argument("--microbatches", type=int, required=True, help="microbatches per iteration")
+    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved-1f1b)")
+    limit = parser.add_mutually_exclusive_group()
+    limit.add_argument("--deadline", type=float, help="iteration time limit in seconds")
+    limit.add_argument("--max-slowdown", type=float, help="iteration time limit as a factor of the all-max-clock time, e.g. 1.1")
+    parser.add_argument("--out", type=Path, help="write the plan as JSON here")
+    parser.add_argument("--frontier", type=Path, help="write the time-energy frontier as CSV here")
+    parser.add_argument("--frontier-points", type=int, default=50, help="frontier points (default 50)")
+    parser.add_argument("--plot", type=Path, metavar="DIR", help="write timeline.png and frontier.png into DIR (needs matplotlib)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from perseus.planner import Planner, save_plan
+    from perseus.planner.baselines import envpipe_plan, max_frequency_plan, uniform_plan
+    from perseus.profiler import load_profile
+    from perseus.schedules import build_schedule
+
+    for path in (args.out, args.frontier):
+        if path is not None and not path.parent.exists():
+            raise ConfigError(f"folder {path.parent} does not exist; create it or choose another path for {path.name}")
+    if args.plot is not None:
+        from perseus.planner.plot import pyplot
+
+        pyplot()  # fail before planning if matplotlib is missing
+    profile = load_profile(args.profile, args.blocking_power)
+    schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
+    planner = Planner(schedule, profile)
+    plan = planner.plan(deadline=args.deadline, max_slowdown=args.max_slowdown)
+
+    ev = planner.evaluator
+    pace = max(plan.deadline_s, planner.max_frequency_time_s)
+    rows = [max_frequency_plan(ev), uniform_plan(ev, plan.deadline_s), envpipe_plan(ev, plan.deadline_s)]
+    base = _at_pace(rows[0].energy_j, rows[0].iteration_time_s, pace, ev)
+    print(f"{schedule.name}, {schedule.num_stages} stages x {schedule.num_microbatches} microbatches "
+          f"({planner.problem.num_nodes} instructions), blocking power {profile.blocking_power_w:g} W, "
+          f"deadline {plan.deadline_s:.6g} s")
+    print(f"{'plan':<22} {'iteration s':>12} {'energy J':>12} {'saving':>8}")
+    for name, t, e in [(r.name, r.iteration_time_s, r.energy_j) for r in rows] + [("Perseus", plan.iteration_time_s, plan.energy_j)]:
+        saving = 100 * (1 - _at_pace(e, t, pace, ev) / base)
+        print(f"{name:<22} {t:>12.6g} {e:>12.6g} {saving:>7.2f}%")
+    print(f"lower bound {plan.lower_bound_j:.6g} J: Perseus is within {100 * plan.gap:.3f}% of optimal")
+    if pace > planner.max_frequency_time_s:
+        print(f"(savings over an iteration of {pace:.6g} s: a plan that ends early waits for the slowest pipeline)")
+
+    if args.out is not None:
+        save_plan(plan, args.out)
+        print(f"plan written to {args.out}")
+    frontier = None
+    if args.frontier is not None or args.plot is not None:
+        frontier = planner.frontier(args.frontier_points)
+    if args.frontier is not None:
+        _write_frontier(frontier, args.frontier)
+        print(f"frontier ({len(frontier)} points) written to {args.frontier}")
+    if args.plot is not None:
+        _plots(args.plot, planner, plan, frontier, rows)
+        print(f"plots written to {args.plot / 'timeline.png'} and {args.plot / 'frontier.png'}")
+    return 0
+
+
+def _at_pace(energy: float, time_s: float, pace: float, ev) -> float:
+    """Energy of an iteration that lasts `pace` seconds: idle GPUs block until then."""
+    return energy + ev.blocking_power_w * ev.num_stages * max(pace - time_s, 0.0)
+
+
+def _write_frontier(points, path: Path) -> None:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["deadline_s", "time_s", "energy_j", "lower_bound_j", "gap"])
+    for p in points:
+        writer.writerow([repr(p.plan.deadline_s), repr(p.time_s), repr(p.energy_j), repr(p.lower_bound_j), repr(p.plan.gap)])
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(buf.getvalue())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _plots(folder: Path, planner, plan, frontier, baselines) -> None:
+    from perseus.planner.plot import plot_frontier, plot_timeline
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ev = planner.evaluator
+    panels = [("all GPUs at max clock", ev.evaluate(baselines[0].frequencies)), ("Perseus plan", ev.evaluate(plan.frequencies))]
+    plot_timeline(panels, planner.schedule, planner.profile, folder / "timeline.png")
+    points = {r.name: (r.iteration_time_s, r.energy_j) for r in baselines}
+    points["Perseus plan"] = (plan.iteration_time_s, plan.energy_j)
+    plot_frontier(frontier, points, folder / "frontier.png")
