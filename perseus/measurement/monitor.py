@@ -224,8 +224,10 @@ class Monitor:
         end = self._snapshot()
         t0, t1 = begin[0], end[0]
         gpu = {i: (e1 - e0) / 1000.0 for i, e0, e1 in zip(self._counter_indices, begin[1], end[1])}
-        for i in self._sampled_indices:
-            gpu[i] = self.power_monitor.energy_j(i, t0, t1)  # type: ignore[union-attr]
+        if self._sampled_indices:
+            for i in self._sampled_indices:
+                gpu[i] = self.power_monitor.energy_j(i, t0, t1)  # type: ignore[union-attr]
+            gpu = {i: gpu[i] for i in self._gpu_indices}  # in the order of self.gpus
         cpu = dram = None
         if self._cpu_indices:
             cpu = {i: e1 - e0 for i, e0, e1 in zip(self._cpu_indices, begin[2], end[2])}

@@ -190,3 +190,22 @@ def test_works_with_torch_loaded_without_cuda(gpus):
     monitor.begin_window("w")
     assert monitor.end_window("w").time_s == 0.0
     assert monitor._cuda_sync is None  # resolved once torch is loaded: nothing to wait for
+
+
+def test_nvml_backend_counter_and_sampled_gpus(monkeypatch):
+    """Over the fake pynvml: an Ampere GPU read from its counter, a Pascal one from power samples."""
+    from perseus.devices.fake_nvml import NVML_DEVICE_ARCH_PASCAL, FakeGPU, installed
+    from perseus.devices.nvml import nvml_gpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    clock = VirtualClock()
+    fakes = [FakeGPU(power_mw=90_000), FakeGPU(architecture=NVML_DEVICE_ARCH_PASCAL, power_mw=50_000)]
+    with installed(fakes, clock=clock):
+        with Monitor(gpus=nvml_gpus(), cpus=[], clock=clock) as monitor:
+            assert monitor.power_monitor is not None and monitor.power_monitor.gpu_indices == [1]
+            monitor.begin_window("step")
+            clock.advance(2.0)
+            m = monitor.end_window("step")
+    assert list(m.gpu_energy_j) == [0, 1]
+    assert m.gpu_energy_j[0] == pytest.approx(180.0, abs=0.002)  # the counter counts whole mJ
+    assert m.gpu_energy_j[1] == pytest.approx(100.0)
