@@ -11,6 +11,7 @@ Intensity comes from a `CarbonIntensityProvider`:
 from __future__ import annotations
 
 import abc
+import bisect
 import csv
 import json
 import logging
@@ -140,6 +141,7 @@ class IntensityTimeSeries(CarbonIntensityProvider):
         if not speedup > 0:
             raise ConfigError(f"IntensityTimeSeries speedup must be > 0, got {speedup!r}")
         self.points = list(points)
+        self._stamps = [p.timestamp for p in self.points]
         self._clock = clock
         self._speedup = float(speedup)
         self._origin = clock.now() if clock is not None else 0.0
@@ -186,13 +188,7 @@ class IntensityTimeSeries(CarbonIntensityProvider):
             raise CarbonIntensityError(
                 f"the intensity series starts at {self.points[0].timestamp.isoformat()}, after {when.isoformat()}"
             )
-        index = 0
-        for i, point in enumerate(self.points):
-            if point.timestamp <= when:
-                index = i
-            else:
-                break
-        return index
+        return bisect.bisect_right(self._stamps, when) - 1
 
     def current(self) -> float:
         return self.points[self._index_at(self.now())].g_per_kwh
