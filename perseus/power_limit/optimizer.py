@@ -28,6 +28,7 @@ import math
 import os
 from typing import Any
 
+from perseus.atomic import write_json_atomic
 from perseus.controller.safety import ResetGuard
 from perseus.devices.gpu import GPU
 from perseus.exceptions import ConfigError, PerseusError, ProfileError
@@ -297,15 +298,8 @@ class GlobalPowerLimitOptimizer:
                 for m in self.measurements
             ],
         }
-        path = self.profile_path
-        assert path is not None
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        assert self.profile_path is not None
+        write_json_atomic(self.profile_path, data)
 
 
 def read_profile(path: str, limit_range_mw: tuple[int, int] | None = None) -> tuple[list[PowerLimitMeasurement], int]:
