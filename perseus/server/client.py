@@ -134,8 +134,9 @@ class PlannerClient:
         self._info: RankInfo | None = None
         self._commands: queue.SimpleQueue[_Out] = queue.SimpleQueue()
         self._plan_arrived = threading.Event()
-        self._idle = threading.Event()
+        self._idle = threading.Event()  # nothing queued or unanswered (see flush)
         self._idle.set()
+        self._idle_lock = threading.Lock()
         self._closing = threading.Event()
         self._warned_once: set[str] = set()
         self._wake_r, self._wake_w = os.pipe()
@@ -250,8 +251,9 @@ class PlannerClient:
     def _send(self, out: _Out) -> None:
         if self._closing.is_set():
             return
-        self._idle.clear()
-        self._commands.put(out)
+        with self._idle_lock:
+            self._idle.clear()
+            self._commands.put(out)
         self._wake()
 
     def _call(self, message: Message, *, reliable: bool) -> Message | ServiceError | None:
@@ -395,7 +397,7 @@ class _Connection:
                 self.outbox.appendleft(_Out(RegisterRank(c._job_id, c._info), reliable=True))
                 if c._spec is not None and c._spec.job_id() == c._job_id:
                     self.outbox.appendleft(_Out(RegisterJob(c._spec), reliable=True))
-        if self.rank_registered and now >= self.next_poll and not any(isinstance(o.message, GetTable) for o in self._pending()):
+        if self.rank_registered and not c._closing.is_set() and now >= self.next_poll and not any(isinstance(o.message, GetTable) for o in self._pending()):
             assert c._info is not None and c._job_id is not None
             self.outbox.append(_Out(GetTable(c._job_id, c._info.rank, max(-1, c._iteration), c._known_plan_version()), reliable=False))
             self.next_poll = now + c.poll_interval_s
@@ -438,11 +440,12 @@ class _Connection:
             pass
 
     def _update_idle(self) -> None:
-        busy = self.reports or any(o.reliable or isinstance(o.message, ReportIteration) for o in self._pending()) or self.delayed
-        if busy:
-            self.c._idle.clear()
-        else:
-            self.c._idle.set()
+        busy = self.reports or self.delayed or any(o.reliable or isinstance(o.message, ReportIteration) for o in self._pending())
+        with self.c._idle_lock:
+            if busy or not self.c._commands.empty():
+                self.c._idle.clear()
+            else:
+                self.c._idle.set()
 
     def _receive(self) -> None:
         assert self.socket is not None

@@ -73,8 +73,7 @@ def plan_job(schedule: Schedule, profile: Profile) -> tuple[PlanResult, dict[str
     PlanError (with the planner's reason) if it cannot."""
     # Imported here: the planner pulls in cvxpy and friends, which would make the service (and
     # every test that starts it) slow to start; only the worker thread pays the import.
-    from perseus.planner import evaluate, max_frequencies
-    from perseus.planner.solver import Planner
+    from perseus.planner import Planner, evaluate, max_frequencies
 
     try:
         profile.validate(schedule)

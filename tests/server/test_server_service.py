@@ -14,6 +14,7 @@ import msgpack
 import pytest
 from server_helpers import FREQUENCIES, job_spec, rank_info, raw_request, request, stage_profile
 
+from perseus.planner import Planner
 from perseus.profiler.profile import Profile
 from perseus.schedules import build_schedule
 from perseus.server.client import PlannerClient
@@ -21,12 +22,6 @@ from perseus.server.planning import merge_profiles
 from perseus.server.protocol import HARD_MESSAGE_BYTES, MAX_MESSAGE_BYTES, Phase, profile_to_wire
 
 
-def planner():
-    try:
-        from perseus.planner.solver import Planner
-    except ImportError:
-        pytest.skip("perseus.planner.Planner has not landed yet")
-    return Planner
 
 
 def _ping_ok(endpoint: str) -> None:
@@ -83,7 +78,6 @@ def test_oversized_messages_are_refused(serve):
 
 
 def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path):
-    Planner = planner()
     served = serve()
     spec = job_spec()
     clients = [PlannerClient(served.endpoint, timeout_s=2.0, poll_interval_s=0.05) for _ in range(2)]
@@ -132,7 +126,6 @@ def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path)
 
 
 def test_restarted_service_resumes_without_profiling_again(serve, tmp_path):
-    planner()
     state = tmp_path / "state"
     served = serve(state)
     endpoint = served.endpoint
