@@ -231,15 +231,15 @@ class SimGPU(GPU):
         return True
 
     def energy_mj(self) -> float:
-        now = self._now()
         with self._lock:
+            now = self._now()
             partial = self._settle(now)
             extra = self._extra_j
         return (self._idle_w * (now - self._origin) + extra + partial) * 1000.0
 
     def power_mw(self) -> float:
-        now = self._now()
         with self._lock:
+            now = self._now()
             self._settle(now)
             extra_w = sum(x for start, end, x in self._pending if start <= now < end)
         return (self._idle_w + extra_w) * 1000.0

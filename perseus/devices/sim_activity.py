@@ -21,6 +21,8 @@ import math
 import os
 import struct
 
+from perseus.exceptions import DeviceError
+
 RECORD = struct.Struct("<ddd")  # work: start_s, end_s, busy power W; header: generation, total J, NaN
 MAX_BYTES = RECORD.size * 40_000  # about 1 MB
 TAIL_RECORDS = 1_000  # what a new reader reads of an existing log: work that may still run
@@ -55,6 +57,15 @@ class ActivityLog:
             self._offset = max(RECORD.size, tail)
 
     def append(self, start: float, end: float, busy_w: float) -> None:
+        try:
+            self._append(start, end, busy_w)
+        except OSError as e:
+            raise DeviceError(
+                f"cannot log simulated GPU work to {self.path} ({e}); "
+                "set PERSEUS_SIM_DIR to a writable folder"
+            ) from e
+
+    def _append(self, start: float, end: float, busy_w: float) -> None:
         lock = self._writer_lock()
         while True:
             fcntl.flock(lock, fcntl.LOCK_SH)
@@ -87,7 +98,7 @@ class ActivityLog:
         self._next_path_check = now + PATH_CHECK_S
         try:
             st = os.stat(self.path)
-        except FileNotFoundError:
+        except OSError:  # removed (or its folder is gone): treat as absent
             st = None
         if st is not None and st.st_ino == self._ino:
             return (self._read_to(st.st_size) if st.st_size > self._offset else []), 0.0
@@ -120,7 +131,7 @@ class ActivityLog:
         self._fd, self._ino, self._offset = None, -1, 0
         try:
             fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
+        except OSError:  # none yet, or unreadable: nothing to count
             return False
         header = os.pread(fd, RECORD.size, 0)
         if len(header) < RECORD.size or not math.isnan(RECORD.unpack(header)[2]):

@@ -13,6 +13,7 @@ import pytest
 from perseus.devices import sim_activity
 from perseus.devices.sim import PRESETS, SimGPU, Work, busy_power_w, predict, sim_gpus
 from perseus.devices.sim_activity import RECORD, ActivityLog
+from perseus.exceptions import DeviceError
 from perseus.measurement import Monitor
 
 IDLE_W = PRESETS["a100-sxm"].idle_w
@@ -110,3 +111,14 @@ def test_the_log_stays_out_of_the_state_files(sim_dir):
     SimGPU("a100-sxm", 2).execute(Work(0.001))
     assert sorted(p.name for p in sim_dir.iterdir()) == ["activity"]
     assert [p.name for p in (sim_dir / "activity").iterdir() if not p.name.startswith(".")] == ["a100-sxm-2.log"]
+
+
+def test_an_unwritable_runtime_folder_is_a_clear_error(sim_dir):
+    gpu = SimGPU("a100-sxm", 0)
+    (sim_dir / "activity" / ".lock").unlink()
+    (sim_dir / "activity" / "a100-sxm-0.log").unlink()
+    (sim_dir / "activity").rmdir()
+    (sim_dir / "activity").write_text("not a folder")
+    with pytest.raises(DeviceError, match="PERSEUS_SIM_DIR to a writable folder"):
+        SimGPU("a100-sxm", 0).execute(Work(0.001))
+    assert gpu.energy_mj() > 0  # reading still works: idle power
