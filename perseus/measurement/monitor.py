@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from perseus.clock import Clock
 from perseus.devices.gpu import GPU
-from perseus.exceptions import ConfigError, DeviceNotFoundError, MeasurementError
+from perseus.exceptions import ConfigError, DeviceError, MeasurementError
 from perseus.measurement.power import PowerMonitor
 
 
@@ -266,12 +266,13 @@ def _select(devices: list, indices: Sequence[int] | None, kind: str) -> list:
 
 
 def _default_cpus(cpu_indices: Sequence[int] | None) -> list[CPUEnergy]:
-    """RAPL packages; none when RAPL is unreadable, unless `cpu_indices` asked for some."""
-    try:
-        from perseus.devices.cpu import rapl_cpus
+    """RAPL packages; none when RAPL is absent or unreadable, unless `cpu_indices` asked for some
+    (then the device's error, which says how to fix it)."""
+    from perseus.devices.cpu import rapl_cpus
 
+    try:
         return list(rapl_cpus())
-    except (ImportError, DeviceNotFoundError) as e:
+    except DeviceError:
         if cpu_indices:
-            raise DeviceNotFoundError(f"cannot measure CPUs {list(cpu_indices)}: {e}") from e
+            raise
         return []

@@ -209,3 +209,19 @@ def test_nvml_backend_counter_and_sampled_gpus(monkeypatch):
     assert list(m.gpu_energy_j) == [0, 1]
     assert m.gpu_energy_j[0] == pytest.approx(180.0, abs=0.002)  # the counter counts whole mJ
     assert m.gpu_energy_j[1] == pytest.approx(100.0)
+
+
+def test_cpus_default_to_rapl_only_where_readable(gpus):
+    """No RAPL on this machine or CI (skipped where it is readable): no CPU energy by default,
+    a clear error when CPUs are asked for."""
+    from perseus.devices.cpu import rapl_cpus
+    from perseus.exceptions import DeviceError
+
+    try:
+        rapl_cpus()
+        pytest.skip("RAPL is readable here")
+    except DeviceError:
+        pass
+    assert Monitor(gpus=gpus).cpus == []
+    with pytest.raises(DeviceError, match="RAPL"):
+        Monitor(gpus=gpus, cpu_indices=[0])
