@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +84,7 @@ class PerseusRank:
         handle_signals: bool = True,
         watchdog: bool = True,
         retry_s: float = 2.0,
+        startup_wait_s: float = 3.0,
         close_client: bool = False,
         on_iteration: Callable[[IterationRecord], None] | None = None,
     ) -> None:
@@ -127,7 +129,11 @@ class PerseusRank:
 
         self._client = client
         self._close_client = close_client
+        self._startup_wait_s = startup_wait_s
         self._job_id: str | None = None
+        # The planner's tables count iterations from the rank's first one it could answer, so a
+        # rank that reached the planner late still warms up and sweeps from the start.
+        self._offset: int | None = None
         self._stop = threading.Event()
         self._registrar: threading.Thread | None = None
         if client is not None:
@@ -151,6 +157,8 @@ class PerseusRank:
                 self.on_step_end()
             self.iteration += 1
             self._in_step = True
+            if self.iteration == 0 and self._client is not None:
+                self._await_planner()
             self._begin_iteration()
             self._step_start = (self.gpu.clock.now(), self.gpu.energy_mj())
         except Exception as e:
@@ -222,13 +230,12 @@ class PerseusRank:
     # Iteration logic
     def _begin_iteration(self) -> None:
         assignment = self._assignment() if self.controller.enabled else None  # else: measure only
-        phase = getattr(assignment, "phase", UNPLANNED)
-        phase = getattr(phase, "value", phase)
+        phase = _phase(assignment)
         frequency = None
         self._profiling = False
         if phase == PROFILING and not self.sweep.done:
             try:
-                step = self.profiler.begin_iteration(self.iteration, assignment.profiling_frequency)
+                step = self.profiler.begin_iteration(self.job_iteration, assignment.profiling_frequency)
             except ConfigError as e:
                 self._warn_once("sweep", f"{e}; not profiling this iteration")
                 step = SweepStep("unplanned", None, False)
@@ -247,7 +254,7 @@ class PerseusRank:
         self.phase = phase
         self._frequency = frequency
         if self._progress is not None:
-            step = self.sweep.step_at(self.iteration)
+            step = self.sweep.step_at(self.job_iteration or 0)
             total = len(self.sweep.frequencies)
             done = step.index if phase == PROFILING and step.index >= 0 else None
             self._progress.update(self.iteration, phase, frequency, done, total if done is not None else None)
@@ -272,8 +279,8 @@ class PerseusRank:
         if self.phase == PROFILING and not self.sweep.done and self.profiler.end_iteration():
             self._upload_profile()
         self._profiling = False
-        if self._client is not None and self._job_id is not None:
-            self._client.report_iteration(self._job_id, self.rank, record.iteration, record.time_s, record.energy_j)
+        if self._client is not None and self._job_id is not None and self._offset is not None:
+            self._client.report_iteration(self._job_id, self.rank, self.job_iteration, record.time_s, record.energy_j)
         if self._on_iteration is not None:
             self._on_iteration(record)
 
@@ -287,14 +294,35 @@ class PerseusRank:
         if self._client is not None and self._job_id is not None and self.dp_index == 0:
             self._client.upload_profile(self._job_id, self.stage, profile)
 
+    @property
+    def job_iteration(self) -> int | None:
+        """This iteration as the planner counts it (None until the planner first answered)."""
+        return None if self._offset is None else self.iteration - self._offset
+
     def _assignment(self) -> Any:
         if self._client is None or self._job_id is None:
             return None
         try:
-            return self._client.assignment(self.iteration)
+            if self._offset is None:
+                first = self._client.assignment(0)
+                if _phase(first) == UNPLANNED:
+                    return first
+                self._offset = self.iteration
+            return self._client.assignment(self.job_iteration)
         except Exception as e:
             self._warn_once("assignment", f"asking the planner for iteration {self.iteration} failed ({e!r}); keeping the current clocks")
             return None
+
+    def _await_planner(self) -> None:
+        """Before the first iteration, give the planner up to `startup_wait_s` to register this
+        rank and answer, so that every rank starts its tables at the same iteration."""
+        deadline = time.monotonic() + self._startup_wait_s
+        if self._registrar is not None:
+            self._registrar.join(max(0.0, deadline - time.monotonic()))
+        while self._job_id is not None and time.monotonic() < deadline:
+            if _phase(self._client.assignment(0)) != UNPLANNED:
+                return
+            self._stop.wait(0.01)
 
     # Registration (background: the planner may be late or down)
     def job_spec(self) -> Any:
@@ -352,3 +380,9 @@ class PerseusRank:
         if where not in self._warned:
             self._warned.add(where)
             logger.warning("rank %d: %s", self.rank, message)
+
+
+def _phase(assignment: Any) -> str:
+    """An assignment's phase as a plain string (UNPLANNED for no assignment)."""
+    phase = getattr(assignment, "phase", UNPLANNED)
+    return getattr(phase, "value", phase)

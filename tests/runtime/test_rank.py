@@ -65,7 +65,7 @@ def gpu(tmp_path):
 
 def make_rank(gpu, client=None, **kwargs):
     rank = PerseusRank(gpu, SCHEDULE, 1, client=client, progress=False, handle_signals=False,
-                       watchdog=False, wait_for_clock=True, retry_s=0.01, **kwargs)
+                       watchdog=False, wait_for_clock=True, retry_s=0.01, startup_wait_s=0.2, **kwargs)
     if rank._registrar is not None:
         rank._registrar.join(0.5)
     return rank
