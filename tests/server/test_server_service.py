@@ -120,6 +120,21 @@ def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path)
         assert f"job {job_id} iteration {start} (plan v1)" in served.log()
         state = tmp_path / "state"
         assert (state / "jobs" / job_id / "plan.json").exists() and (state / "profiles" / f"{spec.profile_key()}.json").exists()
+
+        # A job whose instruction order deadlocks (B0 before F0 on stage 0): planning fails, the
+        # job says why, its ranks stay at max clocks, and the service keeps serving (same
+        # service, so the planner import is paid once).
+        order = [[("backward", 0, 0), ("forward", 0, 0)], [("forward", 0, 0), ("backward", 0, 0)]]
+        bad = job_spec(num_microbatches=1, stage_orders=order, tag="deadlock")
+        with PlannerClient(served.endpoint, poll_interval_s=0.05) as c0, PlannerClient(served.endpoint, poll_interval_s=0.05) as c1:
+            c0.register_rank(c0.register_job(bad), rank_info(0))
+            c1.register_rank(bad.job_id(), rank_info(1))
+            c0.upload_profile(bad.job_id(), 0, stage_profile(0))
+            c1.upload_profile(bad.job_id(), 1, stage_profile(1))
+            failed = _wait(lambda: [j for j in c0.status(bad.job_id()).jobs if j.phase == "failed"])[0]
+            assert "deadlock" in failed.error
+            _wait(lambda: c0.assignment(100).phase == Phase.UNPLANNED)
+        assert clients[0].status(job_id).jobs[0].phase == "planned"
     finally:
         for c in clients:
             c.close()
@@ -171,7 +186,8 @@ def test_restarted_service_resumes_without_profiling_again(serve, tmp_path):
 
 
 def test_sigterm_stops_the_service_cleanly(serve):
-    served = serve(full_cli=True)  # the real entry point, once (it imports every command: slower)
+    # The real entry point, once: it imports every command (the demo pulls in torch), a few seconds.
+    served = serve(full_cli=True)
     _ping_ok(served.endpoint)
     assert served.stop(signal.SIGTERM) == 0
     assert "planner service stopped" in served.log()
