@@ -1,0 +1,65 @@
+"""`perseus plan` as a real subprocess: the savings table, plan.json, frontier CSV, plots, errors.
+
+Slow-ish (about 6 s per subprocess here): building the `perseus` parser imports every command
+module, and the demo command imports torch. Hence few, combined invocations.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from perseus.profiler import save_profile
+from perseus.schedules import build_schedule
+
+from test_solver import random_profile
+
+
+def perseus(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "perseus.cli.main", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+@pytest.fixture
+def profile_csv(tmp_path):
+    path = tmp_path / "profile.csv"
+    save_profile(random_profile(21, 3, 6, power_w=70.0), path)
+    return path
+
+
+def test_writes_plan_frontier_and_plots(tmp_path, profile_csv):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.json"
+    frontier = tmp_path / "frontier.csv"
+    result = perseus("plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "3",
+                     "--microbatches", "6", "--max-slowdown", "1.1", "--out", str(out), "--frontier", str(frontier),
+                     "--frontier-points", "5", "--plot", str(tmp_path / "plots"))
+    assert result.returncode == 0, result.stderr
+    for name in ("max frequency", "uniform", "EnvPipe", "Perseus", "lower bound"):
+        assert name in result.stdout
+    doc = json.loads(out.read_text())
+    assert {"iteration_time_s", "energy_j", "lower_bound_j", "stages"} <= set(doc)
+    assert doc["lower_bound_j"] <= doc["energy_j"]
+    schedule = build_schedule("1f1b", 3, 6)
+    assert [s["stage"] for s in doc["stages"]] == [0, 1, 2]
+    for entry, row in zip(doc["stages"], schedule.stages):
+        assert [(i["kind"], i["microbatch"]) for i in entry["instructions"]] == [(i.kind.value, i.microbatch) for i in row]
+        assert all(isinstance(i["frequency"], int) for i in entry["instructions"])
+    rows = list(csv.DictReader(frontier.open()))
+    assert len(rows) == 5
+    assert float(rows[0]["energy_j"]) >= float(rows[-1]["energy_j"])
+    for name in ("timeline.png", "frontier.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_errors_name_the_problem(tmp_path, profile_csv):
+    result = perseus("plan", "--profile", str(profile_csv), "--stages", "3", "--microbatches", "4")
+    assert result.returncode == 1
+    assert "blocking" in result.stderr
+    result = perseus("plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "3", "--microbatches", "4",
+                     "--deadline", "0.001")
+    assert result.returncode == 1
+    assert "relax the deadline" in result.stderr

@@ -1,0 +1,158 @@
+"""The planner: exact on small DAGs (brute force), feasible and bounded everywhere, deterministic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from perseus.exceptions import ConfigError, PlanError
+from perseus.planner import Evaluator, Plan, Planner, evaluate
+from perseus.planner.exact import MAX_BINARIES, num_binaries
+from perseus.profiler import Profile, ProfilePoint, load_profile
+from perseus.schedules import build_schedule
+
+GPT3 = Path(__file__).resolve().parents[2] / "../shared/data/perseus-sosp24/stage_profiles/gpt3-175b+a100_sxm_bf16.csv"
+KINDS = ("forward", "backward", "backward_input", "backward_weight")
+
+
+def random_profile(seed: int, stages: int, num_freqs: int, power_w: float = 60.0) -> Profile:
+    """Noisy profiles: slower at lower clocks on the whole, energy not monotone, some points
+    dominated -- like measurements."""
+    rng = np.random.default_rng(seed)
+    freqs = sorted(rng.choice(np.arange(600, 1500, 15), size=num_freqs, replace=False).tolist(), reverse=True)
+    points = {}
+    for s in range(stages):
+        for kind in KINDS:
+            base = rng.uniform(0.5, 2.0) * (2.0 if kind == "backward" else 1.0)
+            pts = []
+            for f in freqs:
+                t = base * (1410 / f) ** 0.8 * rng.uniform(0.97, 1.03)
+                p = rng.uniform(150, 250) * (f / 1410) ** 2 + 80
+                pts.append(ProfilePoint(int(f), float(t), float(t * p * rng.uniform(0.9, 1.1))))
+            points[(s, kind)] = pts
+    return Profile(points, power_w)
+
+
+def brute_force(schedule, profile, deadlines):
+    """Least energy over every frequency assignment with T <= deadline, for each deadline."""
+    ev = Evaluator(schedule, profile)
+    sizes = [len(ev.node_choices(i).frequency) for i in range(len(ev.nodes))]
+    combos = np.stack(np.meshgrid(*[np.arange(k) for k in sizes], indexing="ij"), axis=-1).reshape(-1, len(sizes))
+    T, E = ev.evaluate_arrays(*ev.times_energies(combos))
+    return [float(E[T <= d].min()) if (T <= d).any() else None for d in deadlines]
+
+
+SMALL = [
+    ("1f1b", 2, 3, 3, 1),  # 12 instructions, 3 clocks each
+    ("gpipe", 2, 2, 4, 2),  # 8 instructions, 4 clocks
+    ("zb-h1", 2, 2, 3, 3),  # 12 instructions (F, I, W), 3 clocks
+    ("1f1b", 3, 2, 3, 4),  # 12 instructions
+]
+
+
+@pytest.mark.parametrize("name,stages,microbatches,num_freqs,seed", SMALL)
+def test_equals_brute_force_on_small_dags(name, stages, microbatches, num_freqs, seed):
+    schedule = build_schedule(name, stages, microbatches)
+    profile = random_profile(seed, stages, num_freqs)
+    planner = Planner(schedule, profile)
+    assert planner.problem.num_nodes <= 12
+    t_max = planner.max_frequency_time_s
+    deadlines = [t_max, planner.fastest_time_s, 0.5 * (planner.fastest_time_s + t_max), 1.1 * t_max, 1.3 * t_max, 10 * t_max]
+    best = brute_force(schedule, profile, deadlines)
+    for deadline, expected in zip(deadlines, best):
+        plan = planner.plan(deadline=deadline)
+        assert plan.iteration_time_s <= deadline
+        assert plan.energy_j == pytest.approx(expected, rel=1e-9), f"deadline {deadline}"
+        assert plan.lower_bound_j <= plan.energy_j
+    assert planner.plan().energy_j == pytest.approx(best[0], rel=1e-9)  # default: no slowdown
+
+
+def test_lp_rounding_path_meets_deadlines_and_bounds():
+    # Too many choices for the exact MILP: the LP bound + rounding path alone.
+    schedule = build_schedule("1f1b", 4, 16)
+    profile = random_profile(7, 4, 8)
+    planner = Planner(schedule, profile)
+    assert num_binaries(planner.problem) > MAX_BINARIES
+    ev = Evaluator(schedule, profile)
+    for factor in (1.0, 1.02, 1.1, 1.3, 3.0):
+        deadline = factor * planner.max_frequency_time_s
+        plan = planner.plan(deadline=deadline)
+        evaluation = ev.evaluate(plan.frequencies)
+        assert evaluation.iteration_time_s <= deadline
+        assert evaluation.energy_j == plan.energy_j
+        assert plan.lower_bound_j <= plan.energy_j
+        assert plan.gap < 0.02
+    assert planner.plan().energy_j < planner.max_frequency_energy_j
+
+
+@pytest.mark.skipif(not GPT3.exists(), reason="shared Perseus profiles not present")
+def test_real_profile_plans_meet_deadlines():
+    profile = load_profile(GPT3, 83.64)
+    schedule = build_schedule("1f1b", 8, 12)
+    planner = Planner(schedule, profile)
+    for factor in (1.0, 1.03, 1.1, 1.5):
+        deadline = factor * planner.max_frequency_time_s
+        plan = planner.plan(max_slowdown=factor)
+        evaluation = evaluate(schedule, plan.frequencies, profile)
+        assert plan.deadline_s == deadline
+        assert evaluation.iteration_time_s <= deadline
+        assert evaluation.energy_j == pytest.approx(plan.energy_j, rel=1e-12)
+        assert plan.lower_bound_j <= plan.energy_j
+        assert plan.gap <= 0.003
+    no_slowdown = planner.plan()
+    assert 1 - no_slowdown.energy_j / planner.max_frequency_energy_j > 0.152  # paper: 15.2% at 8 x 12
+
+
+def test_frontier_is_monotone_and_ends_at_min_energy():
+    schedule = build_schedule("1f1b", 4, 16)
+    planner = Planner(schedule, random_profile(11, 4, 8))
+    points = planner.frontier(num_points=8)
+    assert len(points) == 8
+    assert points[0].plan.deadline_s == pytest.approx(planner.fastest_time_s)
+    for a, b in zip(points, points[1:]):
+        assert b.energy_j <= a.energy_j
+        assert a.plan.deadline_s < b.plan.deadline_s
+    for p in points:
+        assert p.time_s <= p.plan.deadline_s
+        assert p.lower_bound_j <= p.energy_j
+    slowest = planner.min_energy_plan()
+    assert points[-1].energy_j == slowest.energy_j
+    # Past the minimum-energy time the plan stays there.
+    assert planner.plan(deadline=10 * slowest.iteration_time_s).energy_j == pytest.approx(slowest.energy_j, rel=1e-6)
+
+
+def test_deterministic():
+    schedule = build_schedule("interleaved-1f1b", 2, 4, num_chunks=2)
+    profile = random_profile(5, 2, 10)
+    a = Planner(schedule, profile).plan(max_slowdown=1.05)
+    b = Planner(schedule, profile).plan(max_slowdown=1.05)
+    assert a == b
+
+
+def test_bad_deadlines():
+    planner = Planner(build_schedule("1f1b", 2, 3), random_profile(1, 2, 3))
+    with pytest.raises(PlanError, match="fastest"):
+        planner.plan(deadline=0.5 * planner.fastest_time_s)
+    with pytest.raises(ConfigError, match="either"):
+        planner.plan(deadline=1.0, max_slowdown=1.1)
+    with pytest.raises(ConfigError):
+        planner.plan(max_slowdown=-1)
+    with pytest.raises(ConfigError):
+        planner.frontier(num_points=1)
+
+
+def test_plan_json_round_trip():
+    schedule = build_schedule("interleaved-1f1b", 2, 4, num_chunks=2)
+    planner = Planner(schedule, random_profile(3, 2, 4))
+    plan = planner.plan(max_slowdown=1.1)
+    doc = plan.to_json()
+    assert {"iteration_time_s", "energy_j", "lower_bound_j", "stages"} <= set(doc)
+    assert [s["stage"] for s in doc["stages"]] == [0, 1]
+    assert {"kind", "microbatch", "frequency", "chunk"} <= set(doc["stages"][1]["instructions"][0])
+    back = Plan.from_json(doc, schedule)
+    assert back == plan
+    assert back.stage_frequencies(1) == [plan.frequencies[ins] for ins in schedule.stages[1]]
+    with pytest.raises(PlanError, match="plan again"):
+        Plan.from_json(doc, build_schedule("interleaved-1f1b", 2, 6, num_chunks=2))
