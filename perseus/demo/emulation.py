@@ -1,12 +1,15 @@
 """GPU-execution emulation: each instruction of a demo stage runs on the rank's simulated GPU.
 
-A forward or backward does its real, tiny CPU compute, then runs the stage's `Work` on the
-simulated GPU and waits for it. So the instruction takes the time and draws the power the
-simulator gives at the SM clock in effect then, and an energy counter read around the
-instruction (as `perseus.instrument` does) sees the busy work. The GPU work comes after the
-CPU compute so that a clock the controller sets off the training thread as the instruction
-begins has had that compute's time to take effect. The backward's work runs from an
-autograd marker at the stage input, which the backward reaches last.
+A forward or backward launches the stage's `Work` on the simulated GPU as it starts (like a
+CUDA kernel launch), does its real, tiny CPU compute meanwhile, and waits for the GPU at its
+end. So the instruction takes the time and draws the power the simulator gives, and an
+energy counter read around the instruction (as `perseus.instrument` does) sees the busy
+work. The backward uses two autograd markers: one at the stage output launches the work
+when the backward reaches it, one at the stage input waits for it.
+
+The work runs as a stream of short slices, each at the SM clock in effect just before it
+starts, the way a real GPU's clock change takes effect mid-kernel: Perseus' controller sets
+clocks off the training thread, so a new clock lands a moment after the instruction began.
 """
 
 from __future__ import annotations
@@ -31,7 +34,14 @@ class Span:
     microbatch: int
     start: float
     end: float
-    frequency: int  # SM clock (MHz) when it was issued
+    frequency: int  # the SM clock (MHz) most of its work ran at
+
+
+#: Nominal GPU time (at the highest clock) of one slice of an instruction's work.
+SLICE_S = 0.004
+#: The next slice is queued this long before the current one ends, so the slices run back to
+#: back even when the training thread wakes up late.
+LEAD_S = 0.0015
 
 
 class GPUEmulator:
@@ -45,17 +55,39 @@ class GPUEmulator:
             )
         self.gpu = gpu
         self.works = works
+        self._slices = {kind: max(1, round(work.time_s / SLICE_S)) for kind, work in works.items()}
         self._counts = dict.fromkeys(works, 0)
         self._spans: list[Span] = []
+        # The instruction in flight: kind, microbatch, start, slices left, GPU time per clock.
+        self._kind: Kind | None = None
+        self._microbatch = 0
+        self._start = 0.0
+        self._left = 0
+        self._end = 0.0
+        self._busy: dict[int, float] = {}
 
-    def run(self, kind: Kind) -> None:
-        """Run the work of the next `kind` instruction at the current clock; wait until it ends."""
-        microbatch = self._counts[kind]
-        self._counts[kind] = microbatch + 1
-        frequency = self.gpu.sm_clock()
-        start = self.gpu.clock.now()
-        self.gpu.execute(self.works[kind], blocking=True)
-        self._spans.append(Span(kind.value, microbatch, start, self.gpu.clock.now(), frequency))
+    def launch(self, kind: Kind) -> None:
+        """Start the work of the next `kind` instruction; returns at once."""
+        self._microbatch = self._counts[kind]
+        self._counts[kind] += 1
+        self._kind, self._left, self._busy = kind, self._slices[kind], {}
+        self._start = self._end = self.gpu.clock.now()
+        self._issue()
+
+    def wait(self) -> None:
+        """Run the rest of the launched work and wait until it has finished: the instruction's end."""
+        if self._kind is None:
+            return
+        clock = self.gpu.clock
+        while self._left:
+            ahead = self._end - LEAD_S - clock.now()
+            if ahead > 0:
+                clock.sleep(ahead)
+            self._issue()
+        self.gpu.synchronize()
+        frequency = max(self._busy, key=lambda f: (self._busy[f], -f))
+        self._spans.append(Span(self._kind.value, self._microbatch, self._start, clock.now(), frequency))
+        self._kind = None
 
     def take_spans(self) -> list[Span]:
         """The spans recorded since the last call; microbatch numbering restarts (a new iteration)."""
@@ -63,9 +95,21 @@ class GPUEmulator:
         self._counts = dict.fromkeys(self.works, 0)
         return spans
 
+    def _issue(self) -> None:
+        """Queue the next slice behind the previous one, at the clock in effect now."""
+        assert self._kind is not None
+        work = self.works[self._kind]
+        n = self._slices[self._kind]
+        frequency = self.gpu.sm_clock()
+        now = self.gpu.clock.now()
+        duration = self.gpu.execute(Work(work.time_s / n, work.alpha, work.intensity), blocking=False)
+        self._end = max(now, self._end) + duration
+        self._busy[frequency] = self._busy.get(frequency, 0.0) + duration
+        self._left -= 1
 
-class _BackwardMarker(torch.autograd.Function):
-    """Identity at the stage input; the backward reaches it last and runs the backward work there."""
+
+class _LaunchBackward(torch.autograd.Function):
+    """Identity at the stage output; the backward reaches it first and launches its work there."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, emulator: GPUEmulator) -> torch.Tensor:  # type: ignore[override]
@@ -74,7 +118,21 @@ class _BackwardMarker(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        ctx.emulator.run(Kind.BACKWARD)
+        ctx.emulator.launch(Kind.BACKWARD)
+        return grad, None
+
+
+class _WaitBackward(torch.autograd.Function):
+    """Identity at the stage input; the backward reaches it last and waits for its work there."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, emulator: GPUEmulator) -> torch.Tensor:  # type: ignore[override]
+        ctx.emulator = emulator
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        ctx.emulator.wait()
         return grad, None
 
 
@@ -87,11 +145,13 @@ class EmulatedStage(nn.Module):
         self.emulator = emulator
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.emulator.launch(Kind.FORWARD)
         if self.stage.is_first:
             x = self.stage.embed(x)
-        x = _BackwardMarker.apply(x, self.emulator)
+        x = _WaitBackward.apply(x, self.emulator)
         x = self.stage.body(x)
         if self.stage.is_last:
             x = self.stage.head_out(x)
-        self.emulator.run(Kind.FORWARD)
+        x = _LaunchBackward.apply(x, self.emulator)
+        self.emulator.wait()
         return x

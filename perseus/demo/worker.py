@@ -70,11 +70,7 @@ def _instrument(stage, schedule, gpu, config: DemoConfig):
         iterations_per_frequency=config.iterations_per_frequency,
         frequencies=tuple(config.sweep_frequencies) if config.sweep_frequencies else None,
     )
-    # wait_for_clock: the emulated GPU reads the clock when work is issued (see PerseusRank).
-    perseus.instrument(
-        stage, schedule=schedule, client=config.server, gpu=gpu, tag=config.tag,
-        profiling=settings, wait_for_clock=True,
-    )
+    perseus.instrument(stage, schedule=schedule, client=config.server, gpu=gpu, tag=config.tag, profiling=settings)
     return stage.perseus
 
 
