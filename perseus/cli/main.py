@@ -24,20 +24,35 @@ COMMANDS = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `command`, only that subcommand's module is imported (fast start-up:
+    `perseus serve` should not pay for torch, which `perseus demo` imports)."""
     parser = argparse.ArgumentParser(
         prog="perseus",
         description="Measure and cut the energy of deep-learning training on GPUs.",
         epilog="GPUs: real ones through NVML by default; PERSEUS_GPU=sim:a100-sxm:4 simulates four A100s.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
+    wanted = f"perseus.cli.{command}"
+    for name in [wanted] if wanted in COMMANDS else COMMANDS:
         importlib.import_module(name).register(sub)
     return parser
 
 
+def _command_in(argv: list[str]) -> str | None:
+    """The subcommand named by argv (the first argument that is not an option), if any."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg
+        if arg == "--":
+            return None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(_command_in(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
