@@ -34,6 +34,7 @@ import uuid as uuid_lib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from perseus.atomic import write_json_atomic
 from perseus.clock import REAL_CLOCK, Clock, RealClock
 from perseus.devices.gpu import GPU
 from perseus.devices.sim_activity import ActivityLog
@@ -430,17 +431,13 @@ class SimGPU(GPU):
         self._state_key = None  # re-stat on the next read
 
     def _write_state(self, state: _State) -> None:
-        tmp = f"{self._path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(
-                {"sm_clock_mhz": state.sm_clock_mhz, "power_limit_mw": state.power_limit_mw, "slowdown": state.slowdown},
-                f,
-            )
+        doc = {"sm_clock_mhz": state.sm_clock_mhz, "power_limit_mw": state.power_limit_mw, "slowdown": state.slowdown}
+        write_json_atomic(self._path, doc, indent=None, fsync=False)  # runtime state, like hardware's: lost on reboot
         # A fine-grained mtime makes the (mtime, inode, size) cache key change on every write,
-        # even when the file system's own timestamps are coarser than back-to-back writes.
+        # even when the file system's own timestamps are coarser than back-to-back writes (and
+        # an inode is reused); a reader that stats between the rename and this re-reads after it.
         stamp = time.time_ns()
-        os.utime(tmp, ns=(stamp, stamp))
-        os.replace(tmp, self._path)
+        os.utime(self._path, ns=(stamp, stamp))
 
 
 def sim_gpus(preset: str, count: int = 1, clock: Clock | None = None) -> list[SimGPU]:

@@ -21,6 +21,7 @@ import math
 import os
 import struct
 
+from perseus.atomic import write_bytes_atomic
 from perseus.exceptions import DeviceError
 
 RECORD = struct.Struct("<ddd")  # work: start_s, end_s, busy power W; header: generation, total J, NaN
@@ -169,10 +170,7 @@ class ActivityLog:
                 finally:
                     os.close(fd)
                 header = RECORD.pack(generation + 1, total_before_j + self._extra_j(records), math.nan)
-            tmp = f"{self.path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(header)
-            os.replace(tmp, self.path)
+            write_bytes_atomic(self.path, header, fsync=False)  # a runtime log: no need to survive a reboot
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 

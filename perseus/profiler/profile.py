@@ -23,12 +23,12 @@ import io
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from perseus.atomic import write_text_atomic
 from perseus.exceptions import ConfigError, ProfileError
 from perseus.schedules.instruction import Instruction, Kind
 
@@ -285,18 +285,6 @@ def _rows(profile: Profile) -> list[dict]:
     ]
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save_profile(profile: Profile, path: str | os.PathLike) -> None:
     """Write `profile` atomically as CSV or JSON (by extension). CSV keeps the measurements only;
     JSON also keeps the blocking power and meta."""
@@ -320,4 +308,4 @@ def save_profile(profile: Profile, path: str | os.PathLike) -> None:
         text = json.dumps(doc, indent=1) + "\n"
     else:
         raise ConfigError(f"{path}: unknown profile format {suffix!r}; use a .csv or .json file")
-    _atomic_write(path, text)
+    write_text_atomic(path, text)
