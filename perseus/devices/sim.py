@@ -31,7 +31,6 @@ import os
 import threading
 import time
 import uuid as uuid_lib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from perseus.atomic import write_json_atomic
@@ -158,11 +157,6 @@ def predict(
     return t, busy_power_w(p, work, f) * t
 
 
-def _fast_now(clock: Clock) -> Callable[[], float]:
-    """`clock.now`, minus a Python call layer for the real clock (counters read it on every access)."""
-    return time.monotonic if isinstance(clock, RealClock) else clock.now
-
-
 def sim_dir() -> str:
     """The runtime folder holding simulated GPU state files."""
     return os.environ.get(SIM_DIR_ENV) or f"/tmp/perseus-sim-{os.getuid()}"
@@ -193,7 +187,7 @@ class SimGPU(GPU):
         self.preset = get_preset(preset)
         self.index = index
         self._clock = clock or REAL_CLOCK
-        self._now = _fast_now(self._clock)
+        self._now = self._clock.now
         self._freqs = self.preset.frequencies
         self._ascending = sorted(self._freqs)
         self._idle_w = self.preset.idle_w
