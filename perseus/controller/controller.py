@@ -78,7 +78,8 @@ class FrequencyController:
         self._worker = threading.Thread(target=self._run, name=f"perseus-controller-{gpu.index}", daemon=True)
         self._worker.start()
         self._guard = ResetGuard(self.reset, handle_signals=handle_signals)
-        self._watchdog = Watchdog.for_gpu(gpu) if watchdog and self._enabled else None
+        # SM clocks only: the controller never sets a power limit, so it leaves one alone.
+        self._watchdog = Watchdog.for_gpus([gpu], power_limit=False) if watchdog and self._enabled else None
 
     # Plans (set at iteration boundaries)
     def set_uniform(self, frequency: int | None) -> None:

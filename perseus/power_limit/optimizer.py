@@ -16,7 +16,8 @@ that ends first discards that measurement and the limit is tried again next epoc
 selector picks a limit, which stays (selectors that depend on the outside world, like
 CarbonCost, pick again at every epoch). Under torch.distributed every rank measures its own
 GPUs; energy is summed and time maxed over ranks, and rank 0's choice is applied everywhere.
-The default power limit comes back on `close()`, at interpreter exit, and on SIGTERM/SIGINT.
+The default power limit comes back on `close()`, at interpreter exit, on SIGTERM/SIGINT, and,
+with `watchdog`, from a separate process if the trainer is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 from perseus.atomic import write_json_atomic
 from perseus.controller.safety import ResetGuard
+from perseus.controller.watchdog import Watchdog
 from perseus.devices.gpu import GPU
 from perseus.exceptions import ConfigError, PerseusError, ProfileError
 from perseus.measurement.monitor import Monitor
@@ -68,7 +70,9 @@ class GlobalPowerLimitOptimizer:
 
     selector: how to choose (default MaxSlowdownConstraint(1.1): least energy, at most 10%
     slower). profile_path: a JSON file; written atomically when profiling ends, and when it
-    exists at start, profiling is skipped and its choice applied at once.
+    exists at start, profiling is skipped and its choice applied at once. watchdog: start a
+    process that restores the default limits if this one is SIGKILLed (it costs one Python
+    start-up, a fraction of a second).
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class GlobalPowerLimitOptimizer:
         profile_steps: int = 40,
         pl_step_w: float = 25,
         profile_path: str | os.PathLike[str] | None = None,
+        watchdog: bool = True,
     ) -> None:
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
@@ -117,6 +122,7 @@ class GlobalPowerLimitOptimizer:
         self._warned_short_epoch = False
         self._window = f"perseus.power_limit.{id(self)}"
         self._guard = ResetGuard(self._reset_power_limits)
+        self._watchdog = Watchdog.for_gpus(self.gpus, sm_clock=False) if watchdog else None
 
         try:
             if self._load_profile():
@@ -182,6 +188,8 @@ class GlobalPowerLimitOptimizer:
         self.phase = Phase.CLOSED
         self._reset_power_limits()
         self._guard.close()
+        if self._watchdog is not None:
+            self._watchdog.stop()
 
     def __enter__(self) -> GlobalPowerLimitOptimizer:
         return self

@@ -105,12 +105,25 @@ def test_watchdog_resets_within_one_second_after_sigkill(gpu):
     assert elapsed < 1.0
 
 
+def test_controller_watchdog_leaves_a_power_limit_it_never_set(gpu):
+    gpu.set_power_limit_mw(300_000)  # e.g. an administrator's cap
+    proc = start("watchdog")
+    os.kill(proc.pid, signal.SIGKILL)
+    wait_for_default(gpu, limit_s=5.0)
+    proc.wait(timeout=5)
+    assert gpu.power_limit_mw() == 300_000
+    gpu.reset_power_limit()
+
+
 def test_watchdog_leaves_clocks_alone_after_a_clean_stop(gpu):
     from perseus.controller import Watchdog
 
-    dog = Watchdog.for_gpu(gpu)
+    dog = Watchdog.for_gpus([gpu])
     assert dog is not None
-    gpu.lock_sm_clock(1005)  # e.g. someone else's setting after this job finished cleanly
+    gpu.lock_sm_clock(1005)  # e.g. someone else's settings after this job finished cleanly
+    gpu.set_power_limit_mw(300_000)
     dog.stop()
     assert gpu.sm_clock() == 1005
+    assert gpu.power_limit_mw() == 300_000
     gpu.reset_sm_clock()
+    gpu.reset_power_limit()

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -45,6 +46,7 @@ def make(num_gpus=2, **kwargs):
     gpus = sim_gpus(PRESET, num_gpus, clock)
     kwargs.setdefault("warmup_steps", 2)
     kwargs.setdefault("profile_steps", 5)
+    kwargs.setdefault("watchdog", False)  # a process per optimizer; the SIGKILL test below covers it
     optimizer = GlobalPowerLimitOptimizer(Monitor(gpus=gpus, cpus=[]), **kwargs)
     return optimizer, gpus, clock
 
@@ -200,7 +202,7 @@ def test_carbon_cost_follows_the_grid_from_clean_to_dirty_and_back():
         clock=clock,
     )
     optimizer = GlobalPowerLimitOptimizer(
-        Monitor(gpus=gpus, cpus=[]), CarbonCost(0.5, series), warmup_steps=0, profile_steps=5
+        Monitor(gpus=gpus, cpus=[]), CarbonCost(0.5, series), warmup_steps=0, profile_steps=5, watchdog=False
     )
     chosen = []  # (clock at epoch begin, limit during the epoch)
     for _ in range(40):
@@ -224,7 +226,7 @@ def test_carbon_cost_follows_the_grid_from_clean_to_dirty_and_back():
     assert {limit for start, limit in chosen if start > 60} == {clean}
 
 
-# Restoring the default from a separate process: exit, uncaught exception, SIGTERM.
+# Restoring the default from a separate process: exit, uncaught exception, SIGTERM, SIGKILL.
 CHILD = textwrap.dedent(
     """
     import os, signal, sys, time
@@ -237,13 +239,15 @@ CHILD = textwrap.dedent(
     if mode == "sigterm":
         signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[2], "w").write("user handler"), sys.exit(3)))
     gpus = sim_gpus("a100-sxm", 2, VirtualClock())
-    opt = GlobalPowerLimitOptimizer(Monitor(gpus=gpus, cpus=[]), Time(), warmup_steps=0, profile_steps=1)
+    opt = GlobalPowerLimitOptimizer(
+        Monitor(gpus=gpus, cpus=[]), Time(), warmup_steps=0, profile_steps=1, watchdog=mode == "sigkill"
+    )
     opt.on_epoch_begin(); opt.on_step_begin(); opt.on_step_end()  # now at 375 W
     assert gpus[1].power_limit_mw() == 375_000
     print("ready", flush=True)
     if mode == "exception":
         raise RuntimeError("crash in training")
-    if mode == "sigterm":
+    if mode in ("sigterm", "sigkill"):
         time.sleep(60)
     """
 )
@@ -274,3 +278,17 @@ def test_default_restored_on_sigterm_and_the_user_handler_still_runs(tmp_path):
     assert child.returncode == 3  # the user's handler ran after the reset
     assert marker.read_text() == "user handler"
     assert [g.power_limit_mw() for g in sim_gpus(PRESET, 2)] == [400_000, 400_000]
+
+
+def test_watchdog_restores_the_default_after_sigkill():
+    """Nothing in the killed process runs: the watchdog process restores both GPUs' limits."""
+    child = run_child("sigkill")
+    assert child.stdout.readline().strip() == "ready", child.stderr.read()
+    gpus = sim_gpus(PRESET, 2)
+    assert [g.power_limit_mw() for g in gpus] == [375_000, 375_000]
+    child.kill()
+    child.communicate(timeout=10)
+    deadline = time.monotonic() + 5.0
+    while any(g.power_limit_mw() != 400_000 for g in gpus) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [g.power_limit_mw() for g in gpus] == [400_000, 400_000]
