@@ -18,7 +18,7 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from perseus.devices.gpu import GPU
@@ -124,48 +124,42 @@ class _StageHooks:
         if getattr(stage, "perseus", None) is not None:
             raise ConfigError(f"pipeline stage {stage.stage_index} is already instrumented by Perseus")
         stage.perseus = self.rank
-        rank = self.rank
 
         clear = stage.clear_runtime_states
-        forward = stage.forward_one_chunk
-        backward = stage.backward_one_chunk
-        weight = stage.backward_weight_one_chunk
 
         @functools.wraps(clear)
         def clear_runtime_states(*args: Any, **kwargs: Any) -> Any:
             self.step_begins(stage)
             return clear(*args, **kwargs)
 
-        @functools.wraps(forward)
-        def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            self.begin(Kind.FORWARD, fwd_chunk_id, chunk)
-            try:
-                return forward(fwd_chunk_id, *args, **kwargs)
-            finally:
-                rank.on_instruction_end(Kind.FORWARD, fwd_chunk_id, chunk)
-
-        @functools.wraps(backward)
-        def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        def full_or_input(args: tuple, kwargs: dict) -> Kind:
             full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-            kind = Kind.BACKWARD if full else Kind.BACKWARD_INPUT
-            self.begin(kind, bwd_chunk_id, chunk)
-            try:
-                return backward(bwd_chunk_id, *args, **kwargs)
-            finally:
-                rank.on_instruction_end(kind, bwd_chunk_id, chunk)
-
-        @functools.wraps(weight)
-        def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            self.begin(Kind.BACKWARD_WEIGHT, bwd_chunk_id, chunk)
-            try:
-                return weight(bwd_chunk_id, *args, **kwargs)
-            finally:
-                rank.on_instruction_end(Kind.BACKWARD_WEIGHT, bwd_chunk_id, chunk)
+            return Kind.BACKWARD if full else Kind.BACKWARD_INPUT
 
         stage.clear_runtime_states = clear_runtime_states
-        stage.forward_one_chunk = forward_one_chunk
-        stage.backward_one_chunk = backward_one_chunk
-        stage.backward_weight_one_chunk = backward_weight_one_chunk
+        stage.forward_one_chunk = self.instruction(stage.forward_one_chunk, chunk, lambda a, k: Kind.FORWARD)
+        stage.backward_one_chunk = self.instruction(stage.backward_one_chunk, chunk, full_or_input)
+        stage.backward_weight_one_chunk = self.instruction(
+            stage.backward_weight_one_chunk, chunk, lambda a, k: Kind.BACKWARD_WEIGHT
+        )
+
+    def instruction(
+        self, run: Callable[..., Any], chunk: int, kind_of: Callable[[tuple, dict], Kind]
+    ) -> Callable[..., Any]:
+        """Wrap a stage's `*_one_chunk(microbatch, ...)` method: the rank sees each call begin
+        and end as one instruction of kind `kind_of(args, kwargs)`."""
+        rank = self.rank
+
+        @functools.wraps(run)
+        def wrapper(microbatch: int, *args: Any, **kwargs: Any) -> Any:
+            kind = kind_of(args, kwargs)
+            self.begin(kind, microbatch, chunk)
+            try:
+                return run(microbatch, *args, **kwargs)
+            finally:
+                rank.on_instruction_end(kind, microbatch, chunk)
+
+        return wrapper
 
     def step_begins(self, stage: Any) -> None:
         try:
