@@ -20,6 +20,8 @@ COMMANDS = [
     "perseus.cli.reset",
     "perseus.cli.plan",
     "perseus.cli.serve",
+    "perseus.cli.straggler",
+    "perseus.cli.keys",
     "perseus.cli.demo",
 ]
 

@@ -8,6 +8,7 @@ import signal
 import sys
 
 from perseus.server.protocol import DEFAULT_ADDRESS
+from perseus.server.security import PLAINTEXT, CurveServer
 from perseus.server.service import PlannerService
 from perseus.server.state import default_state_dir
 
@@ -15,6 +16,10 @@ EPILOG = f"""examples:
   perseus serve                                       listen on {DEFAULT_ADDRESS}
   perseus serve --state-dir ./perseus-state           keep profiles and plans beside the job
   perseus serve --bind tcp://127.0.0.1:0              pick a free port (printed on start)
+  perseus keys --dir keys --client node1 --client node2
+  perseus serve --bind tcp://0.0.0.0:7787 --curve-keys keys
+                                                      other machines, CURVE-authenticated: ranks
+                                                      set PERSEUS_CURVE_KEYS=keys PERSEUS_CURVE_CLIENT=node1
 
 Start it beside torchrun; ranks reach it through perseus.instrument(..., address=...).
 """
@@ -30,8 +35,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--bind", default=DEFAULT_ADDRESS, metavar="ENDPOINT", help=f"ZeroMQ endpoint to listen on (default {DEFAULT_ADDRESS}; loopback only)")
+    parser.add_argument("--bind", default=DEFAULT_ADDRESS, metavar="ENDPOINT", help=f"ZeroMQ endpoint to listen on (default {DEFAULT_ADDRESS}; beyond loopback it needs --curve-keys or --insecure)")
     parser.add_argument("--state-dir", default=None, metavar="DIR", help=f"where jobs, profiles and plans are kept (default {default_state_dir()})")
+    parser.add_argument(
+        "--curve-keys", default=None, metavar="DIR",
+        help="encrypt and authenticate with ZeroMQ CURVE: the service's keys from DIR/server, accepting only clients "
+        "whose public keys are in DIR/clients (create them with `perseus keys --dir DIR`)",
+    )
+    parser.add_argument(
+        "--insecure", action="store_true",
+        help="allow binding a non-loopback address without --curve-keys (anyone who can reach the port can change your GPUs' clocks)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default info)")
     parser.add_argument("--log-every", type=int, default=10, metavar="N", help="log predicted against measured every N planned iterations (default 10)")
     parser.set_defaults(func=run)
@@ -39,7 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    service = PlannerService(args.bind, args.state_dir, log_every=args.log_every)
+    security = CurveServer(args.curve_keys) if args.curve_keys else PLAINTEXT
+    service = PlannerService(args.bind, args.state_dir, security=security, insecure=args.insecure, log_every=args.log_every)
     try:
         endpoint = service.bind()
         previous = {sig: signal.signal(sig, lambda *_: service.stop()) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -30,6 +30,8 @@ from perseus.server.protocol import (
     HARD_MESSAGE_BYTES,
     MAX_MESSAGE_BYTES,
     REQUESTS,
+    Ack,
+    DeclareStraggler,
     ErrorCode,
     GetStatus,
     GetTable,
@@ -47,7 +49,7 @@ from perseus.server.protocol import (
     decode_reply,
     encode_request,
 )
-from perseus.server.security import PLAINTEXT, Security
+from perseus.server.security import Security, security_from_env
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class _View:
     stage_profiled: bool
     plan: Assignment | None
     plan_start: int
+    previous: Assignment | None  # the plan held before `plan`, run until `plan_start`
     warmup: Assignment
     waiting: Assignment  # after the sweep until a plan starts; UNPLANNED if planning failed
 
@@ -114,8 +117,10 @@ class PlannerClient:
         timeout_s: float = 1.0,
         *,
         poll_interval_s: float = 0.25,
-        security: Security = PLAINTEXT,
+        security: Security | None = None,
     ) -> None:
+        """`security`: e.g. `CurveClient.from_dir(DIR, name)` for a service started with
+        --curve-keys DIR; default: from PERSEUS_CURVE_KEYS if set, else plaintext."""
         if not isinstance(address, str) or address.partition("://")[0] not in ("tcp", "ipc", "inproc"):
             raise ConfigError(f"planner address must be a ZeroMQ endpoint like {DEFAULT_ADDRESS}, got {address!r}")
         for name, value in (("timeout_s", timeout_s), ("poll_interval_s", poll_interval_s)):
@@ -124,7 +129,7 @@ class PlannerClient:
         self.address = address
         self.timeout_s = float(timeout_s)
         self.poll_interval_s = float(poll_interval_s)
-        self._security = security
+        self._security = security if security is not None else security_from_env()
         # Shared with the training thread: written by one side, read by the other (atomic refs).
         self._view: _View | None = None
         self._iteration = -1
@@ -175,6 +180,8 @@ class PlannerClient:
             return UNPLANNED
         if view.plan is not None and iteration >= view.plan_start:
             return view.plan
+        if view.previous is not None:
+            return view.previous  # a re-plan (a straggler came or went) starts at plan_start
         if iteration < view.warmup_iterations:
             return view.warmup
         if not (view.stage_profiled or self._uploaded):
@@ -206,6 +213,16 @@ class PlannerClient:
             self._warn_once("report", "dropping an iteration report the service would refuse: %s", e)
             return
         self._send(_Out(message, reliable=False))
+
+    def declare_straggler(self, job_id: str, pipeline: int, factor: float | None) -> bool:
+        """Tell the service that pipeline (data-parallel index) `pipeline` runs `factor` x its
+        planned iteration time (1.2: 20% slower), so the other pipelines are re-planned to that
+        pace; `factor` None clears it. True once the service took it, False if it did not answer
+        within `timeout_s`. ServiceError if it refused (unknown job, no such pipeline)."""
+        result = self._call(DeclareStraggler(job_id, pipeline, factor), reliable=False)
+        if isinstance(result, ServiceError):
+            raise result
+        return isinstance(result, Ack)
 
     def status(self, job_id: str | None = None) -> Status | None:
         """The service's view of one job (or all): phases, predicted and measured figures.
@@ -288,10 +305,15 @@ class PlannerClient:
         assert info is not None
         version = table.plan_version
         plan = None
+        previous = old.previous if old is not None else None
         if version and table.frequencies is not None:
             plan = Assignment(Phase.PLANNED, list(table.frequencies), None, version)
+            if old is not None and old.plan is not None and old.plan.plan_version != version and self._iteration >= old.plan_start:
+                previous = old.plan
         elif version and old is not None and old.plan is not None and old.plan.plan_version == version:
             plan = old.plan
+        if plan is None or table.plan_start_iteration == 0:
+            previous = None
         failed = table.phase == JobPhase.FAILED.value
         self._view = _View(
             warmup_iterations=table.warmup_iterations,
@@ -300,6 +322,7 @@ class PlannerClient:
             stage_profiled=info.stage in table.profiled_stages,
             plan=plan,
             plan_start=table.plan_start_iteration,
+            previous=previous,
             warmup=Assignment(Phase.WARMUP, None, None, version),
             waiting=UNPLANNED if failed else Assignment(Phase.PLANNING, None, None, version),
         )

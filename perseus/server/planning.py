@@ -1,6 +1,7 @@
 """From a registered job to a plan: its schedule, its merged profile, and the planner call.
 
-`plan_job` is what the service's worker thread runs; everything here is deterministic.
+`make_planner` and `plan_pipeline` are what the service's worker thread runs; everything here is
+deterministic.
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ def merge_profiles(stage_profiles: dict[int, Profile], blocking_power_w: float |
     return Profile(points, blocking_power_w, {})
 
 
+def stage_rows(schedule: Schedule, stage: int, profile: Profile) -> Profile | None:
+    """Stage `stage`'s rows of a whole-pipeline profile (a cached one), or None if it has none."""
+    allowed = rank_profile_stages(schedule, stage)
+    points = {key: pts for key, pts in profile.points.items() if key[0] in allowed}
+    return Profile(points, profile.blocking_power_w, {}) if points else None
+
+
 @dataclass(frozen=True)
 class PlanResult:
     """What the service publishes and records: per-stage frequency lists and the predicted figures
@@ -68,17 +76,27 @@ class PlanResult:
     baseline_energy_j: float
 
 
-def plan_job(schedule: Schedule, profile: Profile) -> tuple[PlanResult, dict[str, Any]]:
-    """Plan with no slowdown: the result and the planner's plan document (`Plan.to_json()`).
-    PlanError (with the planner's reason) if it cannot."""
+def make_planner(schedule: Schedule, profile: Profile) -> Any:
+    """A `perseus.planner.Planner` for one pipeline; kept per job, it answers later deadlines
+    (stragglers) without rebuilding the problem. PlanError if the profile does not fit."""
     # Imported here: the planner pulls in cvxpy and friends, which would make the service (and
     # every test that starts it) slow to start; only the worker thread pays the import.
-    from perseus.planner import Planner, evaluate, max_frequencies
+    from perseus.planner import Planner
 
     try:
         profile.validate(schedule)
-        plan = Planner(schedule, profile).plan()
-        baseline = evaluate(schedule, max_frequencies(schedule, profile), profile)
+        return Planner(schedule, profile)
+    except (ConfigError, ScheduleError) as e:
+        raise PlanError(str(e)) from None
+
+
+def plan_pipeline(planner: Any, deadline_s: float | None = None) -> tuple[PlanResult, dict[str, Any]]:
+    """Plan one pipeline: no slowdown (`deadline_s` None), else the least energy within
+    `deadline_s` (the planner stays at its minimum-energy time T* past it). The result and the
+    planner's plan document (`Plan.to_json()`); PlanError with the planner's reason if it cannot."""
+    schedule = planner.schedule
+    try:
+        plan = planner.plan() if deadline_s is None else planner.plan(deadline=deadline_s)
     except (ConfigError, ScheduleError) as e:
         raise PlanError(str(e)) from None
     stage_frequencies = []
@@ -92,7 +110,8 @@ def plan_job(schedule: Schedule, profile: Profile) -> tuple[PlanResult, dict[str
         iteration_time_s=float(plan.iteration_time_s),
         energy_j=float(plan.energy_j),
         lower_bound_j=float(plan.lower_bound_j),
-        baseline_iteration_time_s=float(baseline.iteration_time_s),
-        baseline_energy_j=float(baseline.energy_j),
+        baseline_iteration_time_s=float(planner.max_frequency_time_s),
+        baseline_energy_j=float(planner.max_frequency_energy_j),
     )
     return result, plan.to_json()
+

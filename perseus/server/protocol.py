@@ -23,6 +23,7 @@ import msgpack
 from perseus.exceptions import ConfigError, ProfileError, ServiceError
 from perseus.profiler.profile import KINDS, Profile, ProfilePoint
 from perseus.schedules.instruction import STYLES
+from perseus.server.topology import RANK_MAPPINGS
 
 PROTOCOL_VERSION = 1
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7787"
@@ -35,6 +36,7 @@ MAX_FREQUENCY_MHZ = 100_000
 MAX_FREQUENCIES = 1024
 MAX_INSTRUCTIONS = 1 << 20
 MAX_PROFILE_ROWS = 100_000
+MAX_STRAGGLER_FACTOR = 10.0
 
 
 class _Name(str, enum.Enum):
@@ -182,7 +184,10 @@ class JobSpec(Message):
     triples (for example from a torch schedule's pipeline_order); otherwise the schedule is
     `perseus.schedules.build_schedule(schedule_name, pp, num_microbatches, num_chunks)`.
     `sweep_frequencies` (MHz) defaults to every frequency the first registered rank supports.
-    `blocking_power_w` overrides the blocking power the ranks' profiles carry.
+    `blocking_power_w` overrides the blocking power the ranks' profiles carry (per GPU).
+    `rank_mapping` says how ranks map to (stage, dp_index, tp_index): "explicit" (each rank
+    states its own), "megatron" or "torch" (see perseus.server.topology); with a named mapping
+    the service checks every rank's stated coordinates against it.
     """
 
     world_size: int
@@ -201,6 +206,7 @@ class JobSpec(Message):
     iterations_per_frequency: int = 2
     sweep_frequencies: tuple[int, ...] | None = None
     blocking_power_w: float | None = None
+    rank_mapping: str = "explicit"
 
     def __post_init__(self) -> None:
         n = "JobSpec"
@@ -220,6 +226,7 @@ class JobSpec(Message):
             gpu_model=_str(self.gpu_model, f"{n}.gpu_model", 128, min_len=1),
             warmup_iterations=_int(self.warmup_iterations, f"{n}.warmup_iterations", 0, 1_000_000),
             iterations_per_frequency=_int(self.iterations_per_frequency, f"{n}.iterations_per_frequency", 1, 10_000),
+            rank_mapping=_str(self.rank_mapping, f"{n}.rank_mapping", 16, choices=RANK_MAPPINGS),
         )
         if self.stage_orders is not None:
             _set(self, stage_orders=_stage_orders(self.stage_orders, f"{n}.stage_orders", pp, microbatches, chunks))
@@ -234,22 +241,28 @@ class JobSpec(Message):
             doc["stage_orders"] = [[list(t) for t in order] for order in self.stage_orders]
         if self.sweep_frequencies is not None:
             doc["sweep_frequencies"] = list(self.sweep_frequencies)
+        if self.rank_mapping == "explicit":
+            del doc["rank_mapping"]  # the default: specs (and job ids) of earlier releases unchanged
         return doc
 
-    def signature(self) -> dict[str, Any]:
-        """What a stage profile depends on: jobs with the same signature share a cached profile."""
-        return {
+    def signature(self, gpu_model: str | None = None) -> dict[str, Any]:
+        """What a stage profile depends on: jobs with the same signature share a cached profile.
+        `gpu_model`: the signature of the job's stages on that model (default the job's)."""
+        signature = {
             "schedule": self.schedule_name,
             "stages": self.pp,
             "microbatches": self.num_microbatches,
             "chunks": self.num_chunks,
-            "gpu_model": self.gpu_model,
+            "gpu_model": self.gpu_model if gpu_model is None else gpu_model,
             "tag": self.tag,
         }
+        if self.tp > 1:
+            signature["tp"] = self.tp  # a stage's profile sums its tensor-parallel ranks
+        return signature
 
-    def profile_key(self) -> str:
-        """File-name-safe key of `signature()`."""
-        return "sig-" + hashlib.sha256(_canonical(self.signature())).hexdigest()[:24]
+    def profile_key(self, gpu_model: str | None = None) -> str:
+        """File-name-safe key of `signature(gpu_model)`."""
+        return "sig-" + hashlib.sha256(_canonical(self.signature(gpu_model))).hexdigest()[:24]
 
     def job_id(self) -> str:
         """Deterministic id: registering the same spec again (a retry, a restarted job) gives the same job."""
@@ -510,6 +523,24 @@ class ReportIteration(Message):
 
 
 @dataclass(frozen=True)
+class DeclareStraggler(Message):
+    """An operator declares pipeline (data-parallel index) `pipeline` slow by `factor` (1.2: its
+    iterations take 1.2x its plan's time); the others are re-planned to that pace. `factor`
+    None clears the declaration."""
+
+    TYPE: ClassVar[str] = "declare_straggler"
+    job_id: str
+    pipeline: int
+    factor: float | None
+
+    def __post_init__(self) -> None:
+        _job_id(self.job_id, "declare_straggler.job_id")
+        _int(self.pipeline, "declare_straggler.pipeline", 0, MAX_RANKS - 1)
+        if self.factor is not None:
+            _set(self, factor=_float(self.factor, "declare_straggler.factor", 1.0, MAX_STRAGGLER_FACTOR))
+
+
+@dataclass(frozen=True)
 class Ack(Message):
     phase: str
 
@@ -529,6 +560,27 @@ class GetStatus(Message):
 
 def _opt_float(value: Any, name: str) -> float | None:
     return None if value is None else _float(value, name, 0.0, 1e15)
+
+
+@dataclass(frozen=True)
+class PipelineStatus(Message):
+    """One data-parallel pipeline: its plan, the deadline it was planned for (None: no
+    slowdown), and whether it is a straggler ("detected" or "declared", with its factor)."""
+
+    pipeline: int
+    plan_version: int
+    deadline_s: float | None
+    predicted_iteration_time_s: float | None
+    measured_iteration_time_s: float | None  # median of recent iterations
+    straggler: str = ""
+    straggler_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        _int(self.pipeline, "pipeline.pipeline", 0, MAX_RANKS - 1)
+        _int(self.plan_version, "pipeline.plan_version", 0, MAX_ITERATION)
+        _str(self.straggler, "pipeline.straggler", 16, choices=("", "detected", "declared"))
+        for name in ("deadline_s", "predicted_iteration_time_s", "measured_iteration_time_s", "straggler_factor"):
+            _set(self, **{name: _opt_float(getattr(self, name), f"pipeline.{name}")})
 
 
 @dataclass(frozen=True)
@@ -557,6 +609,7 @@ class JobStatus(Message):
     planned_iterations: int = 0
     planned_iteration_time_s: float | None = None
     planned_energy_j: float | None = None
+    pipelines: tuple[PipelineStatus, ...] = ()
 
     def __post_init__(self) -> None:
         _job_id(self.job_id, "job.job_id")
@@ -579,9 +632,13 @@ class JobStatus(Message):
             "planned_energy_j",
         ):
             _set(self, **{name: _opt_float(getattr(self, name), f"job.{name}")})
+        pipelines = _seq(self.pipelines, "job.pipelines", MAX_RANKS)
+        _set(self, pipelines=tuple(p if isinstance(p, PipelineStatus) else PipelineStatus.from_wire(p) for p in pipelines))
 
     def to_wire(self) -> dict[str, Any]:
-        return {**super().to_wire(), "profiled_stages": list(self.profiled_stages)}
+        doc = {**super().to_wire(), "profiled_stages": list(self.profiled_stages)}
+        doc["pipelines"] = [p.to_wire() for p in self.pipelines]
+        return doc
 
     @property
     def predicted_saving(self) -> float | None:
@@ -630,6 +687,7 @@ REQUESTS: dict[str, tuple[type[Message], type[Message]]] = {
     GetTable.TYPE: (GetTable, Table),
     UploadProfile.TYPE: (UploadProfile, Ack),
     ReportIteration.TYPE: (ReportIteration, Ack),
+    DeclareStraggler.TYPE: (DeclareStraggler, Ack),
     GetStatus.TYPE: (GetStatus, Status),
     Ping.TYPE: (Ping, Pong),
 }

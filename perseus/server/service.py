@@ -19,13 +19,14 @@ import zmq
 
 from perseus import __version__
 from perseus.exceptions import ConfigError, PerseusError, ProfileError, ScheduleError, ServiceError
-from perseus.server.job import Job
-from perseus.server.planning import PlanResult, plan_job
+from perseus.server.job import Job, PlanKey, document_name
+from perseus.server.planning import PlanResult, make_planner, plan_pipeline
 from perseus.server.protocol import (
     DEFAULT_ADDRESS,
     HARD_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Ack,
+    DeclareStraggler,
     ErrorCode,
     GetStatus,
     GetTable,
@@ -64,16 +65,20 @@ class PlannerService:
         state_dir: str | None = None,
         *,
         security: Security = PLAINTEXT,
+        insecure: bool = False,
         log_every: int = 10,
     ) -> None:
         self.address = address
         self.security = security
+        self.insecure = insecure
         self.log_every = max(1, log_every)
         self.state = StateDir(state_dir if state_dir is not None else default_state_dir())
         self.jobs: dict[str, Job] = {}
         self.endpoint: str | None = None
         self._planning: set[str] = set()
-        self._results: queue.SimpleQueue[tuple[str, tuple[PlanResult, dict] | BaseException, float]] = queue.SimpleQueue()
+        self._planners: dict[tuple[str, tuple[str, ...]], Any] = {}  # (job, stage models) -> Planner, reused for deadlines
+        self._cache_saved: set[tuple[str, str]] = set()
+        self._results: queue.SimpleQueue[tuple[str, list[tuple[PlanKey, tuple[PlanResult, dict] | BaseException, float]]]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._context = zmq.Context()
         self._socket: zmq.Socket | None = None
@@ -83,6 +88,7 @@ class PlannerService:
             GetTable: self._get_table,
             UploadProfile: self._upload_profile,
             ReportIteration: self._report_iteration,
+            DeclareStraggler: self._declare_straggler,
             GetStatus: self._status,
             Ping: lambda msg: Pong(PROTOCOL_VERSION, f"perseus {__version__}"),
         }
@@ -107,10 +113,18 @@ class PlannerService:
         self._socket = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if not is_local_endpoint(self.endpoint) and not self.security.authenticated:
+            if not self.insecure:
+                self._socket = None
+                sock.close(linger=0)
+                raise ConfigError(
+                    f"refusing to listen on {self.endpoint} without authentication: anyone who can reach it could change your GPUs' "
+                    "clocks. Create keys with `perseus keys` and pass --curve-keys DIR, bind a loopback address, "
+                    "or pass --insecure on a trusted network"
+                )
             log.warning(
-                "\n%s\nWARNING: the planner service listens on %s, reachable from other machines, WITHOUT authentication.\n"
+                "\n%s\nWARNING: the planner service listens on %s, reachable from other machines, WITHOUT authentication (--insecure).\n"
                 "Anyone who can reach this port can register jobs and change the GPU clocks of your ranks.\n"
-                "Bind a loopback address (the default, tcp://127.0.0.1:7787) unless this network is trusted.\n%s",
+                "Use --curve-keys DIR (see `perseus keys`) or bind a loopback address unless this network is trusted.\n%s",
                 "!" * 100,
                 self.endpoint,
                 "!" * 100,
@@ -147,6 +161,7 @@ class PlannerService:
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
+        self.security.close()
         self._context.term()
 
     def handle(self, frames: list[bytes]) -> list[bytes]:
@@ -191,25 +206,35 @@ class PlannerService:
             job = Job(spec, cached_profile=cached)
             self.jobs[job.job_id] = job
             log.info(
-                "job %s registered: %s, %d stages x %d microbatches, world size %d, GPU %s%s",
+                "job %s registered: %s, %d stages x %d microbatches, dp %d, tp %d (world size %d, %s rank mapping), GPU %s%s",
                 job.job_id,
                 spec.schedule_name,
                 spec.pp,
                 spec.num_microbatches,
+                spec.dp,
+                spec.tp,
                 spec.world_size,
+                spec.rank_mapping,
                 spec.gpu_model,
                 "; profile cached, skipping profiling" if cached is not None else "",
             )
-        self._save(job)
-        if job.phase == JobPhase.PLANNING:
-            self._start_planning(job)
-        return JobRegistered(job.job_id, job.phase.value, job.cached_profile is not None)
+        self._plan(job)
+        return JobRegistered(job.job_id, job.phase.value, spec.gpu_model in job.cached)
 
     def _register_rank(self, msg: RegisterRank) -> RankRegistered:
         job = self._job(msg.job_id)
-        job.add_rank(msg.info)
-        self._save(job)
-        log.info("job %s: rank %d registered (stage %d, dp %d, tp %d)", job.job_id, msg.info.rank, msg.info.stage, msg.info.dp_index, msg.info.tp_index)
+        info = msg.info
+        job.add_rank(info)
+        model = info.gpu_model
+        if model not in job.cached and not job.profiled_stages_of(model):
+            cached = self.state.load_cached_profile(job.spec.profile_key(model), job.spec.signature(model))
+            if cached is not None:
+                job.add_cached(model, cached)
+                log.info("job %s: profile of GPU model %s cached, skipping its profiling", job.job_id, model)
+        level = logging.INFO if job.spec.world_size <= 64 or len(job.ranks) == job.spec.world_size else logging.DEBUG
+        log.log(level, "job %s: rank %d registered (stage %d, dp %d, tp %d, %s); %d of %d",
+                job.job_id, info.rank, info.stage, info.dp_index, info.tp_index, model, len(job.ranks), job.spec.world_size)
+        self._plan(job)
         return RankRegistered(job.phase.value)
 
     def _get_table(self, msg: GetTable) -> Message:
@@ -217,12 +242,15 @@ class PlannerService:
 
     def _upload_profile(self, msg: UploadProfile) -> Ack:
         job = self._job(msg.job_id)
-        if job.add_profile(msg.rank, msg.stage, msg.profile):
-            self.state.save_stage_profile(job.job_id, msg.stage, msg.profile)
-            self._save(job)
-            log.info("job %s: stage %d profiled (%d of %d)", job.job_id, msg.stage, len(job.profiles), job.spec.pp)
-            if job.phase == JobPhase.PLANNING:
-                self._start_planning(job)
+        name = job.add_profile(msg.rank, msg.stage, msg.profile)
+        if name is not None:
+            self.state.save_stage_profile(job.job_id, name, msg.profile)
+            model = job.ranks[msg.rank].gpu_model
+            if msg.stage in job.profiled_stages_of(model):
+                log.info("job %s: stage %d profiled on %s (%d of %d)", job.job_id, msg.stage, model, len(job.profiled_stages_of(model)), job.spec.pp)
+            else:
+                log.info("job %s: stage %d tensor-parallel share %d of %d in", job.job_id, msg.stage, len(job.uploads[(model, msg.stage)]), job.spec.tp)
+            self._plan(job)
         return Ack(job.phase.value)
 
     def _report_iteration(self, msg: ReportIteration) -> Ack:
@@ -234,6 +262,18 @@ class PlannerService:
                 log.info("%s", job.describe(measured))
             else:
                 log.debug("job %s iteration %d: %.4f s, %.1f J", job.job_id, measured.iteration, measured.time_s, measured.energy_j)
+        if job.update_stragglers():
+            self._plan(job)
+        return Ack(job.phase.value)
+
+    def _declare_straggler(self, msg: DeclareStraggler) -> Ack:
+        job = self._job(msg.job_id)
+        job.declare_straggler(msg.pipeline, msg.factor)
+        if msg.factor is None:
+            log.info("job %s: pipeline %d no longer declared a straggler", job.job_id, msg.pipeline)
+        else:
+            log.info("job %s: pipeline %d declared a straggler (%.3fx its planned time)", job.job_id, msg.pipeline, msg.factor)
+        self._plan(job)
         return Ack(job.phase.value)
 
     def _status(self, msg: GetStatus) -> Status:
@@ -242,62 +282,78 @@ class PlannerService:
 
     # ---- planning ------------------------------------------------------------------------------
 
-    def _start_planning(self, job: Job) -> None:
-        if job.job_id in self._planning:
-            return
-        self._planning.add(job.job_id)
-        log.info("job %s: every stage profiled; planning", job.job_id)
-        worker = threading.Thread(
-            target=self._plan_worker, args=(job.job_id, job.schedule, job.merged_profile()), name=f"plan-{job.job_id}", daemon=True
-        )
-        worker.start()
+    def _plan(self, job: Job) -> None:
+        """Publish what is solved, start solving what is missing, save the job."""
+        self._publish(job)
+        if job.job_id not in self._planning and not job.error:
+            missing = job.missing_plans()
+            if missing:
+                self._planning.add(job.job_id)
+                log.info("job %s: planning %s", job.job_id, ", ".join(_describe_key(key) for key, _ in missing))
+                worker = threading.Thread(target=self._plan_worker, args=(job.job_id, job.schedule, missing), name=f"plan-{job.job_id}", daemon=True)
+                worker.start()
+        self._save(job)
 
-    def _plan_worker(self, job_id: str, schedule: Any, profile: Any) -> None:
-        start = time.perf_counter()
-        try:
-            result: tuple[PlanResult, dict] | BaseException = plan_job(schedule, profile)
-        except BaseException as e:  # reported to the loop thread, which records the failure
-            result = e
-        self._results.put((job_id, result, time.perf_counter() - start))
+    def _publish(self, job: Job) -> None:
+        changed = job.publish()
+        if not changed:
+            return
+        for k in changed:
+            plan = job.plans[k]
+            if k == changed[0] or len(changed) <= 8:
+                saving = 1.0 - plan.energy_j / plan.baseline_energy_j
+                log.info(
+                    "job %s: pipeline %d plan v%d from iteration %d (%s): iteration %.4f s (max clocks %.4f s), "
+                    "energy %.1f J (max clocks %.1f J, saving %.1f%%, lower bound %.1f J)",
+                    job.job_id, k, plan.version, plan.start_iteration, _describe_key(plan.key), plan.iteration_time_s,
+                    plan.baseline_iteration_time_s, plan.energy_j, plan.baseline_energy_j, 100 * saving, plan.lower_bound_j,
+                )
+        if len(changed) > 8:
+            log.info("job %s: plan v%d published for %d pipelines", job.job_id, job.last_version, len(changed))
+
+    def _plan_worker(self, job_id: str, schedule: Any, tasks: list[tuple[PlanKey, Any]]) -> None:
+        done: list[tuple[PlanKey, tuple[PlanResult, dict] | BaseException, float]] = []
+        for key, profile in tasks:
+            start = time.perf_counter()
+            try:
+                planner = self._planners.get((job_id, key[0]))
+                if planner is None:
+                    planner = self._planners[(job_id, key[0])] = make_planner(schedule, profile)
+                result: tuple[PlanResult, dict] | BaseException = plan_pipeline(planner, key[1])
+            except BaseException as e:  # reported to the loop thread, which records the failure
+                result = e
+            done.append((key, result, time.perf_counter() - start))
+        self._results.put((job_id, done))
 
     def _finish_plans(self) -> None:
         while True:
             try:
-                job_id, result, seconds = self._results.get_nowait()
+                job_id, done = self._results.get_nowait()
             except queue.Empty:
                 return
             self._planning.discard(job_id)
             job = self.jobs[job_id]
-            if isinstance(result, BaseException):
-                if isinstance(result, PerseusError):
-                    job.fail(f"planning failed: {result}")
-                else:
-                    log.error("job %s: planner crashed", job_id, exc_info=result)
-                    job.fail(f"planning failed with an internal error ({type(result).__name__}: {result})")
-                log.error("job %s: %s; its ranks stay at maximum clocks", job_id, job.error)
-            else:
+            for key, result, seconds in done:
+                if isinstance(result, BaseException):
+                    if isinstance(result, PerseusError):
+                        message = f"planning failed: {result}"
+                    else:
+                        log.error("job %s: planner crashed", job_id, exc_info=result)
+                        message = f"planning failed with an internal error ({type(result).__name__}: {result})"
+                    job.add_result(key, message)
+                    log.error("job %s: %s (%s); %s", job_id, message, _describe_key(key),
+                              "its ranks stay at maximum clocks" if key[1] is None else "those pipelines keep their no-slowdown plans")
+                    continue
                 result, document = result
-                profile = job.merged_profile()
-                plan = job.publish(result)
-                self.state.save_plan_document(job_id, document)
-                if job.cached_profile is None:
-                    self.state.save_cached_profile(job.spec.profile_key(), job.spec.signature(), profile)
-                saving = 1.0 - result.energy_j / result.baseline_energy_j
-                log.info(
-                    "job %s: plan v%d in %.2f s from iteration %d: iteration %.4f s (max clocks %.4f s), "
-                    "energy %.1f J per pipeline (max clocks %.1f J, saving %.1f%%, lower bound %.1f J)",
-                    job_id,
-                    plan.version,
-                    seconds,
-                    plan.start_iteration,
-                    result.iteration_time_s,
-                    result.baseline_iteration_time_s,
-                    result.energy_j,
-                    result.baseline_energy_j,
-                    100 * saving,
-                    result.lower_bound_j,
-                )
-            self._save(job)
+                job.add_result(key, result)
+                self.state.save_plan_document(job_id, document, document_name(job.spec, key))
+                log.info("job %s: solved %s in %.2f s: %.4f s, %.1f J per pipeline", job_id, _describe_key(key), seconds, result.iteration_time_s, result.energy_j)
+            for model in list(job.profiles):
+                profile = job.model_profile(model)
+                if profile is not None and model not in job.cached and (job_id, model) not in self._cache_saved:
+                    self.state.save_cached_profile(job.spec.profile_key(model), job.spec.signature(model), profile)
+                    self._cache_saved.add((job_id, model))
+            self._plan(job)
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -308,12 +364,19 @@ class PlannerService:
         for record in self.state.load_jobs():
             try:
                 spec = JobSpec.from_wire(record["spec"])
-                cached = self.state.load_cached_profile(spec.profile_key(), spec.signature()) if record.get("cached") else None
+                models = ([spec.gpu_model] if record.get("cached") else []) + list(record.get("cached_models", []))
+                cached = {m: p for m in models if (p := self.state.load_cached_profile(spec.profile_key(m), spec.signature(m))) is not None}
                 job = Job.from_record(record, self.state.load_stage_profiles(record["job_id"]), cached)
             except (PerseusError, KeyError, TypeError, ValueError) as e:
                 log.warning("cannot resume job %s from %s: %s", record.get("job_id"), self.state.root, e)
                 continue
             self.jobs[job.job_id] = job
-            log.info("resumed job %s (phase %s, plan v%d)", job.job_id, job.phase.value, job.plan.version if job.plan else 0)
-            if job.phase == JobPhase.PLANNING:
-                self._start_planning(job)
+            log.info("resumed job %s (phase %s, plan v%d)", job.job_id, job.phase.value, job.last_version)
+            self._plan(job)
+
+
+def _describe_key(key: PlanKey) -> str:
+    models, deadline = key
+    names = sorted(set(models))
+    where = names[0] if len(names) == 1 else "/".join(models)
+    return f"{where}, " + ("no slowdown" if deadline is None else f"deadline {deadline:.4f} s")

@@ -2,8 +2,10 @@
 
 Layout (every file written atomically, see perseus.atomic):
     jobs/<job_id>/job.json            spec, ranks, sweep, phase, the published plan's frequencies
-    jobs/<job_id>/stage-<s>.json      the profile stage s's rank uploaded
-    jobs/<job_id>/plan.json           the planner's full plan document
+    jobs/<job_id>/stage-<s>.json      the profile stage s's rank uploaded (stage-<s>-tp<t>: tensor-parallel
+                                      rank t's share; -m<hash>: on another GPU model than the job's)
+    jobs/<job_id>/plan.json           the planner's full plan document (plan-<hash>.json: other GPU
+                                      models or a straggler's deadline)
     profiles/<profile_key>.json       merged profile of a job signature: later jobs skip profiling
 """
 
@@ -66,20 +68,21 @@ class StateDir:
             records.append(doc)
         return records
 
-    def save_stage_profile(self, job_id: str, stage: int, profile: Profile) -> None:
-        save_profile(profile, self._job_dir(job_id) / f"stage-{stage}.json")
+    def save_stage_profile(self, job_id: str, name: str, profile: Profile) -> None:
+        save_profile(profile, self._job_dir(job_id) / f"{name}.json")
 
-    def load_stage_profiles(self, job_id: str) -> dict[int, Profile]:
+    def load_stage_profiles(self, job_id: str) -> dict[str, Profile]:
+        """Every readable uploaded profile of the job, by file name (without .json)."""
         profiles = {}
         for path in sorted((self.root / "jobs" / job_id).glob("stage-*.json")):
             try:
-                profiles[int(path.stem.removeprefix("stage-"))] = load_profile(path)
+                profiles[path.stem] = load_profile(path)
             except (ProfileError, ValueError) as e:
                 log.warning("ignoring stage profile %s: %s; that stage will be profiled again", path, e)
         return profiles
 
-    def save_plan_document(self, job_id: str, document: Any) -> None:
-        write_json_atomic(self._job_dir(job_id) / "plan.json", document)
+    def save_plan_document(self, job_id: str, document: Any, name: str = "plan") -> None:
+        write_json_atomic(self._job_dir(job_id) / f"{name}.json", document)
 
     def save_cached_profile(self, key: str, signature: dict[str, Any], profile: Profile) -> None:
         meta = {**profile.meta, SIGNATURE_META: json.dumps(signature, sort_keys=True)}

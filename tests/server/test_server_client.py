@@ -51,9 +51,10 @@ def test_client_raises_only_for_what_the_user_must_fix(serve):
         with pytest.raises(ServiceError) as info:
             client.register_job(job_spec(schedule_name="zigzag"))
         assert info.value.code == "bad_field" and "zigzag" in info.value.message
-        job_id = client.register_job(job_spec())
-        with pytest.raises(ServiceError, match="GPU"):
-            client.register_rank(job_id, rank_info(0, gpu_model="h100"))
+        job_id = client.register_job(job_spec(world_size=4, tp=2))
+        client.register_rank(job_id, rank_info(0, stage=0))
+        with PlannerClient(served.endpoint, timeout_s=2.0) as peer, pytest.raises(ServiceError, match="GPU"):
+            peer.register_rank(job_id, rank_info(1, stage=0, tp_index=1, gpu_model="h100"))  # tensor-parallel peers share a model
         client.report_iteration(job_id, 0, 1, float("nan"), 1.0)  # dropped with a warning, never raised
     with pytest.raises(ConfigError, match="endpoint"):
         PlannerClient("localhost:7787")

@@ -126,29 +126,40 @@ def _job(**overrides) -> Job:
     return job
 
 
+def _solve_all(job: Job, result: PlanResult) -> None:
+    for key, _ in job.missing_plans():
+        job.add_result(key, result)
+
+
 def test_job_table_sweeps_then_plans_with_a_lead():
     job = _job()
     table = job.table(0, iteration=-1, known_version=0)
     assert table.sweep_frequencies == FREQUENCIES and table.warmup_iterations == 2 and table.frequencies is None
-    assert job.add_profile(0, 0, stage_profile(0)) and job.phase == JobPhase.PROFILING
-    assert not job.add_profile(0, 0, stage_profile(0))  # a stage keeps its first profile
+    assert job.add_profile(0, 0, stage_profile(0)) == "stage-0" and job.phase == JobPhase.PROFILING
+    assert job.add_profile(0, 0, stage_profile(0)) is None  # a stage keeps its first profile
     job.table(1, iteration=7, known_version=0)
-    assert job.add_profile(1, 1, stage_profile(1)) and job.phase == JobPhase.PLANNING
-    merged = job.merged_profile()
+    assert job.add_profile(1, 1, stage_profile(1)) == "stage-1" and job.phase == JobPhase.PLANNING
+    (key, merged), = job.missing_plans()
+    assert key == (("sim-a100", "sim-a100"), None)
     assert merged.stages() == [0, 1] and merged.blocking_power_w == pytest.approx(83.64)
     result = PlanResult(((1410, 1260, 1410, 1410, 1410, 1410, 1410, 1410), (1410,) * 8), 1.0, 100.0, 99.0, 1.0, 110.0)
-    plan = job.publish(result)
+    job.add_result(key, result)
+    assert job.publish() == [0] and job.phase == JobPhase.PLANNED
+    plan = job.plans[0]
     assert plan.version == 1 and plan.start_iteration == 7 + PLAN_LEAD_ITERATIONS
     assert job.table(0, 8, known_version=0).frequencies == result.stage_frequencies[0]
     assert job.table(0, 8, known_version=1).frequencies is None  # already held: not resent
+    assert job.publish() == []  # nothing changed: no new version
     job.rerun()
-    assert job.plan.start_iteration == 0 and job.last_iteration == -1
+    assert job.plans[0].start_iteration == 0 and job.last_iteration == -1
 
 
 def test_job_rejects_inconsistent_ranks_and_profiles():
     job = _job()
+    tp = Job(job_spec(world_size=4, tp=2))
+    tp.add_rank(rank_info(0, stage=0))
     with pytest.raises(ServiceError, match="GPU") as info:
-        job.add_rank(rank_info(1, gpu_model="h100"))
+        tp.add_rank(rank_info(1, stage=0, tp_index=1, gpu_model="h100"))
     assert info.value.code == "bad_field"
     twice = Job(job_spec(world_size=4, dp=2))
     twice.add_rank(rank_info(0, stage=0, dp_index=0))
@@ -171,23 +182,27 @@ def test_job_rejects_inconsistent_ranks_and_profiles():
 def test_job_tallies_measured_iterations_and_predicts_per_replica():
     job = _job(world_size=4, dp=2)
     for r, (stage, dp) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
-        job.ranks[r] = rank_info(r, stage=stage, dp_index=dp)
+        job.add_rank(rank_info(r, stage=stage, dp_index=dp))
     for r in range(4):
         done = job.record(ReportIteration(job.job_id, r, 0, 1.0 + r / 10, 100.0))
     assert done is not None and done[0].time_s == pytest.approx(1.3) and done[0].energy_j == pytest.approx(400.0)
     status = job.status()
     assert status.baseline_iterations == 1 and status.baseline_energy_j == pytest.approx(400.0)
-    job.publish(PlanResult(((1410,) * 8, (1410,) * 8), 1.0, 150.0, 140.0, 1.0, 200.0))
+    for s in (0, 1):
+        job.add_profile(s, s, stage_profile(s))
+    _solve_all(job, PlanResult(((1410,) * 8, (1410,) * 8), 1.0, 150.0, 140.0, 1.0, 200.0))
+    assert job.publish() == [0, 1]
     status = job.status()
     assert status.predicted_energy_j == pytest.approx(300.0)  # two pipelines
     assert status.predicted_saving == pytest.approx(0.25)
+    assert [p.plan_version for p in status.pipelines] == [1, 1] and status.pipelines[1].measured_iteration_time_s == pytest.approx(1.3)
 
 
 def test_job_record_round_trip():
     job = _job()
     job.add_profile(0, 0, stage_profile(0))
     record = job.to_record()
-    again = Job.from_record(record, {0: stage_profile(0)}, None)
+    again = Job.from_record(record, {"stage-0": stage_profile(0)}, {})
     assert again.to_record() == record and again.phase == JobPhase.PROFILING and again.profiled_stages == (0,)
 
 

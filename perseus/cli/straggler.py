@@ -1,0 +1,76 @@
+"""`perseus straggler`: declare a known-slow data-parallel pipeline, so the planner service slows
+the others to its pace (or clear it); without --factor or --clear, show each pipeline's state."""
+
+from __future__ import annotations
+
+import argparse
+
+from perseus.exceptions import ConfigError, ServiceError
+from perseus.server.client import PlannerClient
+from perseus.server.protocol import DEFAULT_ADDRESS, MAX_STRAGGLER_FACTOR, JobStatus
+from perseus.server.security import DEFAULT_CLIENT, CurveClient
+
+EPILOG = f"""examples:
+  perseus straggler --job job-1a2b3c4d5e6f7a8b --pipeline 1 --factor 1.2
+                          pipeline 1 runs 20% slower than planned: the others are re-planned to its pace
+  perseus straggler --job job-1a2b3c4d5e6f7a8b --pipeline 1 --clear
+  perseus straggler --job job-1a2b3c4d5e6f7a8b      show pipelines, deadlines and stragglers
+
+The service also detects stragglers from the iteration times ranks report; a declared factor
+takes precedence when it is the larger. Address: --address (default {DEFAULT_ADDRESS}).
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "straggler",
+        help="declare a slow data-parallel pipeline to the planner service",
+        description="Tell a running planner service that one data-parallel pipeline of a job is slow by a known "
+        "factor (a throttled or older node). The other pipelines get the least-energy plan at the straggler's pace "
+        "(factor x its planned iteration time), starting together at an iteration boundary.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--job", required=True, metavar="ID", help="the job id (perseus serve logs it; job-<hex>)")
+    parser.add_argument("--pipeline", type=int, default=None, metavar="K", help="the straggling pipeline's data-parallel index")
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--factor", type=float, default=None, help=f"its iteration time over its planned time, in [1, {MAX_STRAGGLER_FACTOR:g}]")
+    action.add_argument("--clear", action="store_true", help="withdraw the declaration (the others go back to their no-slowdown plans)")
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, metavar="ENDPOINT", help=f"the planner service (default {DEFAULT_ADDRESS})")
+    parser.add_argument("--curve-keys", default=None, metavar="DIR", help="CURVE keys folder, for a service run with --curve-keys")
+    parser.add_argument("--client", default=DEFAULT_CLIENT, metavar="NAME", help=f"client key name in DIR/clients (default {DEFAULT_CLIENT})")
+    parser.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for the service (default 5)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.factor is not None or args.clear) and args.pipeline is None:
+        raise ConfigError("say which pipeline with --pipeline K (its data-parallel index)")
+    security = CurveClient.from_dir(args.curve_keys, args.client) if args.curve_keys else None
+    with PlannerClient(args.address, timeout_s=args.timeout, security=security) as client:
+        if args.factor is not None or args.clear:
+            if not client.declare_straggler(args.job, args.pipeline, None if args.clear else args.factor):
+                raise ServiceError("unreachable", f"the planner service at {args.address} did not answer within {args.timeout:g} s; is it running?")
+            what = "cleared" if args.clear else f"declared {args.factor:g}x"
+            print(f"job {args.job}: pipeline {args.pipeline} {what}")
+        status = client.status(args.job)
+    if status is None:
+        raise ServiceError("unreachable", f"the planner service at {args.address} did not answer within {args.timeout:g} s; is it running?")
+    print(format_pipelines(status.jobs[0]))
+    return 0
+
+
+def format_pipelines(job: JobStatus) -> str:
+    """One line per pipeline: plan version, deadline, predicted and measured time, straggler."""
+    rows = [f"job {job.job_id} ({job.phase})", "pipeline  plan  deadline_s  predicted_s  measured_s  straggler"]
+    for p in job.pipelines:
+        straggler = f"{p.straggler} {p.straggler_factor:.3f}x" if p.straggler else "-"
+        rows.append(
+            f"{p.pipeline:>8}  v{p.plan_version:<3}  {_num(p.deadline_s, 'none'):>10}  {_num(p.predicted_iteration_time_s):>11}  "
+            f"{_num(p.measured_iteration_time_s):>10}  {straggler}"
+        )
+    return "\n".join(rows)
+
+
+def _num(value: float | None, missing: str = "-") -> str:
+    return missing if value is None else f"{value:.4f}"
