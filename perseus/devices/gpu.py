@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 
 from perseus.clock import REAL_CLOCK, Clock
+from perseus.exceptions import ConfigError
 
 
 class GPU(abc.ABC):
@@ -76,6 +77,16 @@ class GPU(abc.ABC):
 
     def max_frequency(self) -> int:
         return self.supported_frequencies()[0]
+
+    def check_power_limit_mw(self, mw: int) -> int:
+        """`mw` as an int if this GPU accepts it as a power limit; else ConfigError naming the range."""
+        low, high = self.power_limit_range_mw()
+        if not low <= mw <= high:
+            raise ConfigError(
+                f"{self!r}: power limit {mw / 1000:g} W is outside the range this GPU accepts, "
+                f"{low / 1000:g} to {high / 1000:g} W; choose a limit between {low / 1000:g} and {high / 1000:g} W"
+            )
+        return int(mw)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.index}: {self.name()}>"

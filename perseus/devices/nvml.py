@@ -312,13 +312,7 @@ class NVMLGPU(GPU):
         self._call("nvmlDeviceResetGpuLockedClocks")
 
     def set_power_limit_mw(self, mw: int) -> None:
-        low, high = self.power_limit_range_mw()
-        if not low <= mw <= high:
-            raise ConfigError(
-                f"power limit {mw / 1000:g} W is outside what {self._where} accepts "
-                f"({low / 1000:g} to {high / 1000:g} W)"
-            )
-        self._call("nvmlDeviceSetPowerManagementLimit", int(mw))
+        self._call("nvmlDeviceSetPowerManagementLimit", self.check_power_limit_mw(mw))
 
     def reset_power_limit(self) -> None:
         self._call("nvmlDeviceSetPowerManagementLimit", self.default_power_limit_mw())

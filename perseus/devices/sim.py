@@ -302,13 +302,7 @@ class SimGPU(GPU):
         self._update(sm_clock_mhz=None)
 
     def set_power_limit_mw(self, mw: int) -> None:
-        low, high = self.power_limit_range_mw()
-        if not low <= mw <= high:
-            raise ConfigError(
-                f"{self!r}: power limit {mw / 1000:g} W is out of range; "
-                f"choose between {low / 1000:g} and {high / 1000:g} W"
-            )
-        self._update(power_limit_mw=int(mw))
+        self._update(power_limit_mw=self.check_power_limit_mw(mw))
 
     def reset_power_limit(self) -> None:
         self._update(power_limit_mw=None)
