@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 
 import pytest
 
@@ -29,6 +28,8 @@ from perseus.exceptions import ConfigError  # noqa: E402
 from perseus.runtime import ProfilingSettings  # noqa: E402
 from perseus.runtime.torch_stage import check_torch_version  # noqa: E402
 from perseus.schedules import build_schedule  # noqa: E402
+from perseus.server.client import Assignment  # noqa: E402
+from perseus.server.protocol import Phase  # noqa: E402
 
 MICROBATCHES = 4
 
@@ -70,14 +71,6 @@ def batch():
     return torch.randn(MICROBATCHES * 2, 8), torch.randn(MICROBATCHES * 2, 4)
 
 
-@dataclass
-class Assignment:
-    phase: str
-    frequencies: list[int] | None = None
-    profiling_frequency: int | None = None
-    plan_version: int = 0
-
-
 class FakePlanner:
     """The PlannerClient interface: iteration 0 warm-up, 1-2 sweep 1410/1005, then a plan."""
 
@@ -98,12 +91,12 @@ class FakePlanner:
 
     def assignment(self, iteration):
         if iteration < 1:
-            return Assignment("warmup")
+            return Assignment(Phase.WARMUP, None, None, 0)
         if iteration < 3:
-            return Assignment("profiling", profiling_frequency=(1410, 1005)[iteration - 1])
+            return Assignment(Phase.PROFILING, None, (1410, 1005)[iteration - 1], 0)
         if not self.profiles:
-            return Assignment("planning")
-        return Assignment("planned", frequencies=self.plan, plan_version=1)
+            return Assignment(Phase.PLANNING, None, None, 0)
+        return Assignment(Phase.PLANNED, self.plan, None, 1)
 
     def upload_profile(self, job_id, stage, profile):
         self.profiles[stage] = profile
@@ -119,7 +112,7 @@ class StaticPlanner(FakePlanner):
         super().__init__([])
 
     def assignment(self, iteration):
-        return Assignment("planned", frequencies=self.plan, plan_version=1)
+        return Assignment(Phase.PLANNED, self.plan, None, 1)
 
 
 def record_instructions(stage) -> list[tuple[str, int, int]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import logging
-from dataclasses import dataclass
 
 import pytest
 
@@ -14,17 +13,11 @@ from perseus.devices.sim import SimGPU, Work
 from perseus.exceptions import ConfigError
 from perseus.runtime import PerseusRank, Progress
 from perseus.schedules import build_schedule
+from perseus.server.client import Assignment
+from perseus.server.protocol import Phase
 
 SCHEDULE = build_schedule("1f1b", 2, 4)
 WORK = Work(0.01)
-
-
-@dataclass
-class Assignment:
-    phase: str
-    frequencies: list[int] | None = None
-    profiling_frequency: int | None = None
-    plan_version: int = 0
 
 
 class PlannedClient:
@@ -38,7 +31,7 @@ class PlannedClient:
         pass
 
     def assignment(self, iteration):
-        return Assignment("planned", self.frequencies, None, 1)
+        return Assignment(Phase.PLANNED, self.frequencies, None, 1)
 
     def upload_profile(self, *args):
         pass
@@ -190,7 +183,7 @@ def test_the_plan_comes_back_after_an_unplanned_spell(gpu):
     client = PlannedClient(plan)
     rank = make_rank(gpu, client)
     assert run(rank, gpu) == plan
-    client.assignment = lambda iteration: Assignment("unplanned")
+    client.assignment = lambda iteration: Assignment(Phase.UNPLANNED, None, None, 0)
     assert run(rank, gpu) == [gpu.max_frequency()] * 8
     del client.assignment  # the same plan version again
     assert run(rank, gpu) == plan
