@@ -45,19 +45,21 @@ def run(args: argparse.Namespace) -> int:
 
 def reset(gpu: GPU) -> tuple[list[str], list[DeviceError]]:
     """Unlock the SM clock and restore the default power limit, each tried even if the other
-    fails. Returns what was done (as text) and the errors."""
+    fails or its current value cannot be read. Returns what was done (as text) and the errors."""
     done: list[str] = []
     errors: list[DeviceError] = []
-    try:
-        before = gpu.sm_clock()
-        gpu.reset_sm_clock()
-        done.append(f"SM clock unlocked ({before} -> {gpu.sm_clock()} MHz)")
-    except DeviceError as e:
-        errors.append(e)
-    try:
-        before = gpu.power_limit_mw()
-        gpu.reset_power_limit()
-        done.append(f"power limit {before / 1000:g} -> {gpu.power_limit_mw() / 1000:g} W (default)")
-    except DeviceError as e:
-        errors.append(e)
+    settings = (
+        (gpu.sm_clock, gpu.reset_sm_clock, "SM clock unlocked ({} -> {} MHz)"),
+        (lambda: f"{gpu.power_limit_mw() / 1000:g}", gpu.reset_power_limit, "power limit {} -> {} W (default)"),
+    )
+    for read, restore, template in settings:
+        try:
+            try:
+                before = read()
+            except DeviceError:
+                before = "unreadable"  # e.g. a corrupt simulated state file: the reset replaces it
+            restore()
+            done.append(template.format(before, read()))
+        except DeviceError as e:
+            errors.append(e)
     return done, errors

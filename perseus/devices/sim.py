@@ -390,16 +390,28 @@ class SimGPU(GPU):
             ) from e
 
     def _update(self, **changes: object) -> None:
-        """Change persisted fields: read-modify-write under a file lock, written atomically."""
-        current = self._state()
-        if all(getattr(current, field) == value for field, value in changes.items()):
-            return  # already so: no write (the controller re-locks the same clock often)
+        """Change persisted fields: read-modify-write under a file lock, written atomically.
+
+        A reset (every change back to its default) also replaces an unreadable state file, whose
+        other settings cannot be known and so go back to defaults too: `perseus reset` always works.
+        """
+        resetting = all(getattr(_DEFAULT_STATE, field) == value for field, value in changes.items())
+        try:
+            if all(getattr(self._state(), field) == value for field, value in changes.items()):
+                return  # already so: no write (the controller re-locks the same clock often)
+        except DeviceError:
+            pass  # unreadable: decided below, under the lock
         folder = os.path.dirname(self._path)
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
             with open(os.path.join(folder, ".lock"), "w") as lock_file:
                 fcntl.flock(lock_file, fcntl.LOCK_EX)
-                old = self._read_state()
+                try:
+                    old = self._read_state()
+                except DeviceError:
+                    if not resetting:
+                        raise
+                    old = _DEFAULT_STATE
                 new = _State(
                     sm_clock_mhz=changes.get("sm_clock_mhz", old.sm_clock_mhz),  # type: ignore[arg-type]
                     power_limit_mw=changes.get("power_limit_mw", old.power_limit_mw),  # type: ignore[arg-type]

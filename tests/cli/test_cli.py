@@ -144,6 +144,17 @@ def test_reset_clears_a_lock_left_behind(env):
     assert after.power_limit_mw() == 400_000
 
 
+def test_reset_repairs_a_corrupt_state_file(env, tmp_path, capsys):
+    """The sim's unreadable-state error says to run `perseus reset`: it must then succeed."""
+    state = tmp_path / "sim" / "a100-sxm-0.json"
+    state.parent.mkdir(parents=True)
+    state.write_text("{not json")
+    code, out, err = cli(capsys, "reset", "--gpu-indices", "0")
+    assert code == 0, err
+    assert "SM clock unlocked (unreadable -> 1410 MHz)" in out
+    assert not state.exists()
+
+
 def test_power_streams_one_line_per_gpu_per_sample(env, capsys):
     code, out, err = cli(capsys, "power", "--count", "3", "--interval", "0.05")
     assert code == 0, err

@@ -13,7 +13,7 @@ import pytest
 
 from perseus.clock import VirtualClock
 from perseus.devices.sim import PRESETS, SimGPU, Work, busy_power_w, predict, sim_gpus
-from perseus.exceptions import ConfigError
+from perseus.exceptions import ConfigError, DeviceError
 
 DATA = Path(__file__).resolve().parents[3] / "shared/data/perseus-sosp24/stage_profiles"
 
@@ -189,6 +189,21 @@ def test_corrupt_state_file_names_the_fix(sim_dir):
     (sim_dir / "a40-0.json").write_text("{not json")
     with pytest.raises(Exception, match="perseus reset"):
         SimGPU("a40").sm_clock()
+
+
+def test_reset_replaces_a_corrupt_state_file_and_a_change_refuses_it(sim_dir):
+    """The error above tells the user to run `perseus reset`: that must then work."""
+    path = sim_dir / "a40-0.json"
+    path.write_text("{not json")
+    gpu = SimGPU("a40")
+    with pytest.raises(DeviceError, match="perseus reset"):
+        gpu.lock_sm_clock(1005)  # a change would keep settings it cannot read
+    gpu.reset_sm_clock()
+    assert not path.exists()
+    assert gpu.sm_clock() == 1740 and gpu.power_limit_mw() == 300_000 and gpu.slowdown() == 1.0
+    path.write_text("{not json")
+    gpu.reset_power_limit()
+    assert not path.exists()
 
 
 def test_work_validation():
