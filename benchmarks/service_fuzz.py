@@ -45,9 +45,8 @@ import msgpack
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_process import ServeProcess  # noqa: E402
+from service_support import PRESET, ServeProcess, stage_profile  # noqa: E402
 
-from perseus.profiler.profile import Profile, ProfilePoint  # noqa: E402
 from perseus.server.client import PlannerClient  # noqa: E402
 from perseus.server.protocol import (  # noqa: E402
     HARD_MESSAGE_BYTES,
@@ -61,26 +60,13 @@ from perseus.server.protocol import (  # noqa: E402
     profile_to_wire,
 )
 
-FREQUENCIES = (1410, 1260, 1110, 960, 810)
-GPU = "sim-a100"
+FREQUENCIES = PRESET.frequencies
+GPU = PRESET.product
 ANY_ERROR = frozenset({"bad_frame", "bad_version", "bad_field", "too_large", "unknown_job", "unknown_rank", "unknown_type"})
 RECOVER_TIMEOUT_S = 120.0  # after a missing reply: how long to wait for the service to answer a ping again
 
 
 # ---- a small valid job: the decoy the fuzz frames aim at, and the real job afterwards --------------
-
-
-def stage_profile(stage: int) -> Profile:
-    """Stage 1 does 1.6x stage 0's work; power falls with the clock faster than time grows."""
-    work = 1.0 if stage == 0 else 1.6
-    points = {}
-    for kind, base_s in (("forward", 0.010), ("backward", 0.020)):
-        rows = []
-        for f in FREQUENCIES:
-            time_s = base_s * work * (1410 / f) ** 0.9
-            rows.append(ProfilePoint(f, time_s, (90.0 + 310.0 * (f / 1410) ** 2.5) * time_s))
-        points[(stage, kind)] = rows
-    return Profile(points, 83.64)
 
 
 def job_spec(tag: str) -> JobSpec:
@@ -127,7 +113,7 @@ class Context:
             "register_job": {"spec": self.decoy.to_wire()},
             "register_rank": {"job_id": job_id, "info": rank_info(1).to_wire()},
             "get_table": {"job_id": job_id, "rank": 0, "iteration": 5, "plan_version": 0},
-            "upload_profile": {"job_id": job_id, "rank": 0, "stage": 0, "profile": profile_to_wire(stage_profile(0))},
+            "upload_profile": {"job_id": job_id, "rank": 0, "stage": 0, "profile": profile_to_wire(stage_profile(0, 2))},
             "report_iteration": {"job_id": job_id, "rank": 0, "iteration": 3, "time_s": 0.5, "energy_j": 100.0},
             "declare_straggler": {"job_id": job_id, "pipeline": 0, "factor": 1.2},
         }
@@ -328,11 +314,11 @@ def gen_bad_values(c: Context) -> Case:
         lambda: ("register_rank", {"job_id": job_id, "info": {**rank_info(1).to_wire(), "frequencies": r.choice([[], [1410, 1410], [0, 5]])}}),
         lambda: ("register_rank", {"job_id": job_id, "info": {**rank_info(1).to_wire(), "stage": 0}}),  # rank 0 holds stage 0
         lambda: ("register_rank", {"job_id": job_id, "info": {**rank_info(1).to_wire(), "frequencies": [1410]}}),  # misses sweep frequencies
-        lambda: ("upload_profile", {"job_id": job_id, "rank": 0, "stage": 1, "profile": profile_to_wire(stage_profile(1))}),
+        lambda: ("upload_profile", {"job_id": job_id, "rank": 0, "stage": 1, "profile": profile_to_wire(stage_profile(1, 2))}),
         lambda: ("upload_profile", {"job_id": job_id, "rank": 0, "stage": 0, "profile": {"blocking_power_w": 80.0, "rows": [[0, "forward", 1410, 0.01, 1.0]]}}),
         lambda: ("upload_profile", {"job_id": job_id, "rank": 0, "stage": 0, "profile": {"blocking_power_w": 80.0, "rows": [[0, "sideways", 1410, 0.01, 1.0]]}}),
         lambda: ("upload_profile", {"job_id": job_id, "rank": 0, "stage": 0, "profile": {"blocking_power_w": 80.0, "rows": [[0, "forward", 1410, -0.01, 1.0, 7]]}}),
-        lambda: ("upload_profile", {"job_id": job_id, "rank": 0, "stage": 0, "profile": {**profile_to_wire(stage_profile(0)), "meta": {"k": "v" * 2000}}}),
+        lambda: ("upload_profile", {"job_id": job_id, "rank": 0, "stage": 0, "profile": {**profile_to_wire(stage_profile(0, 2)), "meta": {"k": "v" * 2000}}}),
         lambda: ("ping", {"unexpected": r.randint(0, 9)}),
     ]
     kind, fields_ = r.choice(variants)()
@@ -506,7 +492,7 @@ def real_job(endpoint: str, tag: str, timeout_s: float = 60.0) -> str | None:
         for rank, client in enumerate(clients):
             client.register_rank(job_id, rank_info(rank))
         for rank, client in enumerate(clients):
-            client.upload_profile(job_id, rank, stage_profile(rank))
+            client.upload_profile(job_id, rank, stage_profile(rank, 2))
         for rank, client in enumerate(clients):
             if not client.wait_for_plan(timeout_s):
                 return f"rank {rank}: no plan within {timeout_s:.0f} s (status: {client.status(job_id)})"

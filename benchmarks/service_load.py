@@ -43,10 +43,8 @@ import msgpack
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_process import ServeProcess  # noqa: E402
+from service_support import PRESET, ServeProcess, stage_profile  # noqa: E402
 
-from perseus.devices.sim import Work, get_preset, predict  # noqa: E402
-from perseus.profiler.profile import Profile, ProfilePoint  # noqa: E402
 from perseus.schedules import build_schedule  # noqa: E402
 from perseus.server.protocol import (  # noqa: E402
     ErrorCode,
@@ -62,7 +60,6 @@ from perseus.server.protocol import (  # noqa: E402
     encode_request,
 )
 
-PRESET = get_preset("a100-sxm")
 SCHEDULE = "1f1b"
 TARGET_PLANNED_S = 20.0
 TARGET_MEMORY_MB = 1024.0
@@ -97,25 +94,6 @@ class Layout:
 
     def info(self, local_rank: int) -> RankInfo:
         return RankInfo(local_rank, local_rank // self.dp, dp_index=local_rank % self.dp, gpu_model=PRESET.product, frequencies=PRESET.frequencies)
-
-
-def stage_profile(stage: int, pp: int) -> Profile:
-    """What the rank-side profiler would measure on a simulated A100-SXM: every frequency from the
-    highest down to three past the minimum-energy one. Later stages do a little more work, and the
-    last stage (the loss) more still, so the planner finds slack to slow the others into."""
-    points = {}
-    for kind, base_s, intensity in (("forward", 0.010, 1.0), ("backward", 0.020, 0.9)):
-        work = Work(base_s * (1.0 + 0.02 * stage + (0.15 if stage == pp - 1 else 0.0)), intensity=intensity)
-        rows: list[ProfilePoint] = []
-        best, rising = float("inf"), 0
-        for f in PRESET.frequencies:
-            time_s, energy_j = predict(PRESET, work, f)
-            rows.append(ProfilePoint(f, time_s, energy_j))
-            best, rising = (energy_j, 0) if energy_j < best else (best, rising + 1)
-            if rising == 3:
-                break
-        points[(stage, kind)] = rows
-    return Profile(points, PRESET.idle_w)
 
 
 # ---- worker processes: many DEALER sockets, one poller ------------------------------------------
