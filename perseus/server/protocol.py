@@ -15,6 +15,7 @@ import enum
 import hashlib
 import json
 import math
+import reprlib
 from dataclasses import KW_ONLY, MISSING, dataclass, fields
 from typing import Any, ClassVar
 
@@ -34,7 +35,7 @@ MAX_ITERATION = 2**62
 MAX_RANKS = 1 << 20
 MAX_FREQUENCY_MHZ = 100_000
 MAX_FREQUENCIES = 1024
-MAX_INSTRUCTIONS = 1 << 20
+MAX_INSTRUCTIONS = 1 << 18  # per job: building and planning a schedule must not stall the service
 MAX_PROFILE_ROWS = 100_000
 MAX_STRAGGLER_FACTOR = 10.0
 
@@ -79,8 +80,13 @@ class JobPhase(_Name):
 # ---- field checks: raise ConfigError naming the field and what it must be -------------------
 
 
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel = 3  # a field nested 1,000 deep must not make the error message recurse
+_SHOW.maxstring = _SHOW.maxother = 60
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
+    text = _SHOW.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -218,6 +224,11 @@ class JobSpec(Message):
             raise ConfigError(f"{n}: world_size {world} must equal pp * dp * tp = {pp} * {dp} * {tp} = {pp * dp * tp}")
         microbatches = _int(self.num_microbatches, f"{n}.num_microbatches", 1, 1 << 20)
         chunks = _int(self.num_chunks, f"{n}.num_chunks", 1, 256)
+        if 2 * pp * microbatches * chunks > MAX_INSTRUCTIONS:
+            raise ConfigError(
+                f"{n}: {pp} stages x {microbatches} microbatches x {chunks} chunks is over {MAX_INSTRUCTIONS} instructions "
+                "(forward and backward); plan with fewer microbatches per iteration"
+            )
         _set(
             self,
             schedule_name=_str(self.schedule_name, f"{n}.schedule_name", 64, min_len=1),
@@ -745,7 +756,7 @@ def decode_request(payload: bytes) -> tuple[int, Message]:
     if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id <= MAX_ID:
         raise RequestRejected(ErrorCode.BAD_FIELD, f"id must be an integer in [0, {MAX_ID}], got {_show(request_id)}")
     version = doc.pop("v", None)
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # not True, not 1.0
         raise RequestRejected(
             ErrorCode.BAD_VERSION,
             f"protocol version {_show(version)} is not supported; this service speaks v{PROTOCOL_VERSION} "
@@ -753,7 +764,7 @@ def decode_request(payload: bytes) -> tuple[int, Message]:
             request_id,
         )
     kind = doc.pop("type", None)
-    if kind not in REQUESTS:
+    if not isinstance(kind, str) or kind not in REQUESTS:
         raise RequestRejected(ErrorCode.UNKNOWN_TYPE, f"unknown request type {_show(kind)}; known: {', '.join(REQUESTS)}", request_id)
     try:
         return request_id, REQUESTS[kind][0].from_wire(doc)

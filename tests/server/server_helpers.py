@@ -60,18 +60,19 @@ class Served:
     """`perseus serve` in a subprocess (`full_cli`: through `python -m perseus.cli.main`); logs
     go to `log_path`."""
 
-    def __init__(self, state_dir: Path, bind: str = "tcp://127.0.0.1:0", full_cli: bool = False) -> None:
+    def __init__(self, state_dir: Path, bind: str = "tcp://127.0.0.1:0", full_cli: bool = False, extra: tuple[str, ...] = ()) -> None:
         self.log_path = state_dir.parent / f"serve-{os.getpid()}-{id(self)}.log"
         self._log = open(self.log_path, "w")
         entry = ["-m", "perseus.cli.main"] if full_cli else ["-c", SERVE_ONLY]
         self.proc = subprocess.Popen(
-            [sys.executable, *entry, "serve", "--bind", bind, "--state-dir", str(state_dir), "--log-every", "1"],
+            [sys.executable, *entry, "serve", "--bind", bind, "--state-dir", str(state_dir), "--log-every", "1", *extra],
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
         )
         ready, _, _ = select.select([self.proc.stdout], [], [], 20.0)
         line = self.proc.stdout.readline() if ready else ""
+        self.exit_code = self.proc.wait(10) if not line else None
         if "listening on" not in line:
             self.proc.kill()
             raise RuntimeError(f"perseus serve did not start: {line!r}\n{self.log()}")

@@ -193,8 +193,10 @@ def test_sigterm_stops_the_service_cleanly(serve):
     assert "planner service stopped" in served.log()
 
 
-def test_binding_beyond_loopback_warns(serve):
-    served = serve(bind="tcp://0.0.0.0:0")
+def test_binding_beyond_loopback_needs_insecure_or_curve(serve):
+    with pytest.raises(RuntimeError, match="--insecure"):
+        serve(bind="tcp://0.0.0.0:0")
+    served = serve(bind="tcp://0.0.0.0:0", extra=("--insecure",))
     assert "WITHOUT authentication" in served.log()
     assert served.stop() == 0
 
