@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from perseus.cli.common import add_gpu_argument, select_gpus
 from perseus.exceptions import ConfigError
@@ -59,6 +58,4 @@ def run(args: argparse.Namespace) -> int:
             sample += 1
     except KeyboardInterrupt:
         pass
-    except BrokenPipeError:  # e.g. `perseus power | head`
-        sys.stderr.close()
     return 0

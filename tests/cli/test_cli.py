@@ -173,6 +173,18 @@ def test_power_stops_cleanly_on_ctrl_c(env):
     assert "Traceback" not in stderr
 
 
+@pytest.mark.parametrize("args", [("power", "--interval", "0.01"), ("info", "--presets")])
+def test_a_reader_that_leaves_ends_the_command_quietly(env, args):
+    """`perseus power | head -1`: output to a closed pipe stops the command without a traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "perseus.cli.main", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()  # before the child can write: its first write fails with EPIPE
+    _, stderr = proc.communicate(timeout=20)
+    assert proc.returncode == 0, stderr
+    assert b"Traceback" not in stderr and b"BrokenPipe" not in stderr
+
+
 def test_bad_spec_is_a_clear_error_without_traceback(env):
     result = perseus(env, "info", "--gpu", "sim:nope")
     assert result.returncode == 1
