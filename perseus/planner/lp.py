@@ -117,6 +117,17 @@ class HullLP:
         self._highs.passModel(lp)
         self._n = n
 
+    def fix_durations(self, nodes: np.ndarray, durations_s: np.ndarray) -> None:
+        """Pin the duration of `nodes` (until `release_durations`)."""
+        cols = (self._n + np.asarray(nodes, dtype=np.int32)).astype(np.int32)
+        d = np.asarray(durations_s, dtype=float) * _MS
+        self._highs.changeColsBounds(len(cols), cols, d, d)
+
+    def release_durations(self) -> None:
+        n = self._n
+        cols = np.arange(n, 2 * n, dtype=np.int32)
+        self._highs.changeColsBounds(n, cols, np.zeros(n), np.full(n, highspy.kHighsInf))
+
     def solve(self, deadline_s: float | None, warm: bool = False) -> Relaxation:
         """Optimum with T <= deadline_s (None: no deadline). `warm` reuses the last basis, which
         is faster for a sweep but lets the chosen optimum depend on the previous call."""

@@ -3,7 +3,8 @@
 Per deadline: solve the LP relaxation over each instruction's convex hull (the certified lower
 bound), round every instruction down to the slowest profiled choice that ends by its relaxed
 finish time (so the deadline still holds), then slow instructions into whatever slack the
-rounding left. Small DAGs are solved exactly as a MILP instead. Every plan is re-evaluated by
+rounding left. Single plans also try iterative rounding (`refine`), and small DAGs are solved
+exactly as a MILP; the least-energy candidate wins. Every plan is re-evaluated by
 the evaluator, and only plans that meet the deadline there are returned.
 """
 
@@ -19,6 +20,7 @@ from perseus.planner.exact import MAX_BINARIES, num_binaries, solve_exact
 from perseus.planner.lp import HullLP, Relaxation
 from perseus.planner.plan import Plan
 from perseus.planner.problem import Problem
+from perseus.planner.refine import refine
 from perseus.planner.rounding import Walker, fill_slack, round_down
 from perseus.profiler.profile import Profile
 from perseus.schedules.instruction import Schedule
@@ -27,6 +29,9 @@ from perseus.schedules.instruction import Schedule
 _LP_SLACK_S = 1e-9
 # Fractions of the relaxed minimum-energy time also tried when the deadline does not bind.
 _MIN_ENERGY_TARGETS = (0.995, 0.99, 0.98, 0.96)
+# Iterative rounding (`refine`) costs a few warm LP re-solves: used for single plans up to this
+# many instructions, not for frontier sweeps.
+REFINE_MAX_NODES = 4096
 
 
 @dataclass(frozen=True)
@@ -54,18 +59,26 @@ class Planner:
         self.max_frequency_time_s = reference.iteration_time_s
         self.max_frequency_energy_j = reference.energy_j
         self.fastest_time_s = self.problem.iteration_time(self.problem.times(self.problem.fastest()))
+        # Per node, the Pareto choice that is no slower and no costlier than its highest clock:
+        # a plan never worse than all-max, kept as a fallback candidate.
+        self._max_frequency_dominated = np.array(
+            [self.problem.node_options(i).slowest_within(p.time) for i, p in enumerate(self._max_points())], dtype=np.int64
+        )
         self._min_energy: Plan | None = None
+
+    def _max_points(self):
+        return [self.profile.points_for(ins, self.schedule)[0] for ins in self.problem.dag.nodes]
 
     def plan(self, deadline: float | None = None, max_slowdown: float | None = None) -> Plan:
         """Minimum-energy plan with iteration time <= deadline (s). Default: no slowdown against
         every GPU at its maximum frequency; `max_slowdown` F: deadline F x that time. Beyond the
         minimum-energy time T* the plan stays at T*."""
-        return self._solve(self._deadline(deadline, max_slowdown), warm=False)
+        return self._solve(self._deadline(deadline, max_slowdown), warm=False, refined=True)
 
     def min_energy_plan(self) -> Plan:
         """The plan of least energy at any iteration time (its time is T*)."""
         if self._min_energy is None:
-            self._min_energy = self._solve(None, warm=False)
+            self._min_energy = self._solve(None, warm=False, refined=True)
         return self._min_energy
 
     def frontier(self, num_points: int = 50) -> list[FrontierPoint]:
@@ -79,7 +92,7 @@ class Planner:
         points: list[FrontierPoint] = []
         best: Plan | None = None
         for k, deadline in enumerate(deadlines.tolist()):
-            plan = slowest if k == num_points - 1 else self._solve(deadline, warm=True)
+            plan = slowest if k == num_points - 1 else self._solve(deadline, warm=True, refined=False)
             if best is not None and best.energy_j < plan.energy_j:
                 # A faster plan is cheaper: it meets this deadline too.
                 plan = _with_deadline(best, plan.lower_bound_j, deadline)
@@ -100,7 +113,7 @@ class Planner:
             raise ConfigError(f"deadline must be a positive number of seconds, got {deadline}")
         return float(deadline)
 
-    def _solve(self, deadline_s: float | None, warm: bool) -> Plan:
+    def _solve(self, deadline_s: float | None, warm: bool, refined: bool) -> Plan:
         if deadline_s is not None and deadline_s < self.fastest_time_s:
             raise PlanError(
                 f"no plan finishes within {deadline_s:.6g} s: even the fastest frequencies take "
@@ -108,6 +121,8 @@ class Planner:
             )
         relaxation = self._lp.solve(deadline_s, warm=warm)
         candidates = self._round(relaxation, deadline_s)
+        if refined and self.problem.num_nodes <= REFINE_MAX_NODES:
+            candidates += self._round(refine(self.problem, self._lp, relaxation, deadline_s), deadline_s)
         if deadline_s is None or relaxation.iteration_time_s < deadline_s * (1 - 1e-9):
             # The deadline does not bind: this is the minimum-energy plan. Rounding loses time
             # that every stage then spends blocked, so slightly tighter targets can round to
@@ -120,7 +135,7 @@ class Planner:
             if exact is not None:
                 candidates.append(exact)
         if deadline_s is None or deadline_s >= self.max_frequency_time_s:
-            candidates.append(self.problem.fastest())
+            candidates.append(self._max_frequency_dominated)
         return self._best(candidates, deadline_s, relaxation)
 
     def _round(self, relaxation: Relaxation, deadline_s: float | None) -> list[np.ndarray]:
@@ -158,7 +173,7 @@ class Planner:
             iteration_time_s=evaluation.iteration_time_s,
             energy_j=evaluation.energy_j,
             lower_bound_j=bound,
-            gap=(evaluation.energy_j - bound) / bound,
+            gap=_gap(evaluation.energy_j, bound),
             deadline_s=evaluation.iteration_time_s if deadline_s is None else deadline_s,
             schedule=self.schedule,
         )
@@ -166,4 +181,9 @@ class Planner:
 
 def _with_deadline(plan: Plan, lower_bound_j: float, deadline_s: float) -> Plan:
     bound = min(lower_bound_j, plan.energy_j)
-    return Plan(plan.frequencies, plan.iteration_time_s, plan.energy_j, bound, (plan.energy_j - bound) / bound, deadline_s, plan.schedule)
+    return Plan(plan.frequencies, plan.iteration_time_s, plan.energy_j, bound, _gap(plan.energy_j, bound), deadline_s, plan.schedule)
+
+
+def _gap(energy_j: float, bound_j: float) -> float:
+    """Relative distance to the bound; infinite when the bound certifies nothing (<= 0)."""
+    return (energy_j - bound_j) / bound_j if bound_j > 0 else float("inf")

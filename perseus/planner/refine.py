@@ -1,0 +1,62 @@
+"""Iterative rounding: pin the relaxation's nearly-integral durations to profiled choices and
+re-solve, so the LP re-balances the rest around them before they are rounded in turn.
+
+Rounding every fractional duration down at once wastes the time between a node's relaxed
+duration and its next-faster choice. Here, each round pins the fractional nodes closest to a
+choice (to that nearest choice; to the faster neighbour if the nearest makes the deadline
+infeasible), and the warm-started LP moves the free nodes to compensate. What is still
+fractional after the last round is left to `round_down`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perseus.exceptions import PlanError
+from perseus.planner.lp import HullLP, Relaxation
+from perseus.planner.problem import Problem
+
+ROUNDS = 5
+SHARE = 0.25  # of the fractional nodes pinned per round
+_TOL_S = 1e-9
+
+
+def _fractional(problem: Problem, duration_s: np.ndarray, free: np.ndarray):
+    """Free nodes whose duration lies strictly between two choices: (nodes, faster, slower, closeness)."""
+    nodes, lo, hi, dist = [], [], [], []
+    for i in np.flatnonzero(free).tolist():
+        times = problem.node_options(i).time
+        k = int(np.searchsorted(times, duration_s[i] + _TOL_S, side="right")) - 1
+        if k < 0 or k + 1 >= len(times) or abs(times[k] - duration_s[i]) <= _TOL_S:
+            continue
+        nodes.append(i)
+        lo.append(times[k])
+        hi.append(times[k + 1])
+        dist.append(min(duration_s[i] - times[k], times[k + 1] - duration_s[i]) / (times[k + 1] - times[k]))
+    return np.array(nodes, dtype=np.int64), np.array(lo), np.array(hi), np.array(dist)
+
+
+def refine(problem: Problem, lp: HullLP, relaxation: Relaxation, deadline_s: float | None) -> Relaxation:
+    """Run the rounds starting from `relaxation` (the LP's current optimum at `deadline_s`);
+    returns the last relaxation, whose durations are mostly profiled choices. Leaves the LP
+    with every duration free again."""
+    free = np.ones(problem.num_nodes, dtype=bool)
+    try:
+        for _ in range(ROUNDS):
+            nodes, faster, slower, dist = _fractional(problem, relaxation.duration_s, free)
+            if len(nodes) == 0:
+                break
+            take = np.argsort(dist, kind="stable")[: max(1, int(len(nodes) * SHARE))]
+            nodes, faster, slower = nodes[take], faster[take], slower[take]
+            d = relaxation.duration_s[nodes]
+            lp.fix_durations(nodes, np.where(d - faster <= slower - d, faster, slower))
+            free[nodes] = False
+            try:
+                relaxation = lp.solve(deadline_s, warm=True)
+            except PlanError:
+                # Rounding down keeps the previous optimum feasible.
+                lp.fix_durations(nodes, faster)
+                relaxation = lp.solve(deadline_s, warm=True)
+    finally:
+        lp.release_durations()
+    return relaxation
