@@ -64,6 +64,7 @@ class Sweep:
         self.frequencies = tuple(freqs)
         self.warmup_iterations = warmup_iterations
         self.iterations_per_frequency = iterations_per_frequency
+        self._dropped = 1 if iterations_per_frequency > 1 else 0  # warm-up iterations per frequency
         self.early_stop_rises = early_stop_rises
         # frequency -> (virtual stage, kind) -> [(time s, energy J)]
         self._samples: dict[int, dict[tuple[int, str], list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
@@ -83,8 +84,7 @@ class Sweep:
         end = len(self.frequencies) if self._stopped_at is None else self._stopped_at
         if k >= end:
             return SweepStep("done", None, False)
-        drop = 1 if self.iterations_per_frequency > 1 else 0
-        return SweepStep("profiling", self.frequencies[k], j >= drop, k)
+        return SweepStep("profiling", self.frequencies[k], j >= self._dropped, k)
 
     @property
     def done(self) -> bool:
@@ -131,7 +131,7 @@ class Sweep:
             return False
         if step.measured:
             self._measured_iterations[step.frequency] += 1
-        if self._measured_iterations[step.frequency] < self._measured_per_frequency():
+        if self._measured_iterations[step.frequency] < self.iterations_per_frequency - self._dropped:
             return False
         energy = self._iteration_energy(step.frequency)
         best = min(self._energy.values(), default=None)
@@ -172,9 +172,6 @@ class Sweep:
     def iteration_energy(self) -> dict[int, float]:
         """Per completed frequency, the stage's instruction energy per iteration (J)."""
         return dict(self._energy)
-
-    def _measured_per_frequency(self) -> int:
-        return self.iterations_per_frequency - (1 if self.iterations_per_frequency > 1 else 0)
 
     def _iteration_energy(self, frequency: int) -> float:
         n = self._measured_iterations[frequency]
