@@ -134,7 +134,7 @@ class Monitor:
         self.sync = sync
         if clock is None:
             if not self.gpus:
-                raise ConfigError("Monitor needs a clock when it measures no GPU")
+                raise ConfigError("Monitor measures no GPU, so it needs a clock: pass clock=REAL_CLOCK (perseus.clock)")
             clock = self.gpus[0].clock
         self.clock = clock
         self._now = clock.now

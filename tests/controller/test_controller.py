@@ -97,6 +97,7 @@ def test_mismatched_order_falls_back_to_default_clocks_for_the_rest_of_the_plan(
     assert controller.wait_applied()
     assert gpu.sm_clock() == gpu.max_frequency()
     assert sum("does not match plan" in r.getMessage() for r in caplog.records) == 1  # logged once
+    assert controller.stats.mismatches == 1
     controller.set_plan(ORDER, [1005, 1005, 1005, 1005], version=2)  # ...a new plan does
     run_iteration(controller)
     assert controller.wait_applied()
