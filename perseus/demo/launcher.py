@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from perseus.demo.config import DemoConfig
 from perseus.atomic import write_json_atomic
@@ -144,14 +145,15 @@ def sim_gpus_at_default(ranks: int, sim_dir: str) -> bool:
     return True
 
 
-def read_plan(state_dir: str, job_id: str | None) -> dict | None:
-    """The plan the service published for `job_id`, from its state directory (None if none)."""
-    from perseus.server.state import StateDir
+def fetch_status(address: str, job_id: str | None) -> Any:
+    """The service's status of `job_id` (a `perseus.server.protocol.JobStatus`), or None."""
+    from perseus.server.client import PlannerClient
 
-    for record in StateDir(state_dir).load_jobs():
-        if record.get("job_id") == job_id:
-            return record.get("plan")
-    return None
+    if job_id is None:
+        return None
+    with PlannerClient(address, timeout_s=5.0) as client:
+        status = client.status(job_id)
+    return status.jobs[0] if status is not None and status.jobs else None
 
 
 def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None) -> dict:
@@ -176,6 +178,8 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             say(f"torchrun: {options.ranks} ranks (gloo, CPU), each on a simulated A100-SXM; "
                 f"{options.microbatches} microbatches per iteration, Schedule1F1B")
             rc = _run_job(options, config_path, sim_dir, os.path.join(work, "torchrun.log"), out_dir, say)
+            job_id = _job_id(out_dir) if rc == 0 else None
+            status = fetch_status(address, job_id)
         finally:
             service.stop()
         if rc != 0:
@@ -187,8 +191,7 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
                 "the demo job ran no planned iteration: the planner service published no plan; its log:\n"
                 + _tail(os.path.join(work, "service.log"))
             )
-        job_id = _job_id(out_dir)
-        result = summarize(iterations, read_plan(state_dir, job_id))
+        result = summarize(iterations, status)
         result.update(
             ranks=options.ranks,
             microbatches=options.microbatches,
@@ -212,8 +215,9 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             shutil.rmtree(work, ignore_errors=True)
 
 
-def summarize(iterations: list[Iteration], plan: dict | None) -> dict:
-    """Per-phase figures, predicted against measured saving, and whether the plan ran as published."""
+def summarize(iterations: list[Iteration], status: Any) -> dict:
+    """Per-phase figures, the service's prediction (`status`: its JobStatus, or None) against
+    the measured saving, and whether the planned clocks ran as assigned."""
     phases = split_phases(iterations)
     stats = {name: phase_stats(its) for name, its in phases.items()}
     baseline, planned = stats["baseline"], stats["planned"]
@@ -222,28 +226,27 @@ def summarize(iterations: list[Iteration], plan: dict | None) -> dict:
     result["profiled"] = bool(phases["profiling"])
     result["measured_saving"] = (1.0 - planned.energy_j / baseline.energy_j) if baseline and planned else None
     result["iteration_time_change"] = (planned.iteration_time_s / baseline.iteration_time_s - 1.0) if baseline and planned else None
-    if plan is not None:
+    result["predicted_saving"] = status.predicted_saving if status is not None else None
+    result["predicted"] = None
+    if status is not None and status.predicted_energy_j is not None:
         result["predicted"] = {
-            "iteration_time_s": plan["iteration_time_s"],
-            "energy_j": plan["energy_j"],
-            "baseline_iteration_time_s": plan["baseline_iteration_time_s"],
-            "baseline_energy_j": plan["baseline_energy_j"],
+            "iteration_time_s": status.predicted_iteration_time_s,
+            "energy_j": status.predicted_energy_j,
+            "baseline_energy_j": status.predicted_baseline_energy_j,
+            "plan_version": status.plan_version,
         }
-        result["predicted_saving"] = 1.0 - plan["energy_j"] / plan["baseline_energy_j"]
-        result["plan_version"] = plan["version"]
-        result["plan_frequencies"] = [list(row) for row in plan["stage_frequencies"]]
-        result["plan_applied"] = plan_applied(phases["planned"], plan["stage_frequencies"])
-    else:
-        result["predicted"] = result["predicted_saving"] = result["plan_applied"] = None
+    last = phases["planned"][-1] if phases["planned"] else None
+    result["plan_frequencies"] = list(last.plans) if last is not None else None
+    result["plan_applied"] = plan_applied(phases["planned"])
     return result
 
 
-def plan_applied(planned: list[Iteration], stage_frequencies: list[list[int]]) -> float | None:
-    """Fraction of planned instructions whose GPU work ran at the plan's clock."""
+def plan_applied(planned: list[Iteration]) -> float | None:
+    """Fraction of planned instructions whose GPU work ran (mostly) at the clock assigned to it."""
     total = hits = 0
     for it in planned:
-        for rank, spans in enumerate(it.spans):
-            want = stage_frequencies[rank]
+        for spans, want in zip(it.spans, it.plans):
+            want = want or []
             total += max(len(spans), len(want))
             hits += sum(1 for s, f in zip(spans, want) if s["frequency"] == f)
     return hits / total if total else None
@@ -263,7 +266,7 @@ def format_report(result: dict) -> str:
         ratio = f" ({measured / predicted:.0%} of predicted)" if predicted > 0 else ""
         lines.append(f"energy saving: predicted {predicted:.1%}, measured {measured:.1%}{ratio}")
     elif measured is not None:
-        lines.append(f"energy saving: measured {measured:.1%} (no plan found in the state directory)")
+        lines.append(f"energy saving: measured {measured:.1%} (the service reported no prediction)")
     else:
         lines.append("energy saving: not measured (a phase has no measured iterations)")
     if result.get("iteration_time_change") is not None:

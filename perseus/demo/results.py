@@ -31,6 +31,7 @@ class Iteration:
     energy_j: float  # sum over ranks
     spans: tuple[tuple[dict, ...], ...]  # per rank: instruction spans, times relative to `start`
     start: float
+    plans: tuple[list[int] | None, ...] = ()  # per rank: the planned clock of each instruction
 
     @property
     def label(self) -> str:
@@ -63,6 +64,7 @@ def load_iterations(out_dir: str, world_size: int) -> list[Iteration]:
                     tuple({**s, "start": s["start"] - start, "end": s["end"] - start} for s in r["spans"]) for r in rows
                 ),
                 start=start,
+                plans=tuple(r.get("plan") for r in rows),
             )
         )
     return iterations

@@ -47,21 +47,25 @@ def run_rank(config: DemoConfig) -> None:
         )
         schedule = Schedule1F1B(stage, config.num_microbatches, loss_fn=lm_loss)
         trainer = _Trainer(config, rank, world, schedule, model, emulator)
-        trainer.run(config.baseline_iterations, None)  # the baseline: no Perseus, maximum clocks
-        perseus_rank = _instrument(stage, schedule, gpu, config)
-        if perseus_rank is not None:
+        trainer.run(config.baseline_iterations)  # the baseline: no Perseus, maximum clocks
+        if config.server is not None:
+            from perseus.server.client import PlannerClient
+
+            client = PlannerClient(config.server)
             try:
-                trainer.run(config.max_iterations, perseus_rank)
+                _instrument(stage, schedule, gpu, client, config)
+                try:
+                    trainer.run(config.max_iterations, stage.perseus, client)
+                finally:
+                    stage.perseus.close()
             finally:
-                perseus_rank.close()
+                client.close()
     finally:
         dist.destroy_process_group()
 
 
-def _instrument(stage, schedule, gpu, config: DemoConfig):
-    """Perseus on this rank's stage (None when the demo runs without a planner)."""
-    if config.server is None:
-        return None
+def _instrument(stage, schedule, gpu, client, config: DemoConfig) -> None:
+    """Perseus on this rank's stage, talking to the planner through `client`."""
     import perseus
     from perseus.runtime import ProfilingSettings
 
@@ -70,8 +74,7 @@ def _instrument(stage, schedule, gpu, config: DemoConfig):
         iterations_per_frequency=config.iterations_per_frequency,
         frequencies=tuple(config.sweep_frequencies) if config.sweep_frequencies else None,
     )
-    perseus.instrument(stage, schedule=schedule, client=config.server, gpu=gpu, tag=config.tag, profiling=settings)
-    return stage.perseus
+    perseus.instrument(stage, schedule=schedule, client=client, gpu=gpu, tag=config.tag, profiling=settings)
 
 
 class _Trainer:
@@ -87,7 +90,7 @@ class _Trainer:
         self.records: list[dict] = []
         self.job_id: str | None = None
 
-    def run(self, max_iterations: int, perseus_rank) -> None:
+    def run(self, max_iterations: int, perseus_rank=None, client=None) -> None:
         """Train `max_iterations`, or with Perseus until `planned_iterations` iterations (after
         the switch) ran the plan on every rank, or until `UNPLANNED_AFTER_PROFILING` iterations
         ran unplanned after profiling (the service could not plan: see its log)."""
@@ -95,11 +98,15 @@ class _Trainer:
             self.job_id = perseus_rank.job_spec().job_id()
         planned = given_up = 0
         profiled = False
+        plan: list[int] | None = None
         start, energy_start = self.gpu.clock.now(), self.gpu.energy_mj()
         for _ in range(max_iterations):
             self.step()
             phase = "baseline" if perseus_rank is None else str(perseus_rank.phase)
             profiled = profiled or phase == "profiling"
+            if phase == "planned":  # the clocks this rank was told to run (the client's cached table)
+                assigned = client.assignment(perseus_rank.job_iteration).frequencies
+                plan = list(assigned) if assigned is not None else plan
             # One all-reduce ends the iteration: MIN of (all planned, not given up).
             flags = torch.tensor([int(phase == "planned"), -int(profiled and phase == "unplanned")])
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
@@ -111,6 +118,7 @@ class _Trainer:
                     "start": start,
                     "end": end,
                     "energy_j": (energy_end - energy_start) / 1000.0,
+                    "plan": plan if phase == "planned" else None,
                     "spans": [asdict(s) for s in self.emulator.take_spans()],
                 }
             )

@@ -15,6 +15,7 @@ from perseus.demo.workload import DEFAULT_TIME_SCALE, GPT3_A100_STAGES, stage_wo
 from perseus.devices.sim import SimGPU, predict
 from perseus.exceptions import ConfigError
 from perseus.schedules.instruction import Kind
+from perseus.server.protocol import JobStatus
 
 
 def test_stage_works_merge_the_measured_stages_and_keep_the_last_heaviest():
@@ -86,15 +87,19 @@ def test_last_stage_loss_trains():
     assert losses[-1] < losses[0]
 
 
-def _it(index, phases, time_s, energy_j, freqs=()):
+def _it(index, phases, time_s, energy_j, freqs=(), plans=()):
     spans = tuple(tuple({"kind": "forward", "microbatch": i, "start": 0.0, "end": 0.1, "frequency": f}
                         for i, f in enumerate(row)) for row in freqs)
-    return Iteration(index, tuple(phases), time_s, energy_j, spans, 0.0)
+    return Iteration(index, tuple(phases), time_s, energy_j, spans, 0.0, tuple(plans))
 
 
 def test_phases_drop_warmup_and_switch_iterations_and_summarize():
-    plan = {"stage_frequencies": [[1410, 1200], [1000, 1410]], "iteration_time_s": 1.0, "energy_j": 90.0,
-            "baseline_iteration_time_s": 1.0, "baseline_energy_j": 100.0, "version": 1}
+    plan = [[1410, 1200], [1000, 1410]]
+    status = JobStatus(
+        job_id="job-0123456789abcdef", phase="planned", world_size=2, ranks_registered=2, profiled_stages=(0, 1),
+        plan_version=1, last_iteration=8, predicted_iteration_time_s=1.0, predicted_energy_j=90.0,
+        predicted_baseline_energy_j=100.0,
+    )
     its = [
         _it(0, ["baseline"] * 2, 2.0, 500.0),  # warms up: dropped
         _it(1, ["baseline"] * 2, 1.0, 100.0),
@@ -102,22 +107,23 @@ def test_phases_drop_warmup_and_switch_iterations_and_summarize():
         _it(3, ["warmup"] * 2, 1.0, 101.0),
         _it(4, ["profiling", "planning"], 1.2, 95.0),
         _it(5, ["planning"] * 2, 1.0, 100.0),
-        _it(6, ["planned"] * 2, 1.0, 95.0, plan["stage_frequencies"]),  # the switch: dropped
-        _it(7, ["planned"] * 2, 1.01, 91.0, plan["stage_frequencies"]),
-        _it(8, ["planned"] * 2, 1.01, 93.0, [[1410, 1410], [1000, 1410]]),
+        _it(6, ["planned"] * 2, 1.0, 95.0, plan, plan),  # the switch: dropped
+        _it(7, ["planned"] * 2, 1.01, 91.0, plan, plan),
+        _it(8, ["planned"] * 2, 1.01, 93.0, [[1410, 1410], [1000, 1410]], plan),
     ]
     phases = split_phases(its)
     assert [i.index for i in phases["baseline"]] == [1, 2]
     assert [i.index for i in phases["profiling"]] == [4]
     assert [i.index for i in phases["planned"]] == [7, 8]
-    result = summarize(its, plan)
+    result = summarize(its, status)
     assert result["baseline"] == {"iterations": 2, "iteration_time_s": 1.0, "energy_j": 101.0}
     assert result["planned"]["energy_j"] == pytest.approx(92.0)
     assert result["measured_saving"] == pytest.approx(1 - 92 / 101)
     assert result["predicted_saving"] == pytest.approx(0.1)
     assert result["iteration_time_change"] == pytest.approx(0.01)
     assert result["plan_applied"] == pytest.approx(7 / 8)
-    assert plan_applied([], plan["stage_frequencies"]) is None
+    assert result["plan_frequencies"] == plan
+    assert plan_applied([]) is None
     assert summarize(its, None)["predicted_saving"] is None
 
 
