@@ -28,7 +28,7 @@ from perseus.schedules.instruction import Schedule
 # Tolerance (s) for the LP's own rounding when comparing choice times to relaxed finish times.
 _LP_SLACK_S = 1e-9
 # Fractions of the relaxed minimum-energy time also tried when the deadline does not bind.
-_MIN_ENERGY_TARGETS = (0.995, 0.99, 0.98, 0.96)
+_MIN_ENERGY_TARGETS = (0.99, 0.97)
 # Iterative rounding (`refine`) costs a few warm LP re-solves: used for single plans up to this
 # many instructions, not for frontier sweeps.
 REFINE_MAX_NODES = 4096
