@@ -221,7 +221,7 @@ def main() -> int:
                 print(f"{name:<22} {args.stages:>3}x{m:<3} {planner.problem.num_nodes:>6} {r.factor:>6.2f}T {setup_s + r.ours_s:>7.2f} "
                       f"{fmt(lt_s, '.1f') + lt_note:>9} {fmt(ratio, '.0f') + ('x' if ratio else ''):>6} {r.ours:>7.2f} {fmt(r.lowtime):>9} "
                       f"{r.envpipe:>9.2f} {r.uniform:>9.2f} {r.gap:>6.3f}")
-            rows.extend(case_rows if m in mbs else [])
+            rows.extend(case_rows)
             if name == TARGET_WORKLOAD and m == 32 and lt_s is not None:
                 speed["lowtime_ratio_8x32"] = lt_s / ours_total
             if name == TARGET_WORKLOAD and m == 96:

@@ -69,10 +69,6 @@ class Problem:
         """Every node at its fastest Pareto choice."""
         return np.zeros(self.num_nodes, dtype=np.int64)
 
-    def cheapest(self) -> np.ndarray:
-        """Every node at its minimum effective-energy choice (the slowest Pareto choice)."""
-        return np.array([len(self.options[k]) - 1 for k in self.node_type], dtype=np.int64)
-
     def iteration_time(self, times: np.ndarray) -> float:
         return float(self.dag.longest_path(times)[1].max())
 

@@ -10,6 +10,7 @@ the evaluator, and only plans that meet the deadline there are returned.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +46,10 @@ class FrontierPoint:
 
 
 class Planner:
-    """Plans for one (schedule, profile). Pure: no I/O, no clocks; same inputs, same plans."""
+    """Plans for one (schedule, profile). Pure: no I/O, no clocks; same inputs, same plans.
+
+    One LP instance is shared by all calls, so calls on one Planner are serialised by a lock.
+    """
 
     def __init__(self, schedule: Schedule, profile: Profile) -> None:
         self.schedule = schedule
@@ -65,6 +69,7 @@ class Planner:
             [self.problem.node_options(i).slowest_within(p.time) for i, p in enumerate(self._max_points())], dtype=np.int64
         )
         self._min_energy: Plan | None = None
+        self._lock = threading.Lock()
 
     def _max_points(self):
         return [self.profile.points_for(ins, self.schedule)[0] for ins in self.problem.dag.nodes]
@@ -73,13 +78,16 @@ class Planner:
         """Minimum-energy plan with iteration time <= deadline (s). Default: no slowdown against
         every GPU at its maximum frequency; `max_slowdown` F: deadline F x that time. Beyond the
         minimum-energy time T* the plan stays at T*."""
-        return self._solve(self._deadline(deadline, max_slowdown), warm=False, refined=True)
+        deadline_s = self._deadline(deadline, max_slowdown)
+        with self._lock:
+            return self._solve(deadline_s, warm=False, refined=True)
 
     def min_energy_plan(self) -> Plan:
         """The plan of least energy at any iteration time (its time is T*)."""
-        if self._min_energy is None:
-            self._min_energy = self._solve(None, warm=False, refined=True)
-        return self._min_energy
+        with self._lock:
+            if self._min_energy is None:
+                self._min_energy = self._solve(None, warm=False, refined=True)
+            return self._min_energy
 
     def frontier(self, num_points: int = 50) -> list[FrontierPoint]:
         """Plans for `num_points` deadlines evenly spaced from the fastest iteration time to T*,
@@ -88,6 +96,11 @@ class Planner:
             raise ConfigError(f"a frontier needs at least 2 points, got {num_points}")
         slowest = self.min_energy_plan()
         deadlines = np.linspace(self.fastest_time_s, slowest.iteration_time_s, num_points)
+        with self._lock:
+            return self._sweep(deadlines, slowest)
+
+    def _sweep(self, deadlines: np.ndarray, slowest: Plan) -> list[FrontierPoint]:
+        num_points = len(deadlines)
         self._lp.solve(float(deadlines[0]), warm=False)
         points: list[FrontierPoint] = []
         best: Plan | None = None
