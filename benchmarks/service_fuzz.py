@@ -537,9 +537,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"service {service.endpoint} (pid {service.pid}); {a.frames} frames, seed {a.seed}", flush=True)
         rss_before = service.memory_mb()[0]
         try:
-            report, job_problem = fuzz_service(
-                service.endpoint, service.alive, a.frames, a.seed, a.reply_timeout, lambda n: print(f"  {n} frames", flush=True)
-            )
+            def progress(n: int) -> None:
+                rss = service.memory_mb()[0] if service.alive() else math.nan
+                print(f"  {n} frames, service RSS {rss:.0f} MiB", flush=True)
+
+            report, job_problem = fuzz_service(service.endpoint, service.alive, a.frames, a.seed, a.reply_timeout, progress)
             alive = service.alive()
             rss_after, peak = service.memory_mb() if alive else (math.nan, math.nan)
             log_tail = service.log_tail() if not alive or report.failures else ""
@@ -554,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     for code, n in sorted(report.codes.items(), key=lambda kv: str(kv[0])):
         print(f"{code!s:<16} {n:7d}")
     print(f"\ntotal time {report.seconds:.2f} s ({report.frames / report.seconds:.0f} frames/s, lockstep on one socket)")
-    print(f"service alive afterwards: {alive}; RSS {rss_before:.0f} MiB before, {rss_after:.0f} MiB after (peak {peak:.0f} MiB)")
+    print(f"service alive afterwards: {alive}; RSS {rss_before:.0f} MiB before the frames, {rss_after:.0f} MiB after the real job (peak {peak:.0f} MiB; planning imports the planner)")
     print(f"real job afterwards (register, upload, plan, fetch): {'completed' if job_problem is None else 'FAILED: ' + job_problem}")
     if report.failures:
         print(f"\n{len(report.failures)} failures (first 30):", *report.failures[:30], sep="\n  ")
