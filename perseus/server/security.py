@@ -19,6 +19,7 @@ import ipaddress
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -42,6 +43,28 @@ _REFUSALS = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed: the client does not speak CURVE with this key (no keys, or the wrong server key)",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "client key not accepted",
 }
+
+
+REFUSAL_LOG_INTERVAL_S = 10.0  # a refused client retries every second: one line per reason per interval
+
+
+class _Refusals:
+    """Logs refusals at WARNING, at most once per reason per interval, counting the rest."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def log(self, reason: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(reason, -REFUSAL_LOG_INTERVAL_S) < REFUSAL_LOG_INTERVAL_S:
+                self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
+                return
+            self._last[reason] = now
+            more = self._suppressed.pop(reason, 0)
+        log.warning("%s%s", reason, f" ({more} more like it in the last {REFUSAL_LOG_INTERVAL_S:.0f} s)" if more else "")
 
 
 class Security(Protocol):
@@ -93,8 +116,9 @@ def _public_key(path: Path) -> bytes:
 class _AllowList:
     """ZAP credentials provider: a client key is accepted iff its public key file is in `folder`."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, refusals: _Refusals) -> None:
         self.folder = folder
+        self.refusals = refusals
 
     def callback(self, domain: str, key: bytes) -> bool:
         try:
@@ -103,7 +127,7 @@ class _AllowList:
             log.error("cannot read the accepted client keys in %s: %s; refusing every client", self.folder, e)
             return False
         if not allowed:
-            log.warning("refused a client: its CURVE public key %s is not in %s", key.decode(errors="replace"), self.folder)
+            self.refusals.log(f"refused a client: its CURVE public key {key.decode(errors='replace')} is not in {self.folder}")
         return allowed
 
 
@@ -119,6 +143,7 @@ class CurveServer:
         if not self.clients.is_dir():
             raise ConfigError(f"{root} has no clients/ folder of accepted client keys; create keys with `perseus keys --dir {root}`")
         self.public, self.secret = _secret_pair(root / "server" / f"{SERVER_NAME}.key_secret")
+        self._refusals = _Refusals()
         self._auth: ThreadAuthenticator | None = None
         self._monitor: threading.Thread | None = None
         self._socket: zmq.Socket | None = None
@@ -126,7 +151,7 @@ class CurveServer:
     def configure_server(self, socket: zmq.Socket) -> None:
         self._auth = ThreadAuthenticator(socket.context, log=log.getChild("zap"))
         self._auth.start()
-        self._auth.configure_curve_callback(domain="*", credentials_provider=_AllowList(self.clients))
+        self._auth.configure_curve_callback(domain="*", credentials_provider=_AllowList(self.clients, self._refusals))
         socket.curve_secretkey = self.secret
         socket.curve_publickey = self.public
         socket.curve_server = True
@@ -147,7 +172,7 @@ class CurveServer:
                     return
                 reason = _REFUSALS.get(event["event"])
                 if reason is not None:
-                    log.warning("refused a connection on %s: %s", event["endpoint"].decode(errors="replace"), reason)
+                    self._refusals.log(f"refused a connection on {event['endpoint'].decode(errors='replace')}: {reason}")
         except zmq.ZMQError:
             return  # the context is closing
         finally:

@@ -3,7 +3,7 @@
 Pure (no clocks, no I/O): the job feeds one value per pipeline and iteration, the pipeline's
 measured iteration time expressed at its no-slowdown plan (measured time / time the plan in
 force predicts x the no-slowdown plan's time), so a pipeline slowed on purpose to a straggler's
-pace does not look slow itself. A pipeline is a straggler when the median of its recent values
+pace does not look slow itself. A pipeline is a straggler when the (low) median of its recent values
 exceeds the median of the other pipelines' medians by more than `threshold`; it recovers when
 that excess falls below `threshold / 2` (hysteresis, so noise near the threshold cannot flap
 the plans). Medians make single slow iterations (a checkpoint, a hiccup) invisible.
@@ -53,7 +53,9 @@ class StragglerDetector:
 
     def medians(self) -> dict[int, float]:
         """Median of each pipeline with enough recent values."""
-        return {k: statistics.median(v) for k, v in enumerate(self._values) if len(v) >= self.min_samples}
+        # The low median is always a measured value: a step change (a straggler recovering)
+        # flips it at once, instead of passing through the mean of two values that never ran.
+        return {k: statistics.median_low(v) for k, v in enumerate(self._values) if len(v) >= self.min_samples}
 
     def update(self) -> Straggler | None:
         """Decide with the values so far; returns (and keeps in `current`) the straggler or None.

@@ -1,0 +1,217 @@
+"""Data-parallel pipelines, stragglers and 3D parallelism in the job state machine (no sockets;
+plans are given as PlanResults, so no solver runs here)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from server_helpers import job_spec, rank_info, stage_profile
+
+from perseus.exceptions import ConfigError, ServiceError
+from perseus.profiler.profile import Profile, ProfilePoint
+from perseus.server.job import Job
+from perseus.server.planning import PlanResult
+from perseus.server.protocol import JobPhase, ReportIteration
+from perseus.server.topology import merge_tensor_parallel, rank_coordinates, rank_of
+
+A100, A40 = "sim-a100", "sim-a40"
+
+
+def _result(time_s: float, energy_j: float, freq: int = 1410) -> PlanResult:
+    return PlanResult(((freq,) * 8, (freq,) * 8), time_s, energy_j, energy_j * 0.99, 1.0, 200.0)
+
+
+def _dp_job(dp: int = 2, **overrides) -> Job:
+    """`dp` pipelines of 2 stages, ranks (stage, pipeline) in torch order; stage profiles in."""
+    job = Job(job_spec(world_size=2 * dp, dp=dp, rank_mapping="torch", **overrides))
+    for r in range(2 * dp):
+        job.add_rank(rank_info(r, stage=r % 2, dp_index=r // 2))
+    for s in (0, 1):
+        assert job.add_profile(s, s, stage_profile(s)) == f"stage-{s}"
+    (key, _), = job.missing_plans()
+    job.add_result(key, _result(1.0, 150.0))
+    assert job.publish() == list(range(dp)) and job.phase == JobPhase.PLANNED
+    return job
+
+
+class _Ranks:
+    """Reports each pipeline's iteration at a given time (with seeded noise), rank by rank."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.iteration = 0
+        self.rng = random.Random(1)
+        self.changes = 0
+
+    def run(self, times: list[float], iterations: int) -> None:
+        job = self.job
+        for _ in range(iterations):
+            for rank, info in sorted(job.ranks.items()):
+                t = times[info.dp_index] * (1 + self.rng.gauss(0, 0.01))
+                job.record(ReportIteration(job.job_id, rank, self.iteration, t, 50.0))
+                if job.update_stragglers():
+                    self.changes += 1
+            self.iteration += 1
+
+
+def test_a_detected_straggler_slows_the_others_to_its_pace_and_recovery_restores_them():
+    job = _dp_job()
+    models = (A100, A100)
+    ranks = _Ranks(job)
+    ranks.run([1.0, 1.0], 10)
+    assert job.straggler() is None and ranks.changes == 0
+
+    ranks.run([1.0, 1.2], 10)  # pipeline 1's GPUs got slower: it runs its plan 20% over time
+    pipeline, factor, source = job.straggler()
+    assert (pipeline, source) == (1, "detected") and factor == pytest.approx(1.2, abs=0.03)
+    (key, profile), = job.missing_plans()
+    assert key[0] == models and key[1] == pytest.approx(factor * 1.0, abs=1e-6) and profile.stages() == [0, 1]
+    assert job.publish() == []  # not solved yet: every pipeline keeps its plan
+    job.add_result(key, _result(key[1], 120.0, freq=1110))
+    assert job.publish() == [0]  # only the fast pipeline changes
+    slowed = job.plans[0]
+    assert slowed.version == 2 and slowed.deadline_s == key[1] and job.plans[1].version == 1
+    assert slowed.start_iteration == ranks.iteration - 1 + 2
+    # Every rank of pipeline 0 gets the new plan (same version, same start); pipeline 1 keeps its own.
+    assert job.table(0, ranks.iteration, 1).frequencies == (1110,) * 8 and job.table(1, ranks.iteration, 1).plan_version == 2
+    assert job.table(2, ranks.iteration, 1).frequencies is None and job.table(2, ranks.iteration, 1).plan_version == 1
+    status = job.status()
+    assert [p.deadline_s for p in status.pipelines] == [key[1], None]
+    assert status.pipelines[1].straggler == "detected" and status.pipelines[0].straggler == ""
+
+    # Pipeline 0 now takes the straggler's time, as its new plan predicts: no new straggler, no flapping.
+    changes = ranks.changes
+    ranks.run([key[1], 1.2], 30)
+    assert ranks.changes == changes and job.straggler()[0] == 1 and job.missing_plans() == []
+
+    ranks.run([key[1], 1.0], 12)  # pipeline 1 recovered
+    assert job.straggler() is None and job.missing_plans() == []  # the no-slowdown plan is still known
+    assert job.publish() == [0] and job.plans[0].deadline_s is None and job.plans[0].version == 3
+
+
+def test_a_declared_straggler_sets_the_deadline_and_can_be_cleared():
+    job = _dp_job(dp=3)
+    job.declare_straggler(2, 1.5)
+    assert job.straggler() == (2, 1.5, "declared")
+    wanted = job.wanted()
+    assert wanted[2] == ((A100, A100), None) and wanted[0] == wanted[1] == ((A100, A100), 1.5)
+    (key, _), = job.missing_plans()
+    job.add_result(key, "planning failed: no plan")  # a deadline the planner cannot meet
+    assert job.error == "" and job.publish() == []  # the pipelines keep their no-slowdown plans
+    job.declare_straggler(2, 1.25)
+    (key, _), = job.missing_plans()
+    job.add_result(key, _result(1.25, 130.0))
+    assert job.publish() == [0, 1] and job.plans[0].version == job.plans[1].version == 2
+    assert job.status().pipelines[2].straggler == "declared" and job.status().pipelines[2].straggler_factor == 1.25
+    with pytest.raises(ServiceError, match="dp=3"):
+        job.declare_straggler(3, 1.2)
+    job.declare_straggler(2, None)
+    assert job.publish() == [0, 1] and job.plans[0].deadline_s is None
+
+
+@pytest.mark.parametrize("mapping", ["megatron", "torch"])
+def test_rank_mappings_are_bijective_and_checked_at_registration(mapping):
+    pp, dp, tp = 3, 2, 4
+    seen = set()
+    for rank in range(pp * dp * tp):
+        coords = rank_coordinates(mapping, rank, pp, dp, tp)
+        assert rank_of(mapping, *coords, pp, dp, tp) == rank
+        seen.add(coords)
+    assert len(seen) == pp * dp * tp
+    assert rank_coordinates("megatron", 5, pp, dp, tp) == (0, 1, 1)  # tensor-parallel fastest, then data-parallel
+    assert rank_coordinates("torch", 5, pp, dp, tp) == (1, 0, 1)  # tensor-parallel fastest, then pipeline
+    job = Job(job_spec(world_size=16, dp=2, tp=4, rank_mapping=mapping))
+    stage, dp_index, tp_index = rank_coordinates(mapping, 13, 2, 2, 4)
+    job.add_rank(rank_info(13, stage=stage, dp_index=dp_index, tp_index=tp_index))
+    with pytest.raises(ServiceError, match=f"under the {mapping} rank mapping rank 14"):
+        job.add_rank(rank_info(14, stage=stage, dp_index=dp_index, tp_index=tp_index))
+    with pytest.raises(ConfigError, match="rank_mapping"):
+        job_spec(rank_mapping="deepspeed")
+
+
+def test_tensor_parallel_uploads_merge_to_slowest_time_and_summed_energy():
+    job = Job(job_spec(world_size=8, dp=2, tp=2, rank_mapping="megatron"))
+    for rank in range(8):
+        stage, dp_index, tp_index = rank_coordinates("megatron", rank, 2, 2, 2)
+        job.add_rank(rank_info(rank, stage=stage, dp_index=dp_index, tp_index=tp_index))
+    slower = Profile({key: [ProfilePoint(p.frequency, p.time * 1.1, p.energy * 0.9) for p in pts] for key, pts in stage_profile(0).points.items()}, 80.0)
+    # Megatron: ranks 0, 1 are stage 0's tensor-parallel pair of pipeline 0; 4, 5 stage 1's.
+    assert job.add_profile(0, 0, stage_profile(0)) == "stage-0" and job.profiled_stages == ()
+    assert job.add_profile(0, 0, stage_profile(0)) is None  # that share is in
+    assert job.add_profile(1, 0, slower) == "stage-0-tp1" and job.profiled_stages == (0,)
+    assert job.add_profile(2, 0, stage_profile(0)) is None  # pipeline 1's replica shares the profile
+    merged = job.profiles[A100][0]
+    for key, points in merged.points.items():
+        for p, a, b in zip(points, stage_profile(0).points[key], slower.points[key]):
+            assert p.time == pytest.approx(max(a.time, b.time)) and p.energy == pytest.approx(a.energy + b.energy)
+    assert merged.blocking_power_w == pytest.approx(83.64 + 80.0)
+    for rank in (4, 5):
+        job.add_profile(rank, 1, stage_profile(1))
+    (key, profile), = job.missing_plans()
+    job.add_result(key, PlanResult(((1260,) * 8, (1410,) * 8), 1.0, 150.0, 140.0, 1.0, 200.0))
+    assert job.publish() == [0, 1]
+    # Every tensor-parallel rank of a stage, in every pipeline, runs the stage's frequencies.
+    for rank in range(8):
+        assert job.table(rank, 0, 0).frequencies == ((1260,) * 8 if job.ranks[rank].stage == 0 else (1410,) * 8)
+    assert job.status().predicted_energy_j == pytest.approx(300.0)  # per pipeline (tp summed), two pipelines
+
+
+def test_merge_refuses_tensor_parallel_shares_that_do_not_match():
+    a = stage_profile(0)
+    b = Profile({(0, "forward"): a.points[(0, "forward")]}, 80.0)
+    with pytest.raises(ConfigError, match="different rows"):
+        merge_tensor_parallel([a, b])
+    c = Profile({key: [ProfilePoint(p.frequency + 1, p.time, p.energy) for p in pts] for key, pts in a.points.items()}, 80.0)
+    with pytest.raises(ConfigError, match="no profiled frequency"):
+        merge_tensor_parallel([a, c])
+
+
+def test_pipelines_on_another_gpu_model_are_profiled_and_planned_on_their_own():
+    job = Job(job_spec(world_size=6, dp=3, rank_mapping="torch"))
+    for r in range(6):
+        job.add_rank(rank_info(r, stage=r % 2, dp_index=r // 2, gpu_model=A40 if r // 2 == 2 else A100))
+    assert job.models(2) == (A40, A40) and job.models(1) == (A100, A100)
+    for s in (0, 1):
+        job.add_profile(s, s, stage_profile(s))
+    assert job.phase == JobPhase.PROFILING  # the A40 pipeline's stages are not profiled yet
+    (key, _), = job.missing_plans()
+    assert key == ((A100, A100), None)
+    assert job.table(4, 0, 0).profiled_stages == ()  # so its ranks keep sweeping
+    slow = Profile({key: [ProfilePoint(p.frequency, p.time * 1.3, p.energy) for p in pts] for key, pts in stage_profile(0).points.items()}, 70.0)
+    name = job.add_profile(4, 0, slow)
+    assert name.startswith("stage-0-m") and job.table(4, 0, 0).profiled_stages == (0,)
+    job.add_profile(5, 1, stage_profile(1))
+    keys = [k for k, _ in job.missing_plans()]
+    assert keys == [((A100, A100), None), ((A40, A40), None)]
+    job.add_result(keys[0], _result(1.0, 150.0))
+    job.add_result(keys[1], _result(1.3, 160.0, freq=1260))
+    assert job.publish() == [0, 1, 2] and job.phase == JobPhase.PLANNED
+    assert job.table(4, 0, 0).frequencies == (1260,) * 8 and job.table(0, 0, 0).frequencies == (1410,) * 8
+    assert job.model_profile(A40) is not None and job.model_profile(A100) is not None
+
+
+def test_record_round_trip_keeps_plans_uploads_and_declarations():
+    job = _dp_job()
+    job.declare_straggler(1, 1.2)
+    (key, _), = job.missing_plans()
+    job.add_result(key, _result(1.2, 120.0))
+    job.publish()
+    record = job.to_record()
+    uploads = {"stage-0": stage_profile(0), "stage-1": stage_profile(1)}
+    again = Job.from_record(record, uploads, {})
+    assert again.to_record() == record and again.missing_plans() == [] and again.publish() == []
+    assert again.straggler() == (1, 1.2, "declared")
+
+
+def test_earlier_records_with_one_plan_still_load():
+    job = _dp_job()
+    record = job.to_record()
+    plan = record.pop("plans")["0"]
+    for name in ("plans", "declared", "uploads", "cached_models"):
+        record.pop(name, None)
+    record["plan"] = {k: v for k, v in plan.items() if k not in ("models", "deadline_s")}
+    again = Job.from_record(record, {"stage-0": stage_profile(0), "stage-1": stage_profile(1)}, {})
+    assert sorted(again.plans) == [0, 1] and again.phase == JobPhase.PLANNED and again.missing_plans() == []
+    assert list(itertools.chain(*again.plans[1].stage_frequencies)) == [1410] * 16

@@ -1,0 +1,110 @@
+"""Stragglers through a real `perseus serve` process and the real planner: a declared straggler
+(`perseus straggler`) and a detected one re-plan the other pipeline at the straggler's pace,
+every rank of that pipeline switches at one iteration, and recovery restores the no-slowdown
+plan. About 5 s: the service imports the planner and solves three plans."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from server_helpers import job_spec, rank_info, stage_profile
+
+from perseus.cli.main import main
+from perseus.exceptions import ServiceError
+from perseus.server.client import PlannerClient
+from perseus.server.protocol import Phase
+
+
+def _wait(predicate, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+class Ranks:
+    """Four ranks' clients stepping through iterations together (ranks 0, 1: pipeline 0)."""
+
+    def __init__(self, clients: list[PlannerClient]) -> None:
+        self.clients = clients
+        self.iteration = 0
+
+    def step(self) -> list:
+        self.iteration += 1
+        return [c.assignment(self.iteration) for c in self.clients]
+
+    def until_version(self, ranks: list[int], version: int) -> list:
+        return _wait(lambda: (a := self.step()) and all(a[r].plan_version == version for r in ranks) and a)
+
+    def report(self, iterations: int, slow: float, job_id: str, times: dict[int, float]) -> None:
+        """Iterations in which pipeline 1 takes `slow` x its plan's time and pipeline 0 the time
+        its plan in force predicts (`times`: plan version -> predicted time)."""
+        for _ in range(iterations):
+            plans = self.step()
+            for r, c in enumerate(self.clients):
+                time_s = times[plans[r].plan_version] * (slow if r >= 2 else 1.0)
+                c.report_iteration(job_id, r, self.iteration, time_s, 30.0)
+            time.sleep(0.05)  # ranks poll every 0.05 s: new plans arrive before they start
+        assert all(c.flush(5.0) for c in self.clients)
+
+
+def test_declared_and_detected_stragglers_replan_the_other_pipeline(serve, capsys):
+    served = serve()
+    ep = served.endpoint
+    spec = job_spec(world_size=4, dp=2, rank_mapping="torch")  # ranks 0, 1: pipeline 0; 2, 3: pipeline 1
+    clients = [PlannerClient(ep, timeout_s=2.0, poll_interval_s=0.05) for _ in range(4)]
+    ranks = Ranks(clients)
+    try:
+        job_id = clients[0].register_job(spec)
+        for r, c in enumerate(clients):
+            c.register_rank(job_id, rank_info(r, stage=r % 2, dp_index=r // 2))
+        for s in (0, 1):
+            clients[s].upload_profile(job_id, s, stage_profile(s))
+        assert all(c.wait_for_plan(20.0) for c in clients)
+        base = ranks.until_version([0, 1, 2, 3], 1)
+        assert base[0].frequencies == base[2].frequencies and base[0].phase == Phase.PLANNED
+        base_time = clients[0].status(job_id).jobs[0].pipelines[0].predicted_iteration_time_s
+
+        # An operator declares pipeline 1 20% slow.
+        assert main(["straggler", "--job", job_id, "--pipeline", "1", "--factor", "1.2", "--address", ep]) == 0
+        assert f"job {job_id}: pipeline 1 declared 1.2x" in capsys.readouterr().out
+        slowed = ranks.until_version([0, 1], 2)
+        assert slowed[2] is base[2] and slowed[3] is base[3]  # the straggler keeps its plan
+        assert sum(slowed[0].frequencies) + sum(slowed[1].frequencies) < sum(base[0].frequencies) + sum(base[1].frequencies)
+        job = clients[0].status(job_id).jobs[0]
+        slowed_time = job.pipelines[0].predicted_iteration_time_s
+        assert job.pipelines[0].deadline_s == pytest.approx(1.2 * base_time, rel=1e-5)
+        assert job.pipelines[0].predicted_iteration_time_s <= 1.2 * base_time * (1 + 1e-5)
+        assert (job.pipelines[1].straggler, job.pipelines[1].straggler_factor, job.pipelines[1].deadline_s) == ("declared", 1.2, None)
+        assert main(["straggler", "--job", job_id, "--address", ep]) == 0
+        table = capsys.readouterr().out
+        assert "declared 1.200x" in table and f"{1.2 * base_time:.4f}" in table
+
+        assert main(["straggler", "--job", job_id, "--pipeline", "1", "--clear", "--address", ep]) == 0
+        assert ranks.until_version([0, 1], 3)[0].frequencies == base[0].frequencies
+        assert "planning" not in served.log().split("pipeline 1 no longer declared")[1]  # the base plan was kept
+
+        # Detected: ranks report pipeline 1 persistently 20% over its plan's time.
+        times = {1: base_time, 3: base_time, 4: slowed_time, 5: base_time}
+        ranks.report(12, 1.2, job_id, times)
+        job = _wait(lambda: [j for j in clients[0].status(job_id).jobs if j.plan_version == 4])[0]
+        assert job.pipelines[1].straggler == "detected" and job.pipelines[1].straggler_factor == pytest.approx(1.2, rel=0.01)
+        # Both ranks of pipeline 0 switched at one iteration, running the old plan until then
+        # (not max clocks); the same pace as declared gives the same plan.
+        switched = [min(i for i in range(ranks.iteration + 1) if c.assignment(i).plan_version == 4) for c in clients[:2]]
+        assert switched[0] == switched[1] and clients[0].assignment(switched[0] - 1).plan_version == 3
+        assert clients[0].assignment(ranks.iteration).frequencies == slowed[0].frequencies
+
+        ranks.report(12, 1.0, job_id, times)  # pipeline 1 recovered
+        assert ranks.until_version([0, 1], 5)[0].frequencies == base[0].frequencies
+        assert "pipeline 1 recovered" in served.log()
+
+        with pytest.raises(ServiceError, match="dp=2"):
+            clients[0].declare_straggler(job_id, 2, 1.2)
+    finally:
+        for c in clients:
+            c.close()
