@@ -22,6 +22,7 @@ from other processes inflates them. Exits 1 if a target is missed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing
 import resource
 import sys
@@ -192,9 +193,7 @@ def main() -> int:
     mbs = [int(m) for m in args.microbatches.split(",") if m]
     lowtime_mbs = set() if args.skip_lowtime else {int(m) for m in args.lowtime_microbatches.split(",") if m}
     if not args.skip_lowtime:
-        try:
-            import lowtime  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("lowtime") is None:
             print("lowtime is not installed (pip install lowtime==0.3.0); running without it")
             lowtime_mbs = set()
 

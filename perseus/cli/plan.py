@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import os
-import tempfile
 from pathlib import Path
 
+from perseus.atomic import write_text_atomic
 from perseus.exceptions import ConfigError
 
 EPILOG = """examples:
@@ -105,15 +104,7 @@ def _write_frontier(points, path: Path) -> None:
     writer.writerow(["deadline_s", "time_s", "energy_j", "lower_bound_j", "gap"])
     for p in points:
         writer.writerow([repr(p.plan.deadline_s), repr(p.time_s), repr(p.energy_j), repr(p.lower_bound_j), repr(p.plan.gap)])
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(buf.getvalue())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(path, buf.getvalue())
 
 
 def _plots(folder: Path, planner, plan, frontier, baselines) -> None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from perseus.atomic import write_json_atomic
 from perseus.exceptions import PlanError
 from perseus.schedules.instruction import Instruction, Kind, Schedule
 
@@ -112,17 +112,7 @@ def _number(doc: dict, key: str) -> float:
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:
     """Write the plan as JSON atomically (temporary file, then rename)."""
-    path = Path(path)
-    text = json.dumps(plan.to_json(), indent=1) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_json_atomic(path, plan.to_json())
 
 
 def load_plan(path: str | os.PathLike, schedule: Schedule) -> Plan:

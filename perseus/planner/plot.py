@@ -5,10 +5,12 @@ matplotlib is an optional extra (`pip install 'perseus[plot]'`); it is imported 
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from perseus.atomic import write_bytes_atomic
 from perseus.exceptions import ConfigError
 from perseus.planner.evaluator import Evaluation
 from perseus.profiler.profile import Profile
@@ -27,14 +29,10 @@ def pyplot():
 
 
 def _save(fig, path: Path) -> None:
-    """Write the figure atomically (temporary file, then rename)."""
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    """Write the figure as PNG atomically."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    write_bytes_atomic(path, buf.getvalue())
 
 
 def plot_timeline(panels: Sequence[tuple[str, Evaluation]], schedule: Schedule, profile: Profile, path: str | os.PathLike) -> None:
