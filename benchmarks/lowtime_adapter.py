@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 
 import networkx as nx
@@ -59,7 +60,10 @@ def run_lowtime(evaluator: Evaluator, budget_s: float = float("inf"), batch: int
         # Effective energy, as in lowtime's Perseus example.
         for option in candidates.options:
             option.cost -= evaluator.blocking_power_w * option.quant_time * option.unit_time
-        specs.append(OperationSpec[int](options=candidates, cost_model=ExponentialModel(candidates)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its curve-fit grid search warns on the guesses it rejects
+            model = ExponentialModel(candidates)
+        specs.append(OperationSpec[int](options=candidates, cost_model=model))
 
     arrays = evaluator.arrays
     n = len(arrays.nodes)
