@@ -39,13 +39,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgpack
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from service_support import PRESET, ServeProcess, stage_profile  # noqa: E402
 
 from perseus.schedules import build_schedule  # noqa: E402
+from perseus.exceptions import ServiceError  # noqa: E402
 from perseus.server.protocol import (  # noqa: E402
     ErrorCode,
     GetStatus,
@@ -57,6 +57,7 @@ from perseus.server.protocol import (  # noqa: E402
     RegisterJob,
     RegisterRank,
     UploadProfile,
+    decode_reply,
     encode_request,
 )
 
@@ -103,9 +104,9 @@ class RankFailed(RuntimeError):
     pass
 
 
-# A reply handler: (rank slot, reply document) -> None when that rank is done with the phase, or
-# (delay in seconds, next request) to send after the delay.
-Handler = Callable[[int, dict], "tuple[float, Message] | None"]
+# A reply handler: (rank slot, reply fields or the ServiceError it carries) -> None when that rank
+# is done with the phase, or (delay in seconds, next request) to send after the delay.
+Handler = Callable[[int, "dict | ServiceError"], "tuple[float, Message] | None"]
 
 
 class Ranks:
@@ -134,42 +135,42 @@ class Ranks:
     def exchange(self, first: dict[int, Message], handle: Handler, timeout_s: float) -> None:
         """Send each slot's first request; keep answering replies through `handle` until every slot
         is done. RankFailed if a reply is an unexpected error or `timeout_s` passes."""
-        due: dict[int, tuple[float, bytes]] = {}
+        due: dict[int, tuple[float, int, bytes]] = {}  # slot -> (when, request id, frame)
         awaiting: dict[int, int] = {}  # slot -> request id in flight
         now = time.monotonic()
         for slot, message in first.items():
-            due[slot] = (now, self._encode(slot, message))
+            due[slot] = (now, *self._encode(slot, message))
         deadline = now + timeout_s
         while due or awaiting:
             now = time.monotonic()
             if now > deadline:
                 raise RankFailed(f"{len(due) + len(awaiting)} ranks unfinished after {timeout_s:.0f} s (no reply or no plan)")
-            for slot, (at, payload) in list(due.items()):
+            for slot, (at, request_id, payload) in list(due.items()):
                 if at <= now:
                     del due[slot]
-                    awaiting[slot] = self.next_id[slot] - 1
+                    awaiting[slot] = request_id
                     self.sockets[slot].send(payload)
                     self.requests += 1
-            wait_s = min((at for at, _ in due.values()), default=now + 0.05) - now
+            wait_s = min((at for at, _, _ in due.values()), default=now + 0.05) - now
             for sock, _ in self.poller.poll(max(1, min(50, int(wait_s * 1000)))):
                 slot = self.slot_of[sock]
                 while True:
                     try:
-                        doc = msgpack.unpackb(sock.recv(zmq.NOBLOCK), raw=False)
+                        request_id, result = decode_reply(sock.recv(zmq.NOBLOCK))
                     except zmq.Again:
                         break
-                    if awaiting.get(slot) != doc.get("id"):
+                    if awaiting.get(slot) != request_id:
                         continue  # a stale reply
                     del awaiting[slot]
-                    nxt = handle(slot, doc)
+                    nxt = handle(slot, result)
                     if nxt is not None:
                         delay_s, message = nxt
-                        due[slot] = (time.monotonic() + delay_s, self._encode(slot, message))
+                        due[slot] = (time.monotonic() + delay_s, *self._encode(slot, message))
 
-    def _encode(self, slot: int, message: Message) -> bytes:
+    def _encode(self, slot: int, message: Message) -> tuple[int, bytes]:
         request_id = self.next_id[slot]
         self.next_id[slot] += 1
-        return encode_request(request_id, message)
+        return request_id, encode_request(request_id, message)
 
     def close(self) -> None:
         for sock in self.sockets:
@@ -177,9 +178,10 @@ class Ranks:
         self.context.term()
 
 
-def _refused(slot: int, doc: dict) -> RankFailed:
-    error = doc.get("error", {})
-    return RankFailed(f"rank slot {slot}: [{error.get('code')}] {error.get('message')}")
+def _check(slot: int, result: dict | ServiceError) -> dict:
+    if isinstance(result, ServiceError):
+        raise RankFailed(f"rank slot {slot}: {result}")
+    return result
 
 
 def run_phases(ranks: Ranks, barrier: Callable[[], None]) -> dict[str, int]:
@@ -191,7 +193,7 @@ def run_phases(ranks: Ranks, barrier: Callable[[], None]) -> dict[str, int]:
     instructions = {s: len(build_schedule(SCHEDULE, layout.pp, layout.microbatches).stages[s]) for s in range(layout.pp)}
     profiles = {s: stage_profile(s, layout.pp) for s in range(layout.pp)}
     supported = set(PRESET.frequencies)
-    counts: dict[str, int] = {}
+    counts: dict[str, int] = {"verified": 0}  # requests per phase, and plans checked in the fetch phase
 
     def register_rank(slot: int) -> RegisterRank:
         job, local = ranks.job_and_local(slot)
@@ -201,21 +203,17 @@ def run_phases(ranks: Ranks, barrier: Callable[[], None]) -> dict[str, int]:
         job, local = ranks.job_and_local(slot)
         return GetTable(job_ids[job], local, iteration=-1, plan_version=0)
 
-    def on_ping(slot: int, doc: dict):
-        if not doc.get("ok"):
-            raise _refused(slot, doc)
+    def on_reply(slot: int, result: dict | ServiceError):
+        _check(slot, result)
 
-    def on_register(slot: int, doc: dict):
-        if doc.get("ok"):
-            return (0.0, register_rank(slot)) if "job_id" in doc else None  # job registered: now the rank
-        if doc["error"]["code"] == ErrorCode.UNKNOWN_JOB.value:
+    def on_register(slot: int, result: dict | ServiceError):
+        if isinstance(result, ServiceError) and result.code == ErrorCode.UNKNOWN_JOB.value:
             return RETRY_UNKNOWN_JOB_S, register_rank(slot)
-        raise _refused(slot, doc)
+        return (0.0, register_rank(slot)) if "job_id" in _check(slot, result) else None  # job registered: now the rank
 
     def on_table(poll_s: float | None):
-        def handle(slot: int, doc: dict):
-            if not doc.get("ok"):
-                raise _refused(slot, doc)
+        def handle(slot: int, result: dict | ServiceError):
+            doc = _check(slot, result)
             if doc.get("frequencies") is None:
                 if doc.get("phase") == "failed" or poll_s is None:
                     raise RankFailed(f"rank slot {slot}: no plan (job phase {doc.get('phase')}, error {doc.get('error')!r})")
@@ -225,6 +223,7 @@ def run_phases(ranks: Ranks, barrier: Callable[[], None]) -> dict[str, int]:
             stage = local // layout.dp
             if len(freqs) != instructions[stage] or not set(freqs) <= supported:
                 raise RankFailed(f"rank slot {slot}: plan has {len(freqs)} frequencies for {instructions[stage]} instructions, or unsupported ones")
+            counts["verified"] += poll_s is None
             return None
 
         return handle
@@ -238,14 +237,10 @@ def run_phases(ranks: Ranks, barrier: Callable[[], None]) -> dict[str, int]:
         job, local = ranks.job_and_local(slot)
         return RegisterJob(jobs[job]) if local == 0 else register_rank(slot)
 
-    def on_ack(slot: int, doc: dict):
-        if not doc.get("ok"):
-            raise _refused(slot, doc)
-
     phases: list[tuple[str, Callable[[int], Message], Handler]] = [
-        ("connect", lambda slot: Ping(), on_ping),
+        ("connect", lambda slot: Ping(), on_reply),
         ("register", first_register, on_register),
-        ("upload", upload, on_ack),
+        ("upload", upload, on_reply),
         ("plan", get_table, on_table(layout.poll_interval_s)),
         ("fetch", get_table, on_table(None)),
     ]
@@ -287,10 +282,7 @@ def job_status(endpoint: str) -> list[dict]:
         sock.send(encode_request(1, GetStatus()))
         if not sock.poll(10_000):
             raise RankFailed("the service did not answer a status request within 10 s")
-        doc = msgpack.unpackb(sock.recv(), raw=False)
-        if not doc.get("ok"):
-            raise RankFailed(f"status refused: {doc.get('error')}")
-        return doc["jobs"]
+        return _check(-1, decode_reply(sock.recv())[1])["jobs"]
     finally:
         sock.close()
 
@@ -351,15 +343,16 @@ def run(layout_args: argparse.Namespace) -> int:
 
     planned = [s for s in statuses if s["phase"] == "planned" and s["ranks_registered"] == layout.ranks_per_job]
     requests = {name: sum(counts[name] for counts, _ in outcomes.values()) for name in PHASES}
+    verified = sum(counts["verified"] for counts, _ in outcomes.values())
     walls = {name: marks[i + 1] - marks[i] for i, name in enumerate(PHASES)}
     savings = [1 - s["predicted_energy_j"] / s["predicted_baseline_energy_j"] for s in planned]
     print(f"\n{'phase':<10} {'wall s':>8} {'requests':>9} {'req/s':>8} {'service RSS after, MiB':>23}")
     for i, name in enumerate(PHASES):
         print(f"{name:<10} {walls[name]:8.2f} {requests[name]:9d} {requests[name] / walls[name]:8.0f} {memory[i]:23.0f}")
     planned_s = walls["register"] + walls["upload"] + walls["plan"]
-    ok_time = planned_s <= TARGET_PLANNED_S and len(planned) == layout.jobs
+    ok_time = planned_s <= TARGET_PLANNED_S and len(planned) == layout.jobs and verified == layout.ranks
     ok_memory = peak_mb < TARGET_MEMORY_MB
-    print(f"\njobs planned: {len(planned)} of {layout.jobs}; ranks with a verified plan: {layout.ranks}")
+    print(f"\njobs planned: {len(planned)} of {layout.jobs}; ranks whose fetched plan was checked: {verified} of {layout.ranks}")
     if savings:
         print(f"predicted energy saving per job (no slowdown): {100 * min(savings):.1f}% to {100 * max(savings):.1f}%")
     print(f"\n{'figure':<42} {'measured':>12} {'target':>12}")
