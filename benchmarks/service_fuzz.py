@@ -19,7 +19,8 @@ Starts a real `perseus serve` on loopback, registers a decoy job (rank 0 registe
   huge_sizes         fields that declare huge work: lists past their limits, jobs of millions of instructions
 Every frame must get an error reply within --reply-timeout seconds, with a code the category
 allows and the request id echoed when it was readable; any frame without one is a failure and is
-printed. Afterwards the service must still be running, and a real job (two ranks through
+printed. Then a few frames over zmq's hard size limit, which zmq drops with the connection (no
+reply is possible): the service must answer a new connection after each. Afterwards the service must still be running, and a real job (two ranks through
 PlannerClient: register, upload profiles, plan, fetch) must complete.
 
 Prints frames and failures per category, replies per error code, the service's memory before and
@@ -43,6 +44,7 @@ from typing import Any
 
 import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from service_support import PRESET, ServeProcess, stage_profile  # noqa: E402
@@ -63,6 +65,7 @@ from perseus.server.protocol import (  # noqa: E402
 FREQUENCIES = PRESET.frequencies
 GPU = PRESET.product
 ANY_ERROR = frozenset({"bad_frame", "bad_version", "bad_field", "too_large", "unknown_job", "unknown_rank", "unknown_type"})
+HARD_LIMIT_FRAMES = 3  # frames over zmq's MAXMSGSIZE (no reply possible: zmq drops the connection)
 RECOVER_TIMEOUT_S = 120.0  # after a missing reply: how long to wait for the service to answer a ping again
 
 
@@ -393,6 +396,7 @@ class Report:
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
     service_died: bool = False
+    over_hard_limit: tuple[int, int, int] = (0, 0, 0)  # frames over zmq's hard limit: (sent, connections dropped, pings answered after)
 
     @property
     def frames(self) -> int:
@@ -469,6 +473,23 @@ class Fuzzer:
             return f"reply id {reply.get('id')} for request id {case.request_id}"
         return None
 
+    def over_hard_limit(self, count: int) -> tuple[int, int]:
+        """Send `count` frames over zmq's MAXMSGSIZE: the service's zmq drops the connection before
+        the service sees the frame, so no reply can come. (drops the client saw, pings the service
+        answered on a new connection right after)."""
+        dropped = answered = 0
+        for _ in range(count):
+            monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            try:
+                self.sock.send(b"\x00" * (HARD_MESSAGE_BYTES + 1))
+                if monitor.poll(self.reply_timeout_ms):
+                    dropped += recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+            finally:
+                self.sock.disable_monitor()
+                monitor.close(linger=0)
+            answered += self.recover()
+        return dropped, answered
+
     def close(self) -> None:
         self.sock.close(linger=0)
         self.context.term()
@@ -517,6 +538,8 @@ def fuzz_service(
     try:
         register_decoy(fuzzer, decoy)
         fuzzer.run(cases(seed, frames, decoy), report, progress)
+        if not report.service_died:
+            report.over_hard_limit = (HARD_LIMIT_FRAMES, *fuzzer.over_hard_limit(HARD_LIMIT_FRAMES))
     finally:
         fuzzer.close()
     if not alive():
@@ -556,13 +579,16 @@ def main(argv: list[str] | None = None) -> int:
     for code, n in sorted(report.codes.items(), key=lambda kv: str(kv[0])):
         print(f"{code!s:<16} {n:7d}")
     print(f"\ntotal time {report.seconds:.2f} s ({report.frames / report.seconds:.0f} frames/s, lockstep on one socket)")
+    sent, dropped, answered = report.over_hard_limit
+    print(f"frames over zmq's {HARD_MESSAGE_BYTES >> 20} MiB hard limit (no reply by design): {sent}; connection dropped by the service {dropped}, "
+          f"service answered a new connection after {answered}")
     print(f"service alive afterwards: {alive}; RSS {rss_before:.0f} MiB before the frames, {rss_after:.0f} MiB after the real job (peak {peak:.0f} MiB; planning imports the planner)")
     print(f"real job afterwards (register, upload, plan, fetch): {'completed' if job_problem is None else 'FAILED: ' + job_problem}")
     if report.failures:
         print(f"\n{len(report.failures)} failures (first 30):", *report.failures[:30], sep="\n  ")
     if log_tail:
         print("\nservice log tail:\n" + log_tail)
-    return 0 if alive and not report.failures and job_problem is None else 1
+    return 0 if alive and not report.failures and job_problem is None and dropped == answered == sent else 1
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ def test_malformed_frames_all_get_error_replies_and_a_real_job_completes_after(s
     assert report.frames == 1500 and set(report.sent) == set(fuzz.CATEGORIES)
     assert sum(report.codes.values()) == 1500
     assert {"bad_frame", "bad_field", "bad_version", "unknown_job", "unknown_rank", "unknown_type", "too_large"} <= set(report.codes)
+    assert report.over_hard_limit == (fuzz.HARD_LIMIT_FRAMES,) * 3  # sent, connection dropped, service answered after
     assert served.proc.poll() is None, served.log()
     assert job_problem is None, job_problem
     _ping_ok(served.endpoint)
