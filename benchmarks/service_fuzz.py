@@ -20,11 +20,12 @@ Starts a real `perseus serve` on loopback, registers a decoy job (rank 0 registe
 Every frame must get an error reply within --reply-timeout seconds, with a code the category
 allows and the request id echoed when it was readable; any frame without one is a failure and is
 printed. Then a few frames over zmq's hard size limit, which zmq drops with the connection (no
-reply is possible): the service must answer a new connection after each. Afterwards the service must still be running, and a real job (two ranks through
-PlannerClient: register, upload profiles, plan, fetch) must complete.
+reply is possible): the service must answer a new connection after each. Afterwards the service
+must still be running, and a real job (two ranks through PlannerClient: register, upload
+profiles, plan, fetch) must complete.
 
-Prints frames and failures per category, replies per error code, the service's memory before and
-after, and the total time. Exits 1 on any failure.
+Prints frames and failures per category, replies per error code, the service's RSS every 1,000
+frames, and the total time. Exits 1 on any failure.
 """
 
 from __future__ import annotations
