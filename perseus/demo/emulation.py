@@ -41,7 +41,7 @@ class Span:
 SLICE_S = 0.004
 #: The next slice is queued this long before the current one ends, so the slices run back to
 #: back even when the training thread wakes up late.
-LEAD_S = 0.0015
+LEAD_S = 0.0025
 
 
 class GPUEmulator:
