@@ -32,7 +32,7 @@ _LP_SLACK_S = 1e-9
 _MIN_ENERGY_TARGETS = (0.99, 0.97)
 # Iterative rounding (`refine`) costs a few warm LP re-solves: used for single plans up to this
 # many instructions, not for frontier sweeps.
-REFINE_MAX_NODES = 4096
+REFINE_MAX_NODES = 16384
 
 
 @dataclass(frozen=True)
