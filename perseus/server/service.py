@@ -30,7 +30,6 @@ from perseus.server.protocol import (
     ErrorCode,
     GetStatus,
     GetTable,
-    JobPhase,
     JobRegistered,
     JobSpec,
     Message,

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgpack
@@ -112,3 +113,14 @@ def raw_request(endpoint: str, *frames: bytes, timeout_s: float = 5.0) -> dict |
 
 def request(endpoint: str, type_: str, request_id: int = 7, **fields) -> dict | None:
     return raw_request(endpoint, msgpack.packb({"v": 1, "id": request_id, "type": type_, **fields}))
+
+
+def wait_until(predicate, timeout_s: float = 10.0):
+    """Poll `predicate` until it returns something truthy (returned); AssertionError on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")

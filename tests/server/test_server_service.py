@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import msgpack
 import pytest
-from server_helpers import FREQUENCIES, job_spec, rank_info, raw_request, request, stage_profile
+from server_helpers import FREQUENCIES, job_spec, rank_info, raw_request, request, stage_profile, wait_until
 
 from perseus.planner import Planner
 from perseus.profiler.profile import Profile
@@ -85,7 +84,7 @@ def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path)
         job_id = clients[0].register_job(spec)
         for r, client in enumerate(clients):
             client.register_rank(job_id, rank_info(r))
-        _wait(lambda: all(c.assignment(0).phase == Phase.WARMUP for c in clients))
+        wait_until(lambda: all(c.assignment(0).phase == Phase.WARMUP for c in clients))
         for r, client in enumerate(clients):
             client.report_iteration(job_id, r, 0, 0.25, 30.0)  # warm-up: the measured baseline
         # Warm-up, then the sweep: frequency k for iterations 2 + 2k, 2 + 2k + 1.
@@ -131,9 +130,9 @@ def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path)
             c1.register_rank(bad.job_id(), rank_info(1))
             c0.upload_profile(bad.job_id(), 0, stage_profile(0))
             c1.upload_profile(bad.job_id(), 1, stage_profile(1))
-            failed = _wait(lambda: [j for j in c0.status(bad.job_id()).jobs if j.phase == "failed"])[0]
+            failed = wait_until(lambda: [j for j in c0.status(bad.job_id()).jobs if j.phase == "failed"])[0]
             assert "deadlock" in failed.error
-            _wait(lambda: c0.assignment(100).phase == Phase.UNPLANNED)
+            wait_until(lambda: c0.assignment(100).phase == Phase.UNPLANNED)
         assert clients[0].status(job_id).jobs[0].phase == "planned"
     finally:
         for c in clients:
@@ -175,7 +174,7 @@ def test_restarted_service_resumes_without_profiling_again(serve, tmp_path):
 
         assert c0.assignment(10_001) is plan0  # the service is gone: the rank keeps its plan
         served = serve(state, bind=endpoint)
-        job = _wait(lambda: c0.status(job_id)).jobs[0]
+        job = wait_until(lambda: c0.status(job_id)).jobs[0]
         assert job.phase == "planned" and job.plan_version == 1 and job.profiled_stages == (0, 1)
         assert "planning" not in served.log()  # resumed, neither profiled nor planned again
         c1.report_iteration(job_id, 1, 10_002, 0.2, 20.0)
@@ -209,13 +208,3 @@ def test_profile_upload_of_another_stage_is_refused(serve):
     wrong = Profile({(1, k): v for (_, k), v in stage_profile(0).points.items()}, 80.0)
     reply = request(served.endpoint, "upload_profile", job_id=spec.job_id(), rank=0, stage=0, profile=profile_to_wire(wrong))
     assert _error(reply) == "bad_field" and "stages [1]" in reply["error"]["message"]
-
-
-def _wait(predicate, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")

@@ -8,22 +8,12 @@ from __future__ import annotations
 import time
 
 import pytest
-from server_helpers import job_spec, rank_info, stage_profile
+from server_helpers import job_spec, rank_info, stage_profile, wait_until
 
 from perseus.cli.main import main
 from perseus.exceptions import ServiceError
 from perseus.server.client import PlannerClient
 from perseus.server.protocol import Phase
-
-
-def _wait(predicate, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 class Ranks:
@@ -38,7 +28,7 @@ class Ranks:
         return [c.assignment(self.iteration) for c in self.clients]
 
     def until_version(self, ranks: list[int], version: int) -> list:
-        return _wait(lambda: (a := self.step()) and all(a[r].plan_version == version for r in ranks) and a)
+        return wait_until(lambda: (a := self.step()) and all(a[r].plan_version == version for r in ranks) and a)
 
     def report(self, iterations: int, slow: float, job_id: str, times: dict[int, float]) -> None:
         """Iterations in which pipeline 1 takes `slow` x its plan's time and pipeline 0 the time
@@ -91,7 +81,7 @@ def test_declared_and_detected_stragglers_replan_the_other_pipeline(serve, capsy
         # Detected: ranks report pipeline 1 persistently 20% over its plan's time.
         times = {1: base_time, 3: base_time, 4: slowed_time, 5: base_time}
         ranks.report(12, 1.2, job_id, times)
-        job = _wait(lambda: [j for j in clients[0].status(job_id).jobs if j.plan_version == 4])[0]
+        job = wait_until(lambda: [j for j in clients[0].status(job_id).jobs if j.plan_version == 4])[0]
         assert job.pipelines[1].straggler == "detected" and job.pipelines[1].straggler_factor == pytest.approx(1.2, rel=0.01)
         # Both ranks of pipeline 0 switched at one iteration, running the old plan until then
         # (not max clocks); the same pace as declared gives the same plan.
