@@ -106,7 +106,12 @@ class Job:
         self.declared: dict[int, float] = {}
         self.last_version = 0
         self.last_iteration = -1
+        self._models: dict[int, Models] = {}
+        self._phase: JobPhase | None = None  # cached: tables are asked for many times a second
         self._reset_measurements()
+
+    def _changed(self) -> None:
+        self._phase = None
 
     def _reset_measurements(self) -> None:
         spec = self.spec
@@ -164,9 +169,13 @@ class Job:
         old = self.ranks.get(info.rank)
         if old is not None:
             self._coords.pop((old.stage, old.dp_index, old.tp_index), None)
+            self._models.pop(old.dp_index, None)
         self.ranks[info.rank] = info
         self._coords[coords] = info.rank
-        self._group_model[group] = info.gpu_model
+        if self._group_model.get(group) != info.gpu_model:
+            self._group_model[group] = info.gpu_model
+            self._models.pop(info.dp_index, None)
+            self._changed()
 
     def rank(self, rank: int) -> RankInfo:
         if rank not in self.ranks:
@@ -175,7 +184,10 @@ class Job:
 
     def models(self, pipeline: int) -> Models:
         """The GPU model of each stage of `pipeline` (the job's model where no rank registered yet)."""
-        return tuple(self._group_model.get((s, pipeline), self.spec.gpu_model) for s in range(self.spec.pp))
+        models = self._models.get(pipeline)
+        if models is None:
+            models = self._models[pipeline] = tuple(self._group_model.get((s, pipeline), self.spec.gpu_model) for s in range(self.spec.pp))
+        return models
 
     def note_iteration(self, iteration: int) -> None:
         self.last_iteration = max(self.last_iteration, iteration)
@@ -216,12 +228,17 @@ class Job:
 
     @property
     def phase(self) -> JobPhase:
+        if self._phase is None:
+            self._phase = self._current_phase()
+        return self._phase
+
+    def _current_phase(self) -> JobPhase:
         if self.error:
             return JobPhase.FAILED
         pipelines = range(self.spec.dp)
         if all(k in self.plans and self.plans[k].models == self.models(k) for k in pipelines):
             return JobPhase.PLANNED
-        if all(self.pipeline_profile(self.models(k)) is not None for k in pipelines):
+        if all(self.pipeline_profile(models) is not None for models in {self.models(k) for k in pipelines}):
             return JobPhase.PLANNING
         return JobPhase.PROFILING
 
@@ -258,10 +275,12 @@ class Job:
                 del shares[tp_index]
                 raise _bad_field(str(e)) from None
             self.profiles.setdefault(model, {})[stage] = merged
+            self._changed()
 
     def add_cached(self, model: str, profile: Profile) -> None:
         """A whole-pipeline profile of `model` from the signature cache: no profiling on it."""
         self.cached[model] = profile
+        self._changed()
 
     def model_profile(self, model: str) -> Profile | None:
         """Every stage's profile on `model` merged (what the signature cache keeps), if complete."""
@@ -338,6 +357,7 @@ class Job:
         """A solved plan, or the planner's reason it could not (a base plan failing fails the job;
         a straggler deadline failing leaves the pipelines on their no-slowdown plans)."""
         self.results[key] = result
+        self._changed()
         if isinstance(result, str) and key[1] is None:
             self.fail(result)
 
@@ -363,6 +383,7 @@ class Job:
             self.plans[k] = PublishedPlan(**base, version=self.last_version, start_iteration=start, models=models, deadline_s=deadline)
             self.history[k].append((start, result.iteration_time_s))
         self.planned = Mean()
+        self._changed()
         return sorted(changed)
 
     def _lead(self) -> int:
@@ -381,6 +402,7 @@ class Job:
 
     def fail(self, message: str) -> None:
         self.error = message
+        self._changed()
 
     # ---- predicted against measured ------------------------------------------------------------------
 
@@ -546,4 +568,5 @@ class Job:
         job.declared = {int(k): float(f) for k, f in doc.get("declared", {}).items()}
         job.error = str(doc.get("error", "")) if doc.get("error") else ""
         job._reset_measurements()
+        job._changed()
         return job

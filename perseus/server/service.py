@@ -52,6 +52,7 @@ from perseus.server.state import StateDir, default_state_dir
 log = logging.getLogger(__name__)
 
 POLL_MS = 50  # how often the loop checks for a stop request and finished plans
+SAVE_INTERVAL_S = 0.5  # rank registrations are saved this often (ranks re-register after a crash)
 LOG_FIRST = 3  # log this many planned iterations of each plan, then every `log_every`-th
 
 
@@ -77,6 +78,8 @@ class PlannerService:
         self._planning: set[str] = set()
         self._planners: dict[tuple[str, tuple[str, ...]], Any] = {}  # (job, stage models) -> Planner, reused for deadlines
         self._cache_saved: set[tuple[str, str]] = set()
+        self._unsaved: set[str] = set()  # jobs with rank registrations not yet written
+        self._saved_at = 0.0
         self._results: queue.SimpleQueue[tuple[str, list[tuple[PlanKey, tuple[PlanResult, dict] | BaseException, float]]]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._context = zmq.Context()
@@ -151,6 +154,9 @@ class PlannerService:
                     except zmq.Again:
                         log.warning("reply to a peer dropped: its queue is full")
             self._finish_plans()
+            if self._unsaved and time.monotonic() - self._saved_at >= SAVE_INTERVAL_S:
+                self._save_unsaved()
+        self._save_unsaved()
         log.info("planner service stopped")
 
     def stop(self) -> None:
@@ -223,8 +229,10 @@ class PlannerService:
     def _register_rank(self, msg: RegisterRank) -> RankRegistered:
         job = self._job(msg.job_id)
         info = msg.info
+        models = job.models(info.dp_index)
         job.add_rank(info)
         model = info.gpu_model
+        cached = None
         if model not in job.cached and not job.profiled_stages_of(model):
             cached = self.state.load_cached_profile(job.spec.profile_key(model), job.spec.signature(model))
             if cached is not None:
@@ -233,7 +241,10 @@ class PlannerService:
         level = logging.INFO if job.spec.world_size <= 64 or len(job.ranks) == job.spec.world_size else logging.DEBUG
         log.log(level, "job %s: rank %d registered (stage %d, dp %d, tp %d, %s); %d of %d",
                 job.job_id, info.rank, info.stage, info.dp_index, info.tp_index, model, len(job.ranks), job.spec.world_size)
-        self._plan(job)
+        if job.models(info.dp_index) != models or cached is not None:
+            self._plan(job)  # the pipeline's GPU models changed, or a cached profile came in
+        else:
+            self._unsaved.add(job.job_id)
         return RankRegistered(job.phase.value)
 
     def _get_table(self, msg: GetTable) -> Message:
@@ -358,6 +369,12 @@ class PlannerService:
 
     def _save(self, job: Job) -> None:
         self.state.save_job(job.to_record())
+        self._unsaved.discard(job.job_id)
+
+    def _save_unsaved(self) -> None:
+        for job_id in sorted(self._unsaved):
+            self._save(self.jobs[job_id])
+        self._saved_at = time.monotonic()
 
     def _load_jobs(self) -> None:
         for record in self.state.load_jobs():

@@ -52,7 +52,8 @@ class StateDir:
         return path
 
     def save_job(self, record: dict[str, Any]) -> None:
-        write_json_atomic(self._job_dir(record["job_id"]) / "job.json", {"format": JOB_FORMAT, "version": 1, **record})
+        # Compact: the C encoder is many times faster than an indented dump for a 1,000-rank job.
+        write_json_atomic(self._job_dir(record["job_id"]) / "job.json", {"format": JOB_FORMAT, "version": 1, **record}, indent=None)
 
     def load_jobs(self) -> list[dict[str, Any]]:
         """Every readable job record; unreadable ones are logged and skipped."""
