@@ -26,7 +26,9 @@ class Walker:
         sptr, sidx = dag.succ_ptr.tolist(), dag.succ_idx.tolist()
         self.succs = [sidx[sptr[i] : sptr[i + 1]] for i in range(problem.num_nodes)]
         type_times = [opts.time.tolist() for opts in problem.options]
+        type_costs = [opts.cost.tolist() for opts in problem.options]
         self.times = [type_times[k] for k in problem.node_type.tolist()]
+        self.costs = [type_costs[k] for k in problem.node_type.tolist()]
 
     def walk(self, limit: list[float]) -> list[int]:
         """Topological pass: node i takes the slowest choice that ends by limit[i] (the fastest
@@ -74,3 +76,67 @@ def fill_slack(problem: Problem, choice: np.ndarray, deadline_s: float, walker: 
     latest = walker.latest_finish(current, deadline_s)
     return np.array(walker.walk(latest), dtype=np.int64)
 
+
+
+def exchange(problem: Problem, choice: np.ndarray, deadline_s: float, walker: Walker | None = None, reach: int = 3) -> np.ndarray:
+    """Local search over dependent pairs (i -> j): re-choose both within `reach` steps of their
+    current choices so that together they cost less and still fit, e.g. one instruction one step
+    slower and its successor one step faster. Rounding leaves gaps shorter than any single step;
+    a pair can fill them. Sweeps until no pair improves, then fills any slack left. A plan that
+    met `deadline_s` still meets it."""
+    walker = walker or Walker(problem)
+    current = choice.tolist()
+    while _pair_sweep(walker, current, deadline_s, reach):
+        pass
+    return fill_slack(problem, np.array(current, dtype=np.int64), deadline_s, walker)
+
+
+def _pair_sweep(walker: Walker, choice: list[int], deadline_s: float, reach: int) -> int:
+    """One sweep of improving pair moves, in place; returns how many were made.
+
+    Feasibility is checked against latest finishes (`lf`) of the sweep's start state: every
+    node that ends by its lf keeps the deadline. A moved pair takes its predecessors' latest
+    finishes as their ends (safe whatever else moves), and the pair and its neighbours are then
+    locked for the rest of the sweep, so no later move relies on a changed value."""
+    n = len(walker.times)
+    dur = [walker.times[i][choice[i]] for i in range(n)]
+    lf = walker.latest_finish(choice, deadline_s)
+    locked = [False] * n
+    moves = 0
+    for i in range(n):
+        succs = walker.succs[i]
+        if locked[i] or not succs:
+            continue
+        times_i, costs_i, ki = walker.times[i], walker.costs[i], choice[i]
+        start_i = max((lf[p] for p in walker.preds[i]), default=0.0)
+        best = None
+        for j in succs:
+            if locked[j]:
+                continue
+            limit_i = min((lf[k] - dur[k] for k in succs if k != j), default=deadline_s)
+            others = max((lf[p] for p in walker.preds[j] if p != i), default=0.0)
+            times_j, costs_j, kj = walker.times[j], walker.costs[j], choice[j]
+            for a in range(max(0, ki - reach), min(len(times_i), ki + reach + 1)):
+                end_i = start_i + times_i[a]
+                if end_i > limit_i:
+                    break
+                start_j = max(end_i, others)
+                b = min(kj + reach, len(times_j) - 1)
+                while b >= 0 and start_j + times_j[b] > lf[j]:
+                    b -= 1
+                if b < 0:
+                    continue
+                gain = (costs_i[ki] - costs_i[a]) + (costs_j[kj] - costs_j[b])
+                if gain > 1e-9 and (best is None or gain > best[0]):
+                    best = (gain, j, a, b)
+        if best is not None:
+            _, j, a, b = best
+            choice[i], choice[j] = a, b
+            moves += 1
+            for x in (i, j):
+                locked[x] = True
+                for y in walker.preds[x]:
+                    locked[y] = True
+                for y in walker.succs[x]:
+                    locked[y] = True
+    return moves

@@ -4,7 +4,8 @@ Per deadline: solve the LP relaxation over each instruction's convex hull (the c
 bound), round every instruction down to the slowest profiled choice that ends by its relaxed
 finish time (so the deadline still holds), then slow instructions into whatever slack the
 rounding left. Single plans also try iterative rounding (`refine`), and small DAGs are solved
-exactly as a MILP; the least-energy candidate wins. Every plan is re-evaluated by
+exactly as a MILP; the least-energy candidate wins, and for single plans it is polished by pair
+exchanges (`exchange`). Every plan is re-evaluated by
 the evaluator, and only plans that meet the deadline there are returned.
 """
 
@@ -22,7 +23,7 @@ from perseus.planner.lp import HullLP, Relaxation
 from perseus.planner.plan import Plan
 from perseus.planner.problem import Problem
 from perseus.planner.refine import refine
-from perseus.planner.rounding import Walker, fill_slack, round_down
+from perseus.planner.rounding import Walker, exchange, fill_slack, round_down
 from perseus.profiler.profile import Profile
 from perseus.schedules.instruction import Schedule
 
@@ -149,7 +150,7 @@ class Planner:
                 candidates.append(exact)
         if deadline_s is None or deadline_s >= self.max_frequency_time_s:
             candidates.append(self._max_frequency_dominated)
-        return self._best(candidates, deadline_s, relaxation)
+        return self._best(candidates, deadline_s, relaxation, polish=refined)
 
     def _round(self, relaxation: Relaxation, deadline_s: float | None) -> list[np.ndarray]:
         rounded = round_down(self.problem, relaxation.finish_s, _LP_SLACK_S, self._walker)
@@ -163,7 +164,7 @@ class Planner:
             candidates.append(fill_slack(self.problem, rounded, deadline_s, self._walker))
         return candidates
 
-    def _best(self, candidates: list[np.ndarray], deadline_s: float | None, relaxation: Relaxation) -> Plan:
+    def _best(self, candidates: list[np.ndarray], deadline_s: float | None, relaxation: Relaxation, polish: bool) -> Plan:
         best, best_te = None, (np.inf, np.inf)
         for choice in candidates:
             t, e = self.problem.energy(choice)
@@ -173,6 +174,12 @@ class Planner:
                 best, best_te = choice, (t, e)
         if best is None:
             raise PlanError(f"no rounding of the relaxation met the deadline {deadline_s:.9g} s; report this with the profile")
+        if polish:
+            # Pair exchanges within the winner's own time: the iteration never gets longer.
+            improved = exchange(self.problem, best, best_te[0], self._walker)
+            t, e = self.problem.energy(improved)
+            if t <= best_te[0] and e < best_te[1]:
+                best = improved
         frequencies = self.problem.frequencies(best)
         evaluation = self.evaluator.evaluate(frequencies)
         if deadline_s is not None and evaluation.iteration_time_s > deadline_s:
