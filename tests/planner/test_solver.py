@@ -156,3 +156,19 @@ def test_plan_json_round_trip():
     assert back.stage_frequencies(1) == [plan.frequencies[ins] for ins in schedule.stages[1]]
     with pytest.raises(PlanError, match="plan again"):
         Plan.from_json(doc, build_schedule("interleaved-1f1b", 2, 6, num_chunks=2))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_exchange_keeps_deadline_and_never_costs_more(seed):
+    from perseus.planner.lp import HullLP
+    from perseus.planner.rounding import exchange, fill_slack, round_down
+
+    schedule = build_schedule("1f1b", 4, 12)
+    planner = Planner(schedule, random_profile(seed, 4, 12))
+    problem = planner.problem
+    deadline = 1.05 * planner.max_frequency_time_s
+    start = fill_slack(problem, round_down(problem, HullLP(problem).solve(deadline).finish_s), deadline)
+    t0, e0 = problem.energy(start)
+    t1, e1 = problem.energy(exchange(problem, start, deadline))
+    assert t0 <= deadline and t1 <= deadline
+    assert e1 <= e0
