@@ -4,8 +4,8 @@ Per deadline: solve the LP relaxation over each instruction's convex hull (the c
 bound), round every instruction down to the slowest profiled choice that ends by its relaxed
 finish time (so the deadline still holds), then slow instructions into whatever slack the
 rounding left. Single plans also try iterative rounding (`refine`), and small DAGs are solved
-exactly as a MILP; the least-energy candidate wins, and for single plans it is polished by pair
-exchanges (`exchange`). Every plan is re-evaluated by
+exactly as a MILP; the least-energy candidate wins and is polished by pair exchanges
+(`exchange`). Every plan is re-evaluated by
 the evaluator, and only plans that meet the deadline there are returned.
 """
 
@@ -32,7 +32,7 @@ _LP_SLACK_S = 1e-9
 # Fractions of the relaxed minimum-energy time also tried when the deadline does not bind.
 _MIN_ENERGY_TARGETS = (0.99, 0.97)
 # Iterative rounding (`refine`) costs a few warm LP re-solves: used for single plans up to this
-# many instructions, not for frontier sweeps.
+# many instructions, not for frontier sweeps (50 points stay within seconds).
 REFINE_MAX_NODES = 16384
 
 
@@ -106,7 +106,7 @@ class Planner:
         points: list[FrontierPoint] = []
         best: Plan | None = None
         for k, deadline in enumerate(deadlines.tolist()):
-            plan = slowest if k == num_points - 1 else self._solve(deadline, warm=True, refined=False)
+            plan = slowest if k == num_points - 1 else self._solve(deadline, warm=True, refined=False, polish=True)
             if best is not None and best.energy_j < plan.energy_j:
                 # A faster plan is cheaper: it meets this deadline too.
                 plan = _with_deadline(best, plan.lower_bound_j, deadline)
@@ -127,7 +127,7 @@ class Planner:
             raise ConfigError(f"deadline must be a positive number of seconds, got {deadline}")
         return float(deadline)
 
-    def _solve(self, deadline_s: float | None, warm: bool, refined: bool) -> Plan:
+    def _solve(self, deadline_s: float | None, warm: bool, refined: bool, polish: bool = True) -> Plan:
         if deadline_s is not None and deadline_s < self.fastest_time_s:
             raise PlanError(
                 f"no plan finishes within {deadline_s:.6g} s: even the fastest frequencies take "
@@ -150,7 +150,7 @@ class Planner:
                 candidates.append(exact)
         if deadline_s is None or deadline_s >= self.max_frequency_time_s:
             candidates.append(self._max_frequency_dominated)
-        return self._best(candidates, deadline_s, relaxation, polish=refined)
+        return self._best(candidates, deadline_s, relaxation, polish=polish)
 
     def _round(self, relaxation: Relaxation, deadline_s: float | None) -> list[np.ndarray]:
         rounded = round_down(self.problem, relaxation.finish_s, _LP_SLACK_S, self._walker)
