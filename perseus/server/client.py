@@ -204,11 +204,14 @@ class PlannerClient:
         self._uploaded = True
         self._send(_Out(message, reliable=True))
 
-    def report_iteration(self, job_id: str, rank: int, iteration: int, time_s: float, energy_j: float) -> None:
-        """Queue one iteration's measured time and energy of this rank's GPU. Never raises:
-        a report with bad values is logged (once) and dropped."""
+    def report_iteration(
+        self, job_id: str, rank: int, iteration: int, time_s: float, energy_j: float, compute_time_s: float | None = None
+    ) -> None:
+        """Queue one iteration's measured time and energy of this rank's GPU (`compute_time_s`:
+        the time without waiting on other data-parallel pipelines, if known; it lets the service
+        see stragglers). Never raises: a report with bad values is logged (once) and dropped."""
         try:
-            message = ReportIteration(job_id, rank, iteration, time_s, energy_j)
+            message = ReportIteration(job_id, rank, iteration, time_s, energy_j, compute_time_s)
         except ConfigError as e:
             self._warn_once("report", "dropping an iteration report the service would refuse: %s", e)
             return

@@ -429,7 +429,8 @@ class Job:
 
     def _record_pipeline(self, info: RankInfo, report: ReportIteration) -> None:
         k = info.dp_index
-        measured = self.pipeline_tally[k].add(report.rank, report.iteration, report.time_s, report.energy_j)
+        time_s = report.time_s if report.compute_time_s is None else report.compute_time_s
+        measured = self.pipeline_tally[k].add(report.rank, report.iteration, time_s, report.energy_j)
         if measured is None:
             return
         self.measured_time[k].append(measured.time_s)

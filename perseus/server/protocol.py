@@ -513,7 +513,11 @@ class UploadProfile(Message):
 
 @dataclass(frozen=True)
 class ReportIteration(Message):
-    """One rank's measured time and energy (its GPU, including time blocked) for one iteration."""
+    """One rank's measured time and energy (its GPU, including time blocked) for one iteration.
+
+    `compute_time_s`, when the rank can tell, is the iteration's time without waiting for other
+    data-parallel pipelines (the gradient synchronization): straggler detection compares
+    pipelines by it (by `time_s` otherwise, which a synchronizing straggler makes equal)."""
 
     TYPE: ClassVar[str] = "report_iteration"
     job_id: str
@@ -521,6 +525,7 @@ class ReportIteration(Message):
     iteration: int
     time_s: float
     energy_j: float
+    compute_time_s: float | None = None
 
     def __post_init__(self) -> None:
         _job_id(self.job_id, "report_iteration.job_id")
@@ -531,6 +536,14 @@ class ReportIteration(Message):
             time_s=_float(self.time_s, "report_iteration.time_s", 0.0, 1e7, open_lo=True),
             energy_j=_float(self.energy_j, "report_iteration.energy_j", 0.0, 1e12),
         )
+        if self.compute_time_s is not None:
+            _set(self, compute_time_s=_float(self.compute_time_s, "report_iteration.compute_time_s", 0.0, 1e7, open_lo=True))
+
+    def to_wire(self) -> dict[str, Any]:
+        doc = super().to_wire()
+        if self.compute_time_s is None:
+            del doc["compute_time_s"]  # what earlier releases send and accept
+        return doc
 
 
 @dataclass(frozen=True)

@@ -215,3 +215,22 @@ def test_earlier_records_with_one_plan_still_load():
     again = Job.from_record(record, {"stage-0": stage_profile(0), "stage-1": stage_profile(1)}, {})
     assert sorted(again.plans) == [0, 1] and again.phase == JobPhase.PLANNED and again.missing_plans() == []
     assert list(itertools.chain(*again.plans[1].stage_frequencies)) == [1410] * 16
+
+
+def test_stragglers_are_seen_through_the_gradient_sync_by_compute_time():
+    """With data-parallel gradient sync every rank's wall time is the straggler's; only the
+    time before the sync (compute_time_s) shows which pipeline is slow."""
+    job = _dp_job()
+    for iteration in range(10):
+        for rank, info in sorted(job.ranks.items()):
+            compute = 1.2 if info.dp_index == 1 else 1.0
+            job.record(ReportIteration(job.job_id, rank, iteration, 1.2, 50.0, compute_time_s=compute))
+        job.update_stragglers()
+    assert job.straggler() == (1, pytest.approx(1.2), "detected")
+    synced = _dp_job()
+    for iteration in range(10):
+        for rank in sorted(synced.ranks):
+            synced.record(ReportIteration(synced.job_id, rank, iteration, 1.2, 50.0))
+        synced.update_stragglers()
+    assert synced.straggler() is None
+    assert "compute_time_s" not in ReportIteration(job.job_id, 0, 0, 1.0, 1.0).to_wire()  # earlier releases' wire
