@@ -106,7 +106,7 @@ class Planner:
         points: list[FrontierPoint] = []
         best: Plan | None = None
         for k, deadline in enumerate(deadlines.tolist()):
-            plan = slowest if k == num_points - 1 else self._solve(deadline, warm=True, refined=False, polish=True)
+            plan = slowest if k == num_points - 1 else self._solve(deadline, warm=True, refined=False)
             if best is not None and best.energy_j < plan.energy_j:
                 # A faster plan is cheaper: it meets this deadline too.
                 plan = _with_deadline(best, plan.lower_bound_j, deadline)
@@ -127,7 +127,7 @@ class Planner:
             raise ConfigError(f"deadline must be a positive number of seconds, got {deadline}")
         return float(deadline)
 
-    def _solve(self, deadline_s: float | None, warm: bool, refined: bool, polish: bool = True) -> Plan:
+    def _solve(self, deadline_s: float | None, warm: bool, refined: bool) -> Plan:
         if deadline_s is not None and deadline_s < self.fastest_time_s:
             raise PlanError(
                 f"no plan finishes within {deadline_s:.6g} s: even the fastest frequencies take "
@@ -150,7 +150,7 @@ class Planner:
                 candidates.append(exact)
         if deadline_s is None or deadline_s >= self.max_frequency_time_s:
             candidates.append(self._max_frequency_dominated)
-        return self._best(candidates, deadline_s, relaxation, polish=polish)
+        return self._best(candidates, deadline_s, relaxation)
 
     def _round(self, relaxation: Relaxation, deadline_s: float | None) -> list[np.ndarray]:
         rounded = round_down(self.problem, relaxation.finish_s, _LP_SLACK_S, self._walker)
@@ -164,7 +164,7 @@ class Planner:
             candidates.append(fill_slack(self.problem, rounded, deadline_s, self._walker))
         return candidates
 
-    def _best(self, candidates: list[np.ndarray], deadline_s: float | None, relaxation: Relaxation, polish: bool) -> Plan:
+    def _best(self, candidates: list[np.ndarray], deadline_s: float | None, relaxation: Relaxation) -> Plan:
         best, best_te = None, (np.inf, np.inf)
         for choice in candidates:
             t, e = self.problem.energy(choice)
@@ -174,12 +174,11 @@ class Planner:
                 best, best_te = choice, (t, e)
         if best is None:
             raise PlanError(f"no rounding of the relaxation met the deadline {deadline_s:.9g} s; report this with the profile")
-        if polish:
-            # Pair exchanges within the winner's own time: the iteration never gets longer.
-            improved = exchange(self.problem, best, best_te[0], self._walker)
-            t, e = self.problem.energy(improved)
-            if t <= best_te[0] and e < best_te[1]:
-                best = improved
+        # Pair exchanges within the winner's own time: the iteration never gets longer.
+        improved = exchange(self.problem, best, best_te[0], self._walker)
+        t, e = self.problem.energy(improved)
+        if t <= best_te[0] and e < best_te[1]:
+            best = improved
         frequencies = self.problem.frequencies(best)
         evaluation = self.evaluator.evaluate(frequencies)
         if deadline_s is not None and evaluation.iteration_time_s > deadline_s:
