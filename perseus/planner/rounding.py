@@ -1,9 +1,10 @@
 """From continuous durations to profile frequencies, never breaking the deadline.
 
-Both passes walk the nodes in topological order, start each node when its predecessors end
-(exactly as the evaluator does, so the floating-point times agree bit for bit) and give it the
-cheapest choice that still ends by a per-node limit. Cheaper is slower on the Pareto set, so
-"cheapest within a limit" is "slowest within a limit".
+`round_down` and `fill_slack` walk the nodes in topological order, start each node when its
+predecessors end (exactly as the evaluator does, so the floating-point times agree bit for bit)
+and give it the cheapest choice that still ends by a per-node limit. Cheaper is slower on the
+Pareto set, so "cheapest within a limit" is "slowest within a limit". `exchange` then trades time
+between dependent pairs, and ends with such a walk, so its result is checked the same way.
 """
 
 from __future__ import annotations
