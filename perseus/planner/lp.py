@@ -14,10 +14,9 @@ inside the LP so that the solver's absolute tolerances are tight relative to ite
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
 import sys
+from dataclasses import dataclass
 
 import highspy
 import numpy as np
