@@ -412,7 +412,7 @@ class Job:
 
     def record(self, report: ReportIteration) -> tuple[Measured, bool] | None:
         """Add one rank's report; (the iteration's total, whether it ran a plan) once complete.
-        Each pipeline's iterations also feed the straggler detector (see `straggler_changed`)."""
+        Each pipeline's iterations also feed the straggler detector (see `update_stragglers`)."""
         info = self.rank(report.rank)
         self.note_iteration(report.iteration)
         self._record_pipeline(info, report)

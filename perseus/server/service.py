@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,7 @@ from perseus.server.state import StateDir, default_state_dir
 log = logging.getLogger(__name__)
 
 POLL_MS = 50  # how often the loop checks for a stop request and finished plans
+MAX_PLANNERS = 16  # planners kept for re-planning (least recently used dropped): each holds its LP
 SAVE_INTERVAL_S = 0.5  # rank registrations are saved this often (ranks re-register after a crash)
 LOG_FIRST = 3  # log this many planned iterations of each plan, then every `log_every`-th
 
@@ -76,7 +78,9 @@ class PlannerService:
         self.jobs: dict[str, Job] = {}
         self.endpoint: str | None = None
         self._planning: set[str] = set()
-        self._planners: dict[tuple[str, tuple[str, ...]], Any] = {}  # (job, stage models) -> Planner, reused for deadlines
+        # (job, stage models) -> Planner, reused for later deadlines; used by worker threads only.
+        self._planners: OrderedDict[tuple[str, tuple[str, ...]], Any] = OrderedDict()
+        self._planners_lock = threading.Lock()
         self._cache_saved: set[tuple[str, str]] = set()
         self._unsaved: set[str] = set()  # jobs with rank registrations not yet written
         self._saved_at = 0.0
@@ -326,14 +330,25 @@ class PlannerService:
         for key, profile in tasks:
             start = time.perf_counter()
             try:
-                planner = self._planners.get((job_id, key[0]))
-                if planner is None:
-                    planner = self._planners[(job_id, key[0])] = make_planner(schedule, profile)
+                planner = self._planner(job_id, key[0], schedule, profile)
                 result: tuple[PlanResult, dict] | BaseException = plan_pipeline(planner, key[1])
             except BaseException as e:  # reported to the loop thread, which records the failure
                 result = e
             done.append((key, result, time.perf_counter() - start))
         self._results.put((job_id, done))
+
+    def _planner(self, job_id: str, models: tuple[str, ...], schedule: Any, profile: Any) -> Any:
+        with self._planners_lock:
+            planner = self._planners.get((job_id, models))
+            if planner is not None:
+                self._planners.move_to_end((job_id, models))
+                return planner
+        planner = make_planner(schedule, profile)
+        with self._planners_lock:
+            self._planners[(job_id, models)] = planner
+            while len(self._planners) > MAX_PLANNERS:
+                self._planners.popitem(last=False)
+        return planner
 
     def _finish_plans(self) -> None:
         while True:
