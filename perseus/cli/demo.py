@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--plot", metavar="DIR", default=None, help="write the measured timeline (timeline.png, timeline.json) to DIR")
     parser.add_argument("--ranks", type=int, default=4, help="pipeline stages, one rank each (2-8; default 4)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per iteration (default 8)")
-    parser.add_argument("--iterations", type=int, default=3, help="measured baseline and planned iterations (default 3)")
+    parser.add_argument("--iterations", type=int, default=4, help="measured baseline and planned iterations (default 4)")
     parser.add_argument("--sweep-step", type=int, default=4, metavar="N", help="profile every N-th supported clock (default 4)")
     parser.add_argument("--state-dir", metavar="DIR", default=None, help="planner state directory (default: a temporary one)")
     parser.add_argument("--port", type=int, default=None, help="planner service port on 127.0.0.1 (default: a free one)")

@@ -37,9 +37,9 @@ SERVICE_START_TIMEOUT_S = 60.0
 class DemoOptions:
     ranks: int = 4
     microbatches: int = 8
-    iterations: int = 3  # measured baseline and planned iterations (each phase runs one more)
+    iterations: int = 4  # measured baseline and planned iterations (each phase runs one more)
     sweep_step: int = 4  # profile every n-th supported clock, from the highest
-    iterations_per_frequency: int = 2
+    iterations_per_frequency: int = 3  # the first is dropped: medians over two iterations
     state_dir: str | None = None  # default: a temporary one
     port: int | None = None  # default: a free one
     seed: int = 0

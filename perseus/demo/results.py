@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from dataclasses import dataclass
 
 from perseus.exceptions import MeasurementError
@@ -11,7 +12,8 @@ from perseus.exceptions import MeasurementError
 
 @dataclass(frozen=True)
 class PhaseStats:
-    """Means over a phase's measured iterations: slowest rank's time, energy summed over ranks."""
+    """Medians over a phase's measured iterations (the slowest rank's time, the energy summed
+    over ranks): a scheduling stall of one iteration on a busy machine does not sway them."""
 
     iterations: int
     iteration_time_s: float
@@ -93,5 +95,6 @@ def split_phases(iterations: list[Iteration]) -> dict[str, list[Iteration]]:
 def phase_stats(iterations: list[Iteration]) -> PhaseStats | None:
     if not iterations:
         return None
-    n = len(iterations)
-    return PhaseStats(n, sum(i.time_s for i in iterations) / n, sum(i.energy_j for i in iterations) / n)
+    return PhaseStats(
+        len(iterations), statistics.median(i.time_s for i in iterations), statistics.median(i.energy_j for i in iterations)
+    )
