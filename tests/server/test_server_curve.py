@@ -59,7 +59,7 @@ def test_only_clients_with_an_accepted_key_are_served(serve, tmp_path, capsys, m
     monkeypatch.setenv("PERSEUS_CURVE_KEYS", str(keys))
     monkeypatch.setenv("PERSEUS_CURVE_CLIENT", "rank")
     assert _answers(endpoint, None, timeout_s=2.0)
-    assert served.proc.poll() is None
+    assert served.stop() == 0 and "planner service stopped" in served.log()  # the authenticator stops too
 
 
 def test_key_files_are_checked(monkeypatch):
