@@ -40,6 +40,7 @@ PLAN_LEAD_ITERATIONS = 2
 PLAN_LEAD_S = 1.0
 MAX_PLAN_LEAD = 10_000
 HISTORY = 8  # plan changes per pipeline kept to read measured iterations against their plan
+MAX_RESULTS = 64  # solved plans kept per job (no-slowdown and in-force plans are always kept)
 
 Models = tuple[str, ...]  # the GPU model of each stage of a pipeline
 PlanKey = tuple[Models, float | None]  # (models, deadline in s or None: no slowdown)
@@ -360,6 +361,10 @@ class Job:
         self._changed()
         if isinstance(result, str) and key[1] is None:
             self.fail(result)
+        if len(self.results) > MAX_RESULTS:  # many declared factors: forget the oldest deadlines
+            keep = {plan.key for plan in self.plans.values()} | {key}
+            for old in [k for k in self.results if k[1] is not None and k not in keep][: len(self.results) - MAX_RESULTS]:
+                del self.results[old]
 
     def publish(self) -> list[int]:
         """Publish, with one new version and one start iteration, the wanted plan of every pipeline

@@ -255,3 +255,16 @@ def test_a_gpu_model_profiled_before_is_taken_from_the_signature_cache(tmp_path)
     assert job.table(2, 0, 0).profiled_stages == (0, 1)  # the A40 ranks skip the sweep
     assert job.to_record()["cached_models"] == [A40]
     service.close()
+
+
+def test_solved_deadlines_are_bounded_but_base_and_in_force_plans_kept():
+    from perseus.server.job import MAX_RESULTS
+
+    job = _dp_job()
+    base_key = job.plans[0].key
+    for i in range(MAX_RESULTS + 20):
+        job.declare_straggler(1, 1.1 + i / 1000)
+        (key, _), = job.missing_plans()
+        job.add_result(key, _result(key[1], 120.0))
+        job.publish()
+    assert len(job.results) == MAX_RESULTS and base_key in job.results and job.plans[0].key in job.results
