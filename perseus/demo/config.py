@@ -1,12 +1,23 @@
-"""The demo job's settings, passed from the launcher to every rank as one JSON file."""
+"""The demo job's settings, passed from the launcher to every rank as one JSON file (no torch here:
+the `perseus` command line imports this)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from perseus.demo.model import ModelConfig
 from perseus.demo.workload import DEFAULT_TIME_SCALE
 from perseus.exceptions import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The demo transformer's shape (see perseus.demo.model)."""
+
+    vocab_size: int = 256
+    seq_len: int = 16
+    d_model: int = 32
+    num_heads: int = 2
+    layers_per_stage: int = 1
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from perseus.demo.model import StageModel
 from perseus.devices.gpu import GPU
 from perseus.devices.sim import SimGPU, Work
 from perseus.exceptions import ConfigError
 from perseus.schedules.instruction import Kind
-from perseus.demo.model import StageModel
 
 
 @dataclass(frozen=True)

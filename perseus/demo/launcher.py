@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from perseus.demo.config import DemoConfig
 from perseus.atomic import write_json_atomic
-from perseus.demo.results import Iteration, load_iterations, phase_stats, split_phases
+from perseus.demo.config import DemoConfig
+from perseus.demo.results import Iteration, load_iterations, median_iteration, phase_stats, split_phases
 from perseus.demo.workload import DEFAULT_TIME_SCALE
 from perseus.devices.sim import SimGPU, get_preset
 from perseus.exceptions import ConfigError, PerseusError
@@ -204,7 +204,7 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             from perseus.demo.plot import plot_timelines
 
             phases = split_phases(iterations)
-            panels = [(name, phases[name][-1]) for name in ("baseline", "planned") if phases[name]]
+            panels = [(name, median_iteration(phases[name])) for name in ("baseline", "planned") if phases[name]]
             if panels:
                 result["plots"] = plot_timelines(panels, options.plot_dir)
         if options.keep_dir:

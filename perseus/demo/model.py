@@ -8,21 +8,11 @@ pipeline partitions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+from perseus.demo.config import ModelConfig
 from perseus.exceptions import ConfigError
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int = 256
-    seq_len: int = 16
-    d_model: int = 32
-    num_heads: int = 2
-    layers_per_stage: int = 1
 
 
 class Block(nn.Module):

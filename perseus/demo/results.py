@@ -98,3 +98,9 @@ def phase_stats(iterations: list[Iteration]) -> PhaseStats | None:
     return PhaseStats(
         len(iterations), statistics.median(i.time_s for i in iterations), statistics.median(i.energy_j for i in iterations)
     )
+
+
+def median_iteration(iterations: list[Iteration]) -> Iteration:
+    """The iteration of median time: the one a timeline plot shows as typical."""
+    ordered = sorted(iterations, key=lambda i: i.time_s)
+    return ordered[(len(ordered) - 1) // 2]

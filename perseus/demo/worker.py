@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+from perseus.atomic import write_json_atomic
 from perseus.demo.config import DemoConfig
 from perseus.demo.emulation import EmulatedStage, GPUEmulator
 from perseus.demo.model import build_stage, lm_loss, make_batch
-from perseus.atomic import write_json_atomic
 from perseus.demo.workload import stage_works
 from perseus.devices import get_gpus
 

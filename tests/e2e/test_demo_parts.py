@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 from perseus.clock import VirtualClock
 from perseus.demo.emulation import EmulatedStage, GPUEmulator
 from perseus.demo.launcher import DemoOptions, plan_applied, summarize
-from perseus.demo.model import ModelConfig, build_stage, lm_loss, make_batch
+from perseus.demo.config import ModelConfig
+from perseus.demo.model import build_stage, lm_loss, make_batch
 from perseus.demo.results import Iteration, split_phases
 from perseus.demo.workload import DEFAULT_TIME_SCALE, GPT3_A100_STAGES, stage_works
 from perseus.devices.sim import SimGPU, predict
