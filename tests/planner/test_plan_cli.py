@@ -1,7 +1,7 @@
 """`perseus plan` as a real subprocess: the savings table, plan.json, frontier CSV, plots, errors.
 
-Slow-ish (about 6 s per subprocess here): building the `perseus` parser imports every command
-module, and the demo command imports torch. Hence few, combined invocations.
+Each subprocess starts Python and imports the planner (about a second), hence few, combined
+invocations.
 """
 
 from __future__ import annotations
