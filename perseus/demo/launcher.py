@@ -160,6 +160,10 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
     """Run the whole demo; returns the result document (`perseus demo --json` prints it)."""
     say = progress or (lambda _: None)
     began = time.monotonic()
+    if options.plot_dir:
+        from perseus.demo.plot import require_matplotlib
+
+        require_matplotlib()  # before the run, not after it
     work = tempfile.mkdtemp(prefix="perseus-demo-")
     try:
         out_dir, sim_dir = os.path.join(work, "ranks"), os.path.join(work, "sim")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from perseus.atomic import write_json_atomic
@@ -11,16 +12,20 @@ from perseus.exceptions import ConfigError
 COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "backward_input": "#c44e52", "backward_weight": "#55a868"}
 
 
+def require_matplotlib() -> None:
+    """ConfigError unless matplotlib can be imported."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--plot needs matplotlib: pip install 'perseus[plot]'")
+
+
 def plot_timelines(panels: list[tuple[str, Iteration]], out_dir: str) -> list[str]:
     """Write `timeline.png` (one Gantt panel per (title, iteration)) and `timeline.json` (the
     spans plotted) to `out_dir`; returns the paths written."""
-    try:
-        import matplotlib
+    require_matplotlib()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install 'perseus[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     os.makedirs(out_dir, exist_ok=True)
     horizon = max(s["end"] for _, it in panels for rank in it.spans for s in rank)
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.0 + 0.55 * len(panels[0][1].spans) * len(panels)), squeeze=False)
