@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from dataclasses import dataclass
 
 import highspy
@@ -147,17 +148,28 @@ class HullLP:
         return Relaxation(float(bound), float(x[self._t_col] / _MS), x[:n] / _MS, x[n : 2 * n] / _MS)
 
 
+_banner_lock = threading.Lock()
+_banner_shown = False
+
+
 def _quiet_highs() -> highspy.Highs:
-    """A silent HiGHS instance. HiGHS prints a banner to file descriptor 1 the first time one is
-    constructed, before any option can turn output off, so stdout is pointed at /dev/null meanwhile."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
+    """A silent HiGHS instance. HiGHS prints a banner to file descriptor 1 when the process's
+    first instance is constructed, before any option can turn output off; only then is stdout
+    pointed at /dev/null, so later plans (e.g. in the threaded service) never touch stdout."""
+    global _banner_shown
+    with _banner_lock:
+        if _banner_shown:
             highs = highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
+        else:
+            sys.stdout.flush()
+            saved = os.dup(1)
+            try:
+                with open(os.devnull, "w") as null:
+                    os.dup2(null.fileno(), 1)
+                    highs = highspy.Highs()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+            _banner_shown = True
     highs.setOptionValue("output_flag", False)
     return highs
