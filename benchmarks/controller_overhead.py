@@ -60,7 +60,7 @@ class _Planned:
     def upload_profile(self, *args):
         return None
 
-    def report_iteration(self, *args):
+    def report_iteration(self, *args, **kwargs):
         return None
 
 

@@ -7,6 +7,16 @@ stage costs) and the frequency controller (running it). A framework calls its fo
     for each instruction:  rank.on_instruction_begin(kind, microbatch[, chunk]) ... on_instruction_end(...)
     rank.on_step_end()
 
+Each iteration is reported to the planner with two times: `time_s`, from on_step_begin to
+on_step_end (everything the step does, the optimizer step and the data-parallel gradient
+synchronization included), and `compute_time_s`, from on_step_begin to the end of the rank's
+last instruction of the iteration (device-synchronized). The gradient synchronization makes
+every data-parallel pipeline's `time_s` that of the slowest one, so the planner tells a
+straggler pipeline by `compute_time_s`. It only excludes the synchronization when the
+framework runs it after the last instruction (an all-reduce after the pipeline schedule's
+step, as Megatron-LM's finalize_model_grads does without overlap_grad_reduce); a
+synchronization overlapped with the last backward counts as compute.
+
 Nothing here may break training: every hook catches and logs its own failures, the planner is
 only ever asked through a client that never blocks past its timeout, and with no planner the
 rank simply runs at default clocks.
@@ -45,6 +55,7 @@ class IterationRecord:
     plan_version: int
     time_s: float
     energy_j: float
+    compute_time_s: float | None = None  # to the end of the last instruction (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,13 @@ class PerseusRank:
     """Perseus on one rank (one GPU, one pipeline stage, possibly several model chunks).
 
     `schedule` is the whole job's schedule (every stage's instruction order); this rank runs
-    `schedule.stages[stage]`. `client`: a `perseus.server.PlannerClient` (closed by `close()`
+    `schedule.stages[stage]`. In a job with `dp` data-parallel pipelines and `tp`
+    tensor-parallel ranks per stage, this rank is (`stage`, `dp_index`, `tp_index`) and `rank`
+    its global rank; `rank_mapping` ("explicit", "megatron" or "torch", see
+    perseus.server.topology) tells the planner how global ranks map to those coordinates, and a
+    named mapping is checked here. `rank` defaults to `stage` when dp = tp = 1, else to what
+    a named mapping gives. Every rank uploads its stage profile; the planner takes one per GPU
+    model, stage and tensor-parallel index (from the lowest data-parallel index on that model). `client`: a `perseus.server.PlannerClient` (closed by `close()`
     when `close_client`), or None to run at default clocks and only measure. `wait_for_clock`: block each clock change until applied;
     only for emulated GPUs whose work reads the clock when issued (real kernels run long after
     the CPU issues them, and the training thread must not wait on the driver).
@@ -77,6 +94,9 @@ class PerseusRank:
         rank: int | None = None,
         dp: int = 1,
         dp_index: int = 0,
+        tp: int = 1,
+        tp_index: int = 0,
+        rank_mapping: str = "explicit",
         tag: str = "",
         profiling: ProfilingSettings | None = None,
         progress: Progress | bool | None = None,
@@ -93,8 +113,9 @@ class PerseusRank:
         self.gpu = gpu
         self.schedule = schedule
         self.stage = stage
-        self.rank = stage if rank is None else rank
-        self.dp, self.dp_index, self.tag = dp, dp_index, tag
+        self.dp, self.dp_index, self.tp, self.tp_index = dp, dp_index, tp, tp_index
+        self.rank_mapping, self.tag = rank_mapping, tag
+        self.rank = _check_coordinates(rank, stage, schedule.num_stages, dp, dp_index, tp, tp_index, rank_mapping)
         self.settings = profiling or ProfilingSettings()
         self.order = schedule.stages[stage]
         self._keys = tuple((ins.kind.value, ins.microbatch, ins.chunk) for ins in self.order)
@@ -124,6 +145,8 @@ class PerseusRank:
         self._holds_plan = False  # the controller runs plan `plan_version` (or refused it)
         self._frequency: int | None = None
         self._step_start: tuple[float, float] = (0.0, 0.0)
+        self._done = 0  # instructions ended in this iteration
+        self._compute_end: float | None = None  # when the iteration's last instruction ended
         self._warned: set[str] = set()
         self._closed = False
 
@@ -160,6 +183,7 @@ class PerseusRank:
             if self.iteration == 0 and self._client is not None:
                 self._await_planner()
             self._begin_iteration()
+            self._done, self._compute_end = 0, None
             self._step_start = (self.gpu.clock.now(), self.gpu.energy_mj())
         except Exception as e:
             self._warn_once("step_begin", f"Perseus failed at the start of iteration {self.iteration}: {e!r}; training continues")
@@ -181,10 +205,15 @@ class PerseusRank:
 
     def on_instruction_end(self, kind: str, microbatch: int, chunk: int = 0) -> None:
         """Right after an instruction's computation was issued."""
-        if self._closed or not self._profiling:
+        if self._closed or not self._in_step:
             return
         try:
-            self.profiler.after_instruction(str(kind), self._virtual.get(chunk, self.stage))
+            if self._profiling:
+                self.profiler.after_instruction(str(kind), self._virtual.get(chunk, self.stage))
+            self._done += 1
+            if self._done == len(self.order):  # the last one: the compute part of the iteration ends
+                self.gpu.synchronize()
+                self._compute_end = self.gpu.clock.now()
         except Exception as e:
             self._warn_once("instruction_end", f"Perseus failed after {kind} {microbatch}: {e!r}; training continues")
 
@@ -274,13 +303,20 @@ class PerseusRank:
         self.gpu.synchronize()
         t1, e1 = self.gpu.clock.now(), self.gpu.energy_mj()
         t0, e0 = self._step_start
-        record = IterationRecord(self.iteration, self.phase, self._frequency, self.plan_version, t1 - t0, (e1 - e0) / 1000.0)
+        # Only an iteration that ran exactly this rank's instructions has a compute part.
+        compute = self._compute_end - t0 if self._compute_end is not None and self._done == len(self.order) else None
+        record = IterationRecord(
+            self.iteration, self.phase, self._frequency, self.plan_version, t1 - t0, (e1 - e0) / 1000.0,
+            compute if compute is not None and compute > 0 else None,
+        )
         self.last_iteration = record
         if self.phase == PROFILING and not self.sweep.done and self.profiler.end_iteration():
             self._upload_profile()
         self._profiling = False
         if self._client is not None and self._job_id is not None and self._offset is not None:
-            self._client.report_iteration(self._job_id, self.rank, self.job_iteration, record.time_s, record.energy_j)
+            self._client.report_iteration(
+                self._job_id, self.rank, self.job_iteration, record.time_s, record.energy_j, compute_time_s=record.compute_time_s
+            )
         if self._on_iteration is not None:
             self._on_iteration(record)
 
@@ -291,7 +327,9 @@ class PerseusRank:
             "rank %d: stage %d profiled at %d clocks (%s MHz)", self.rank, self.stage,
             len(self.sweep.profiled_frequencies), profile.meta.get("frequencies", ""),
         )
-        if self._client is not None and self._job_id is not None and self.dp_index == 0:
+        if self._client is not None and self._job_id is not None:
+            # Every replica offers it: the client sends it only if the planner's table names this
+            # rank the uploader of its (GPU model, stage, tensor-parallel index).
             self._client.upload_profile(self._job_id, self.stage, profile)
 
     @property
@@ -330,9 +368,10 @@ class PerseusRank:
 
         s = self.schedule
         return JobSpec(
-            world_size=s.num_stages * self.dp,
+            world_size=s.num_stages * self.dp * self.tp,
             pp=s.num_stages,
             dp=self.dp,
+            tp=self.tp,
             schedule_name=s.name,
             num_microbatches=s.num_microbatches,
             num_chunks=s.num_chunks,
@@ -343,13 +382,14 @@ class PerseusRank:
             warmup_iterations=self.settings.warmup_iterations,
             iterations_per_frequency=self.settings.iterations_per_frequency,
             sweep_frequencies=self.sweep.frequencies,
+            rank_mapping=self.rank_mapping,
         )
 
     def rank_info(self) -> Any:
         from perseus.server.protocol import RankInfo
 
         return RankInfo(
-            self.rank, self.stage, dp_index=self.dp_index, gpu_model=self.gpu.name(),
+            self.rank, self.stage, dp_index=self.dp_index, tp_index=self.tp_index, gpu_model=self.gpu.name(),
             frequencies=tuple(self.gpu.supported_frequencies()),
         )
 
@@ -380,6 +420,40 @@ class PerseusRank:
         if where not in self._warned:
             self._warned.add(where)
             logger.warning("rank %d: %s", self.rank, message)
+
+
+def _check_coordinates(
+    rank: int | None, stage: int, pp: int, dp: int, dp_index: int, tp: int, tp_index: int, mapping: str
+) -> int:
+    """This rank's global rank, after checking its (stage, dp_index, tp_index) against the job
+    and the rank mapping. ConfigError naming what to fix."""
+    from perseus.server.topology import RANK_MAPPINGS, rank_coordinates, rank_of
+
+    for name, value in (("dp", dp), ("tp", tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer (the data-/tensor-parallel degree), got {value!r}")
+    for name, value, size in (("dp_index", dp_index, dp), ("tp_index", tp_index, tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
+            raise ConfigError(f"{name} must be an integer in 0..{size - 1} ({name[:2]}={size}), got {value!r}")
+    if mapping not in RANK_MAPPINGS:
+        raise ConfigError(f"rank_mapping must be one of {', '.join(RANK_MAPPINGS)}, got {mapping!r}")
+    if rank is None:
+        if dp == tp == 1:
+            return stage
+        if mapping == "explicit":
+            raise ConfigError("with dp > 1 or tp > 1 pass rank= (the global rank) or a named rank_mapping ('megatron' or 'torch')")
+        return rank_of(mapping, stage, dp_index, tp_index, pp, dp, tp)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < pp * dp * tp:
+        raise ConfigError(f"rank must be an integer in 0..{pp * dp * tp - 1} (pp={pp} x dp={dp} x tp={tp}), got {rank!r}")
+    if mapping != "explicit":
+        expected = rank_coordinates(mapping, rank, pp, dp, tp)
+        if expected != (stage, dp_index, tp_index):
+            raise ConfigError(
+                f"under the {mapping} rank mapping rank {rank} is stage {expected[0]}, dp_index {expected[1]}, tp_index "
+                f"{expected[2]}, not stage {stage}, dp_index {dp_index}, tp_index {tp_index}; fix the indices or use "
+                "rank_mapping='explicit'"
+            )
+    return rank
 
 
 def _phase(assignment: Any) -> str:

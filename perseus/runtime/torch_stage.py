@@ -72,8 +72,12 @@ def instrument(
     rank: int | None = None,
     dp: int = 1,
     dp_index: int = 0,
+    tp: int = 1,
+    tp_index: int = 0,
+    rank_mapping: str = "explicit",
     tag: str = "",
     profiling: ProfilingSettings | None = None,
+    security: Any = None,
     **options: Any,
 ) -> Any:
     """Instrument a `PipelineStage` (or this rank's list of stages, for multi-chunk schedules)
@@ -85,6 +89,22 @@ def instrument(
     client: a `PlannerClient`, a planner address, None for $PERSEUS_PLANNER or the default
         address, or False for no planner (default clocks; measuring only).
     gpu: this rank's GPU; default `get_gpus()[LOCAL_RANK]`.
+    rank: this rank's global rank; default `torch.distributed.get_rank()` when initialized.
+    dp, dp_index, tp, tp_index: the data- and tensor-parallel degrees and this rank's indices
+        (default: one pipeline, no tensor parallelism). They are not guessed from process
+        groups: pass them from what built your parallelism, and name its `rank_mapping`
+        ("megatron", "torch", or "explicit") so the planner can check them. A torch DeviceMesh
+        of shape (dp, pp, tp) with dims named "dp", "pp", "tp":
+            perseus.instrument(stage, schedule=sched, dp=mesh["dp"].size(), dp_index=mesh["dp"].get_local_rank(),
+                               tp=mesh["tp"].size(), tp_index=mesh["tp"].get_local_rank(), rank_mapping="torch")
+        Megatron-LM (`from megatron.core import parallel_state as ps`):
+            perseus.instrument(stage, schedule=sched, dp=ps.get_data_parallel_world_size(),
+                               dp_index=ps.get_data_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
+                               tp_index=ps.get_tensor_model_parallel_rank(), rank_mapping="megatron")
+    security: for the client `instrument` creates (client None or an address): e.g.
+        `perseus.server.CurveClient.from_dir(DIR, NAME)` for a service started with
+        --curve-keys; default from $PERSEUS_CURVE_KEYS, else plaintext. Pass it to your own
+        `PlannerClient` instead when you give one.
     options: passed to `PerseusRank` (progress, wait_for_clock, handle_signals, watchdog, ...).
     """
     stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
@@ -103,9 +123,15 @@ def instrument(
     if rank is None:
         rank = _global_rank(pp_rank)
     own_client = client is None or isinstance(client, str)
+    if security is not None and not own_client:
+        raise ConfigError(
+            "perseus.instrument(security=...) configures the client it creates; with client=False or your own "
+            "PlannerClient, pass security to PlannerClient(address, security=...) instead"
+        )
     perseus_rank = PerseusRank(
-        gpu, plan, pp_rank, client=_resolve_client(client), rank=rank, dp=dp, dp_index=dp_index,
-        tag=tag, profiling=profiling, close_client=own_client, **options,
+        gpu, plan, pp_rank, client=_resolve_client(client, security), rank=rank, dp=dp, dp_index=dp_index,
+        tp=tp, tp_index=tp_index, rank_mapping=rank_mapping, tag=tag, profiling=profiling,
+        close_client=own_client, **options,
     )
     hooks = _StageHooks(perseus_rank)
     for s in stages:
@@ -231,14 +257,14 @@ def _resolve_schedule(schedule: Any, num_microbatches: int | None, group_size: i
     return plan
 
 
-def _resolve_client(client: Any) -> Any:
+def _resolve_client(client: Any, security: Any = None) -> Any:
     if client is False:
         return None
     if client is None or isinstance(client, str):
         from perseus.server.client import PlannerClient
 
         address = client or os.environ.get(PLANNER_ENV) or None
-        return PlannerClient(address) if address else PlannerClient()
+        return PlannerClient(address, security=security) if address else PlannerClient(security=security)
     return client
 
 

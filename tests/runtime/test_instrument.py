@@ -30,6 +30,7 @@ from perseus.runtime.torch_stage import check_torch_version  # noqa: E402
 from perseus.schedules import build_schedule  # noqa: E402
 from perseus.server.client import Assignment  # noqa: E402
 from perseus.server.protocol import Phase  # noqa: E402
+from perseus.server.security import CurveClient, create_keys  # noqa: E402
 
 MICROBATCHES = 4
 
@@ -101,8 +102,8 @@ class FakePlanner:
     def upload_profile(self, job_id, stage, profile):
         self.profiles[stage] = profile
 
-    def report_iteration(self, job_id, rank, iteration, time_s, energy_j):
-        self.reports.append((iteration, time_s, energy_j))
+    def report_iteration(self, job_id, rank, iteration, time_s, energy_j, compute_time_s=None):
+        self.reports.append((iteration, time_s, energy_j, compute_time_s))
 
 
 class StaticPlanner(FakePlanner):
@@ -213,6 +214,8 @@ def test_profiles_then_applies_the_plan_on_a_real_stage(gpu):
     assert set(profile.points) == {(0, "forward"), (0, "backward")}
     assert [p.frequency for p in profile.points[(0, "forward")]] == [1410, 1005]
     assert [r[0] for r in planner.reports] == list(range(6))
+    # Every iteration has a compute part: to the end of its last backward, within the step.
+    assert all(compute is not None and 0 < compute <= time_s for _, time_s, _, compute in planner.reports)
     assert gpu.sm_clock() == gpu.max_frequency()  # reset on close
 
 
@@ -227,3 +230,21 @@ def test_bad_input_is_refused_clearly(gpu):
     with pytest.raises(ConfigError, match="found 3.0.0"):
         check_torch_version("3.0.0")
     check_torch_version("2.13.0+cpu")
+
+
+def test_security_and_3d_coordinates_pass_through(gpu, tmp_path):
+    """instrument(security=...) configures the client it creates; tp/dp/rank_mapping reach the rank."""
+    create_keys(tmp_path / "keys", ["rank"])
+    security = CurveClient.from_dir(tmp_path / "keys", "rank")
+    stage = make_stage()
+    perseus.instrument(stage, schedule="1f1b", num_microbatches=MICROBATCHES, client="tcp://127.0.0.1:9", gpu=gpu,
+                       security=security, rank=1, dp=2, dp_index=0, tp=2, tp_index=1, rank_mapping="megatron",
+                       watchdog=False, handle_signals=False, progress=False, startup_wait_s=0.1)
+    rank = stage.perseus
+    try:
+        assert rank._client._security is security
+        assert (rank.rank_info().tp_index, rank.job_spec().tp, rank.job_spec().rank_mapping) == (1, 2, "megatron")
+    finally:
+        rank.close()
+    with pytest.raises(ConfigError, match="pass security to PlannerClient"):
+        perseus.instrument(make_stage(), schedule="1f1b", num_microbatches=MICROBATCHES, client=False, gpu=gpu, security=security)

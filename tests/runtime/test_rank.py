@@ -36,7 +36,7 @@ class PlannedClient:
     def upload_profile(self, *args):
         pass
 
-    def report_iteration(self, *args):
+    def report_iteration(self, *args, **kwargs):
         pass
 
 
@@ -188,3 +188,74 @@ def test_the_plan_comes_back_after_an_unplanned_spell(gpu):
     del client.assignment  # the same plan version again
     assert run(rank, gpu) == plan
     rank.close()
+
+
+class RecordingClient(PlannedClient):
+    """Records what the rank reports and uploads."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.reports, self.uploads = [], []
+
+    def assignment(self, iteration):
+        return Assignment(Phase.WARMUP, None, None, 0)
+
+    def report_iteration(self, job_id, rank, iteration, time_s, energy_j, compute_time_s=None):
+        self.reports.append((iteration, time_s, compute_time_s))
+
+
+def test_compute_time_ends_with_the_last_instruction_before_the_gradient_sync(gpu):
+    """The data-parallel all-reduce after the last backward is in time_s, not in compute_time_s."""
+    client = RecordingClient()
+    records = []
+    rank = make_rank(gpu, client, on_iteration=records.append)
+    allreduce_s = 0.05
+    for _ in range(2):
+        rank.on_step_begin()
+        for ins in rank.order:
+            rank.on_instruction_begin(ins.kind, ins.microbatch)
+            gpu.execute(WORK)
+            rank.on_instruction_end(ins.kind, ins.microbatch)
+        gpu.clock.sleep(allreduce_s)  # waiting on the other pipelines
+        rank.on_step_end()
+    rank.on_step_begin()  # an iteration that stops short of its last instruction has no compute part
+    rank.on_instruction_begin("forward", 0)
+    rank.on_instruction_end("forward", 0)
+    rank.close()
+    assert [r.compute_time_s for r in records[:2]] == [pytest.approx(8 * WORK.time_s)] * 2
+    assert [r.time_s for r in records[:2]] == [pytest.approx(8 * WORK.time_s + allreduce_s)] * 2
+    assert records[2].compute_time_s is None
+    assert [(i, c) for i, _, c in client.reports] == [(0, records[0].compute_time_s), (1, records[1].compute_time_s), (2, None)]
+
+
+def test_3d_coordinates_reach_the_job_spec_and_rank_info(gpu):
+    # Megatron order with pp=2, dp=2, tp=2: rank = tp_index + 2 * (dp_index + 2 * stage).
+    rank = PerseusRank(gpu, SCHEDULE, 1, dp=2, dp_index=1, tp=2, tp_index=1, rank_mapping="megatron",
+                       progress=False, handle_signals=False, watchdog=False)
+    try:
+        assert rank.rank == 7
+        spec, info = rank.job_spec(), rank.rank_info()
+        assert (spec.world_size, spec.pp, spec.dp, spec.tp, spec.rank_mapping) == (8, 2, 2, 2, "megatron")
+        assert (info.rank, info.stage, info.dp_index, info.tp_index) == (7, 1, 1, 1)
+    finally:
+        rank.close()
+    torch_order = PerseusRank(gpu, SCHEDULE, 1, rank=3, dp=2, dp_index=0, tp=2, tp_index=1, rank_mapping="torch",
+                              progress=False, handle_signals=False, watchdog=False)
+    torch_order.close()
+    assert torch_order.rank_info().tp_index == 1  # torch order: rank 3 = tp_index + 2 * (stage + 2 * dp_index)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(dp=2, dp_index=1), "pass rank="),
+        (dict(rank=6, dp=2, dp_index=1, tp=2, tp_index=1, rank_mapping="megatron"), "rank 6 is stage 1, dp_index 1, tp_index 0"),
+        (dict(rank=1, tp=2, tp_index=2), "tp_index must be an integer in 0..1"),
+        (dict(rank=1, dp=0), "dp must be a positive integer"),
+        (dict(rank=9, dp=2, dp_index=1, tp=2), "rank must be an integer in 0..7"),
+        (dict(rank=1, rank_mapping="deepspeed"), "rank_mapping must be one of"),
+    ],
+)
+def test_bad_3d_coordinates_are_refused_naming_the_fix(gpu, kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        PerseusRank(gpu, SCHEDULE, 1, progress=False, handle_signals=False, watchdog=False, **kwargs)
