@@ -88,6 +88,7 @@ class _View:
     previous: Assignment | None  # the plan held before `plan`, run until `plan_start`
     warmup: Assignment
     waiting: Assignment  # after the sweep until a plan starts; UNPLANNED if planning failed
+    upload: bool  # this rank uploads its stage profile (Table.upload)
 
 
 class _Waiter:
@@ -191,9 +192,11 @@ class PlannerClient:
         return view.waiting
 
     def upload_profile(self, job_id: str, stage: int, profile: Profile) -> None:
-        """Queue this rank's stage profile for upload (retried until the service takes it); the
-        rank runs at max clocks from now until the plan arrives. Raises ConfigError/ProfileError
-        for a malformed profile."""
+        """Offer this rank's stage profile; the rank runs at max clocks from now until the plan
+        arrives. It is sent (and retried until the service takes it) once the service's table
+        names this rank its stage's uploader (Table.upload), and dropped if the stage gets
+        profiled by another data-parallel replica first. Raises ConfigError/ProfileError for a
+        malformed profile."""
         info = self._info
         if info is None or job_id != self._job_id:
             raise ConfigError("call register_rank(job_id, info) with this job before upload_profile")
@@ -328,6 +331,7 @@ class PlannerClient:
             previous=previous,
             warmup=Assignment(Phase.WARMUP, None, None, version),
             waiting=UNPLANNED if failed else Assignment(Phase.PLANNING, None, None, version),
+            upload=table.upload,
         )
         if plan is not None and (old is None or old.plan is not plan):
             log.info("rank %d: plan v%d received (applies from iteration %d)", info.rank, version, table.plan_start_iteration)
@@ -351,6 +355,7 @@ class _Connection:
         self.reports: deque[_Out] = deque(maxlen=MAX_QUEUED_REPORTS)
         self.inflight: dict[int, _Out] = {}
         self.delayed: list[tuple[float, _Out]] = []
+        self.held: _Out | None = None  # the stage profile, until the table says this rank uploads it
         self.connected: bool | None = None  # None: not tried yet
         self.rank_registered = False
         self.register_due: float | None = None  # re-register the rank at this time
@@ -380,6 +385,7 @@ class _Connection:
         while True:
             now = time.monotonic()
             self._take_commands()
+            self._release_held()
             if c._closing.is_set():
                 close_deadline = close_deadline or now + c.timeout_s
                 if now >= close_deadline or not (self.outbox or self.reports or self.inflight) or self.connected is False:
@@ -405,10 +411,23 @@ class _Connection:
                 return
             if isinstance(out.message, ReportIteration):
                 self.reports.append(out)
+            elif isinstance(out.message, UploadProfile):
+                self.held = out
             else:
                 if isinstance(out.message, RegisterRank):
                     self.rank_registered = False
                 self.outbox.append(out)
+
+    def _release_held(self) -> None:
+        """Send the held profile once the table names this rank the uploader; drop it once
+        another replica's profile of the stage is in."""
+        view = self.c._view
+        if self.held is not None and view is not None:
+            if view.stage_profiled:
+                self.held = None
+            elif view.upload:
+                self.outbox.append(self.held)
+                self.held = None
 
     def _schedule(self, now: float) -> None:
         """Add due retries, re-registrations and table polls to the outbox."""

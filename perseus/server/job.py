@@ -89,13 +89,20 @@ def document_name(spec: JobSpec, key: PlanKey) -> str:
 
 
 class Job:
-    def __init__(self, spec: JobSpec, *, cached_profile: Profile | None = None) -> None:
+    """`build_schedule`: build (and validate) the schedule now; the service passes False and
+    builds it on a worker (large schedules take seconds), then calls `set_schedule` or `fail`.
+    Until then the job profiles (ranks warm up and sweep) and holds no plan."""
+
+    def __init__(self, spec: JobSpec, *, cached_profile: Profile | None = None, build_schedule: bool = True) -> None:
         self.spec = spec
         self.job_id = spec.job_id()
-        self.schedule: Schedule = job_schedule(spec)
+        self.schedule: Schedule | None = job_schedule(spec) if build_schedule else None
+        self.spec_record = spec.to_wire()  # job.json's "spec", encoded once
         self.ranks: dict[int, RankInfo] = {}
         self._coords: dict[tuple[int, int, int], int] = {}
         self._group_model: dict[tuple[int, int], str] = {}  # (stage, pipeline) -> its GPU model
+        # (GPU model, stage, tp_index) -> the lowest dp_index registered there: the rank that uploads.
+        self._uploader: dict[tuple[str, int, int], int] = {}
         self.cached: dict[str, Profile] = {} if cached_profile is None else {spec.gpu_model: cached_profile}
         self.uploads: dict[tuple[str, int], dict[int, Profile]] = {}  # (model, stage) -> tp_index -> upload
         self.upload_names: dict[tuple[str, int, int], str] = {}  # (model, stage, tp_index) -> state file name
@@ -113,6 +120,11 @@ class Job:
 
     def _changed(self) -> None:
         self._phase = None
+
+    def set_schedule(self, schedule: Schedule) -> None:
+        """The schedule a worker built from the spec (see `build_schedule`)."""
+        self.schedule = schedule
+        self._changed()
 
     def _reset_measurements(self) -> None:
         spec = self.spec
@@ -173,6 +185,14 @@ class Job:
             self._models.pop(old.dp_index, None)
         self.ranks[info.rank] = info
         self._coords[coords] = info.rank
+        key = (info.gpu_model, info.stage, info.tp_index)
+        if old is not None and (old.gpu_model, old.stage, old.tp_index, old.dp_index) != (*key, info.dp_index):
+            self._uploader = {}  # a rank moved (rare): recount every uploader
+            for r in self.ranks.values():
+                k = (r.gpu_model, r.stage, r.tp_index)
+                self._uploader[k] = min(self._uploader.get(k, r.dp_index), r.dp_index)
+        elif info.dp_index < self._uploader.get(key, info.dp_index + 1):
+            self._uploader[key] = info.dp_index
         if self._group_model.get(group) != info.gpu_model:
             self._group_model[group] = info.gpu_model
             self._models.pop(info.dp_index, None)
@@ -225,7 +245,13 @@ class Job:
             plan_start_iteration=plan.start_iteration if plan else 0,
             frequencies=frequencies,
             error=self.error,
+            upload=self.uploads_profile(info),
         )
+
+    def uploads_profile(self, info: RankInfo) -> bool:
+        """Whether `info`'s rank uploads its stage profile: the data-parallel replicas of a stage on
+        one GPU model share one profile, taken from the lowest data-parallel index registered."""
+        return self._uploader.get((info.gpu_model, info.stage, info.tp_index)) == info.dp_index
 
     @property
     def phase(self) -> JobPhase:
@@ -295,7 +321,10 @@ class Job:
         return None if power is None else power * self.spec.tp  # every GPU of a stage blocks
 
     def pipeline_profile(self, models: Models) -> Profile | None:
-        """The profile a pipeline with these stage models is planned with; None until complete."""
+        """The profile a pipeline with these stage models is planned with; None until complete
+        (or while the schedule is being built)."""
+        if self.schedule is None:
+            return None
         stages: dict[int, Profile] = {}
         for s, model in enumerate(models):
             if model in self.cached:
@@ -525,7 +554,7 @@ class Job:
     def to_record(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id,
-            "spec": self.spec.to_wire(),
+            "spec": self.spec_record,
             "ranks": [self.ranks[r].to_wire() for r in sorted(self.ranks)],
             "sweep": None if self.sweep is None else list(self.sweep),
             "cached": self.spec.gpu_model in self.cached,

@@ -23,6 +23,7 @@ import msgpack
 
 from perseus.exceptions import ConfigError, ProfileError, ServiceError
 from perseus.profiler.profile import KINDS, Profile, ProfilePoint
+from perseus.schedules.builders import SCHEDULES
 from perseus.schedules.instruction import STYLES
 from perseus.server.topology import RANK_MAPPINGS
 
@@ -35,7 +36,9 @@ MAX_ITERATION = 2**62
 MAX_RANKS = 1 << 20
 MAX_FREQUENCY_MHZ = 100_000
 MAX_FREQUENCIES = 1024
-MAX_INSTRUCTIONS = 1 << 18  # per job: building and planning a schedule must not stall the service
+# Per job. The service decodes, hashes and saves a job's stage orders on its loop thread (the
+# schedule is built on a worker): 65,536 instructions keep that near 0.1 s (benchmarks/service_register.py).
+MAX_INSTRUCTIONS = 1 << 16
 MAX_PROFILE_ROWS = 100_000
 MAX_STRAGGLER_FACTOR = 10.0
 
@@ -241,17 +244,25 @@ class JobSpec(Message):
         )
         if self.stage_orders is not None:
             _set(self, stage_orders=_stage_orders(self.stage_orders, f"{n}.stage_orders", pp, microbatches, chunks))
+        elif self.schedule_name not in SCHEDULES:  # checked here: the service builds the schedule later, off its loop
+            raise ConfigError(f"{n}.schedule_name {self.schedule_name!r} is not a schedule perseus builds ({', '.join(SCHEDULES)}); "
+                              "name one of those or give stage_orders")
         if self.sweep_frequencies is not None:
             _set(self, sweep_frequencies=_frequencies(self.sweep_frequencies, f"{n}.sweep_frequencies"))
         if self.blocking_power_w is not None:
             _set(self, blocking_power_w=_float(self.blocking_power_w, f"{n}.blocking_power_w", 0.0, 100_000.0))
 
     def to_wire(self) -> dict[str, Any]:
-        doc = super().to_wire()
+        doc = self._fields()
         if self.stage_orders is not None:
             doc["stage_orders"] = [[list(t) for t in order] for order in self.stage_orders]
         if self.sweep_frequencies is not None:
             doc["sweep_frequencies"] = list(self.sweep_frequencies)
+        return doc
+
+    def _fields(self) -> dict[str, Any]:
+        """The wire fields with sequences left as tuples (JSON and msgpack write them as lists)."""
+        doc = super().to_wire()
         if self.rank_mapping == "explicit":
             del doc["rank_mapping"]  # the default: specs (and job ids) of earlier releases unchanged
         return doc
@@ -277,7 +288,10 @@ class JobSpec(Message):
 
     def job_id(self) -> str:
         """Deterministic id: registering the same spec again (a retry, a restarted job) gives the same job."""
-        return "job-" + hashlib.sha256(_canonical(self.to_wire())).hexdigest()[:16]
+        job_id = self.__dict__.get("_job_id")  # memo: hashing megabytes of stage orders is not free
+        if job_id is None:
+            job_id = self.__dict__["_job_id"] = "job-" + hashlib.sha256(_canonical(self._fields())).hexdigest()[:16]
+        return job_id
 
 
 def _stage_orders(value: Any, name: str, pp: int, microbatches: int, chunks: int) -> tuple:
@@ -289,20 +303,38 @@ def _stage_orders(value: Any, name: str, pp: int, microbatches: int, chunks: int
         total += len(order)
         if total > MAX_INSTRUCTIONS:
             raise ConfigError(f"{name}: more than {MAX_INSTRUCTIONS} instructions in all")
-        row = []
-        for i, triple in enumerate(order):
-            where = f"{name}[{s}][{i}]"
-            triple = _seq(triple, where, 3, min_len=3)
-            kind = triple[0].value if hasattr(triple[0], "value") else triple[0]
-            row.append(
-                (
-                    _str(kind, f"{where}.kind", 32, choices=KINDS),
-                    _int(triple[1], f"{where}.microbatch", 0, microbatches - 1),
-                    _int(triple[2], f"{where}.chunk", 0, chunks - 1),
-                )
-            )
-        out.append(tuple(row))
+        row = _valid_order(order, microbatches, chunks)
+        if row is None:  # something is wrong: find and name it
+            row = tuple(_instruction(triple, f"{name}[{s}][{i}]", microbatches, chunks) for i, triple in enumerate(order))
+        out.append(row)
     return tuple(out)
+
+
+_KIND_SET = frozenset(KINDS)
+
+
+def _valid_order(order: list | tuple, microbatches: int, chunks: int) -> tuple | None:
+    """The order as (kind, microbatch, chunk) tuples if every triple is valid, else None. Checks
+    whole columns at once: the service decodes up to MAX_INSTRUCTIONS triples on its loop thread."""
+    if not set(map(type, order)) <= {list, tuple} or set(map(len, order)) != {3}:
+        return None
+    kinds, mbs, cks = zip(*order)
+    if set(map(type, kinds)) != {str} or not set(kinds) <= _KIND_SET:
+        return None
+    for column, size in ((mbs, microbatches), (cks, chunks)):
+        if set(map(type, column)) != {int} or min(column) < 0 or max(column) >= size:
+            return None
+    return tuple(zip(kinds, mbs, cks))
+
+
+def _instruction(triple: Any, where: str, microbatches: int, chunks: int) -> tuple[str, int, int]:
+    triple = _seq(triple, where, 3, min_len=3)
+    kind = triple[0].value if hasattr(triple[0], "value") else triple[0]
+    return (
+        _str(kind, f"{where}.kind", 32, choices=KINDS),
+        _int(triple[1], f"{where}.microbatch", 0, microbatches - 1),
+        _int(triple[2], f"{where}.chunk", 0, chunks - 1),
+    )
 
 
 @dataclass(frozen=True)
@@ -454,6 +486,9 @@ class Table(Message):
     warmup + k * iterations_per_frequency ... (until the rank's stage is profiled). From
     `plan_start_iteration` on, once a plan exists: `frequencies`, one per instruction of the
     rank in schedule order (None when the rank already holds `plan_version`, or no plan yet).
+    `upload`: this rank uploads its stage profile -- it has the lowest data-parallel index
+    among the ranks of its GPU model, stage and tensor-parallel index, whose profiles the
+    service shares (omitted on the wire when true, as earlier releases had every rank upload).
     """
 
     phase: str
@@ -465,6 +500,7 @@ class Table(Message):
     plan_start_iteration: int
     frequencies: tuple[int, ...] | None
     error: str = ""
+    upload: bool = True
 
     def __post_init__(self) -> None:
         _str(self.phase, "table.phase", 16, choices=tuple(p.value for p in JobPhase))
@@ -477,12 +513,15 @@ class Table(Message):
         if self.frequencies is not None:
             _set(self, frequencies=_ints(self.frequencies, "table.frequencies", 1, MAX_FREQUENCY_MHZ, MAX_INSTRUCTIONS))
         _str(self.error, "table.error", 4096)
+        _bool(self.upload, "table.upload")
 
     def to_wire(self) -> dict[str, Any]:
         doc = super().to_wire()
         doc["sweep_frequencies"] = list(self.sweep_frequencies)
         doc["profiled_stages"] = list(self.profiled_stages)
         doc["frequencies"] = None if self.frequencies is None else list(self.frequencies)
+        if self.upload:
+            del doc["upload"]  # the default
         return doc
 
 

@@ -1,6 +1,11 @@
 """The planner service: a ZeroMQ ROUTER that registers jobs and ranks, hands out frequency
 tables, collects stage profiles, plans on a worker thread, and logs predicted against measured.
 
+The socket loop must answer every rank within its timeout, so nothing slow runs on it: a new
+job's schedule is built and validated on a worker thread (register_job replies at once with
+the job id; an invalid schedule then fails the job, which its status and every rank's table
+report), plans are solved on worker threads, and rank registrations are saved in batches.
+
 Every request gets exactly one reply; a request that cannot be read or acted on gets an error
 reply (protocol.ErrorCode plus a message saying what to fix), and the service keeps serving.
 Job state is written to the state directory on every change, so a restarted service resumes.
@@ -21,7 +26,7 @@ import zmq
 from perseus import __version__
 from perseus.exceptions import ConfigError, PerseusError, ProfileError, ScheduleError, ServiceError
 from perseus.server.job import Job, PlanKey, document_name
-from perseus.server.planning import PlanResult, make_planner, plan_pipeline
+from perseus.server.planning import PlanResult, job_schedule, make_planner, plan_pipeline
 from perseus.server.protocol import (
     DEFAULT_ADDRESS,
     HARD_MESSAGE_BYTES,
@@ -85,6 +90,11 @@ class PlannerService:
         self._unsaved: set[str] = set()  # jobs with rank registrations not yet written
         self._saved_at = 0.0
         self._results: queue.SimpleQueue[tuple[str, list[tuple[PlanKey, tuple[PlanResult, dict] | BaseException, float]]]] = queue.SimpleQueue()
+        # New jobs' schedules: built one at a time on one worker thread, handed back to the loop.
+        self._to_build: queue.SimpleQueue[JobSpec] = queue.SimpleQueue()
+        self._built: queue.SimpleQueue[tuple[JobSpec, Any, float]] = queue.SimpleQueue()
+        self._builder: threading.Thread | None = None
+        self._early_uploads: dict[str, dict[int, UploadProfile]] = {}  # job -> rank -> upload before its schedule
         self._stop = threading.Event()
         self._context = zmq.Context()
         self._socket: zmq.Socket | None = None
@@ -157,6 +167,7 @@ class PlannerService:
                         sock.send_multipart(self.handle(frames), zmq.NOBLOCK)
                     except zmq.Again:
                         log.warning("reply to a peer dropped: its queue is full")
+            self._finish_builds()
             self._finish_plans()
             if self._unsaved and time.monotonic() - self._saved_at >= SAVE_INTERVAL_S:
                 self._save_unsaved()
@@ -212,8 +223,9 @@ class PlannerService:
             log.info("job %s registered again (phase %s)", job.job_id, job.phase.value)
         else:
             cached = self.state.load_cached_profile(spec.profile_key(), spec.signature())
-            job = Job(spec, cached_profile=cached)
+            job = Job(spec, cached_profile=cached, build_schedule=False)
             self.jobs[job.job_id] = job
+            self._build_schedule(spec)
             log.info(
                 "job %s registered: %s, %d stages x %d microbatches, dp %d, tp %d (world size %d, %s rank mapping), GPU %s%s",
                 job.job_id,
@@ -256,6 +268,10 @@ class PlannerService:
 
     def _upload_profile(self, msg: UploadProfile) -> Ack:
         job = self._job(msg.job_id)
+        if job.schedule is None and not job.error:  # checked against the schedule once it is built
+            job.rank(msg.rank)
+            self._early_uploads.setdefault(job.job_id, {})[msg.rank] = msg
+            return Ack(job.phase.value)
         name = job.add_profile(msg.rank, msg.stage, msg.profile)
         if name is not None:
             self.state.save_stage_profile(job.job_id, name, msg.profile)
@@ -293,6 +309,47 @@ class PlannerService:
     def _status(self, msg: GetStatus) -> Status:
         jobs = [self._job(msg.job_id)] if msg.job_id is not None else [self.jobs[j] for j in sorted(self.jobs)]
         return Status(tuple(job.status() for job in jobs))
+
+    # ---- schedules -----------------------------------------------------------------------------
+
+    def _build_schedule(self, spec: JobSpec) -> None:
+        if self._builder is None:
+            self._builder = threading.Thread(target=self._build_worker, name="build-schedules", daemon=True)
+            self._builder.start()
+        self._to_build.put(spec)
+
+    def _build_worker(self) -> None:
+        while True:
+            spec = self._to_build.get()
+            start = time.perf_counter()
+            try:
+                result: Any = job_schedule(spec)
+            except BaseException as e:  # reported to the loop thread, which fails the job
+                result = e
+            self._built.put((spec, result, time.perf_counter() - start))
+
+    def _finish_builds(self) -> None:
+        while True:
+            try:
+                spec, result, seconds = self._built.get_nowait()
+            except queue.Empty:
+                return
+            job = self.jobs[spec.job_id()]
+            early = self._early_uploads.pop(job.job_id, {})
+            if isinstance(result, BaseException):
+                reason = str(result) if isinstance(result, PerseusError) else f"internal error ({type(result).__name__}: {result})"
+                job.fail(f"invalid job: {reason}")
+                log.error("job %s: %s; its ranks stay at maximum clocks", job.job_id, job.error)
+            else:
+                job.set_schedule(result)
+                log.info("job %s: schedule built in %.2f s (%d instructions)", job.job_id, seconds, sum(len(r) for r in result.stages))
+                for msg in early.values():
+                    try:
+                        self._upload_profile(msg)
+                    except PerseusError as e:
+                        log.error("job %s: rank %d's profile of stage %d, uploaded before the schedule was built, refused: %s",
+                                  job.job_id, msg.rank, msg.stage, e)
+            self._plan(job)
 
     # ---- planning ------------------------------------------------------------------------------
 

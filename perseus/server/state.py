@@ -1,7 +1,9 @@
 """The service's state directory: job records, stage profiles, cached profiles and plans as JSON.
 
 Layout (every file written atomically, see perseus.atomic):
-    jobs/<job_id>/job.json            spec, ranks, sweep, phase, the published plan's frequencies
+    jobs/<job_id>/job.json            ranks, sweep, phase, the published plans' frequencies
+    jobs/<job_id>/spec.json           the job's spec (written once: it never changes, and its stage
+                                      orders can be megabytes); job.json of earlier releases holds it
     jobs/<job_id>/stage-<s>.json      the profile stage s's rank uploaded (stage-<s>-tp<t>: tensor-parallel
                                       rank t's share; -m<hash>: on another GPU model than the job's)
     jobs/<job_id>/plan.json           the planner's full plan document (plan-<hash>.json: other GPU
@@ -52,17 +54,24 @@ class StateDir:
         return path
 
     def save_job(self, record: dict[str, Any]) -> None:
+        """Write a job record (Job.to_record): its "spec" to spec.json the first time, the rest to job.json."""
+        folder = self._job_dir(record["job_id"])
+        rest = {k: v for k, v in record.items() if k != "spec"}
+        if not (folder / "spec.json").exists():
+            write_json_atomic(folder / "spec.json", record["spec"], indent=None)
         # Compact: the C encoder is many times faster than an indented dump for a 1,000-rank job.
-        write_json_atomic(self._job_dir(record["job_id"]) / "job.json", {"format": JOB_FORMAT, "version": 1, **record}, indent=None)
+        write_json_atomic(folder / "job.json", {"format": JOB_FORMAT, "version": 1, **rest}, indent=None)
 
     def load_jobs(self) -> list[dict[str, Any]]:
-        """Every readable job record; unreadable ones are logged and skipped."""
+        """Every readable job record (with its spec); unreadable ones are logged and skipped."""
         records = []
         for path in sorted((self.root / "jobs").glob("*/job.json")):
             try:
                 doc = json.loads(path.read_text())
                 if doc.get("format") != JOB_FORMAT:
                     raise ValueError(f"format is {doc.get('format')!r}, not {JOB_FORMAT!r}")
+                if "spec" not in doc:
+                    doc["spec"] = json.loads((path.parent / "spec.json").read_text())
             except (OSError, ValueError) as e:
                 log.warning("skipping job record %s: %s (delete it to silence this)", path, e)
                 continue
