@@ -37,8 +37,8 @@ MAX_RANKS = 1 << 20
 MAX_FREQUENCY_MHZ = 100_000
 MAX_FREQUENCIES = 1024
 # Per job. The service decodes, hashes and saves a job's stage orders on its loop thread (the
-# schedule is built on a worker): 65,536 instructions keep that near 0.1 s (benchmarks/service_register.py).
-MAX_INSTRUCTIONS = 1 << 16
+# schedule is built on a worker): 32,768 instructions keep that near 0.1 s (benchmarks/service_register.py).
+MAX_INSTRUCTIONS = 1 << 15
 MAX_PROFILE_ROWS = 100_000
 MAX_STRAGGLER_FACTOR = 10.0
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -61,6 +62,7 @@ POLL_MS = 50  # how often the loop checks for a stop request and finished plans
 MAX_PLANNERS = 16  # planners kept for re-planning (least recently used dropped): each holds its LP
 SAVE_INTERVAL_S = 0.5  # rank registrations are saved this often (ranks re-register after a crash)
 LOG_FIRST = 3  # log this many planned iterations of each plan, then every `log_every`-th
+GIL_SWITCH_S = 0.001  # see serve_forever
 
 
 class PlannerService:
@@ -156,6 +158,19 @@ class PlannerService:
         assert sock is not None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        # Worker threads (schedules, plans) run Python code; each blocking call of this loop
+        # (zmq, file writes) gives them the GIL and waits up to the switch interval to get it
+        # back. 1 ms instead of 5 ms keeps a request's round trip short while they run.
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, GIL_SWITCH_S))
+        try:
+            self._serve(sock, poller)
+        finally:
+            sys.setswitchinterval(switch)
+        self._save_unsaved()
+        log.info("planner service stopped")
+
+    def _serve(self, sock: zmq.Socket, poller: zmq.Poller) -> None:
         while not self._stop.is_set():
             if poller.poll(POLL_MS):
                 for _ in range(1000):
@@ -171,8 +186,6 @@ class PlannerService:
             self._finish_plans()
             if self._unsaved and time.monotonic() - self._saved_at >= SAVE_INTERVAL_S:
                 self._save_unsaved()
-        self._save_unsaved()
-        log.info("planner service stopped")
 
     def stop(self) -> None:
         self._stop.set()
