@@ -7,13 +7,14 @@ import json
 import sys
 
 from perseus.demo.launcher import DemoOptions, format_report, run_demo
-from perseus.demo.workload import DEFAULT_TIME_SCALE
 
 EPILOG = """examples:
   perseus demo                         4 ranks, 8 microbatches: baseline, profiling, planning, planned
   perseus demo --json                  one JSON object (baseline, planned, predicted/measured saving, ...)
   perseus demo --plot out/             also write out/timeline.png: one baseline and one planned iteration
   perseus demo --state-dir ./state     keep the profile: a second run skips profiling
+  perseus demo --dp 2 --straggler 1.2  2 data-parallel pipelines x 2 stages, the second on GPUs 20% slower:
+                                       the service detects it and slows the other pipeline to its pace
 
 No GPU needed: every rank runs on a simulated A100-SXM that takes the time and draws the power
 of a GPT-3 pipeline stage at its current SM clock.
@@ -33,22 +34,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--plot", metavar="DIR", default=None, help="write the measured timeline (timeline.png, timeline.json) to DIR")
-    parser.add_argument("--ranks", type=int, default=4, help="pipeline stages, one rank each (2-8; default 4)")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="pipeline stages per pipeline, one rank each (2-8; default 4, or 2 with --dp above 1)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel pipelines (1-4, at most 8 ranks in all; default 1)")
+    parser.add_argument("--straggler", type=float, default=1.0, metavar="F",
+                        help="the last pipeline's simulated GPUs take F times longer (e.g. 1.2; needs --dp 2 or more)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per iteration (default 8)")
     parser.add_argument("--iterations", type=int, default=4, help="measured baseline and planned iterations (default 4)")
     parser.add_argument("--sweep-step", type=int, default=4, metavar="N", help="profile every N-th supported clock (default 4)")
     parser.add_argument("--state-dir", metavar="DIR", default=None, help="planner state directory (default: a temporary one)")
     parser.add_argument("--port", type=int, default=None, help="planner service port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
-    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
-                        help=f"GPU work time scale; {DEFAULT_TIME_SCALE} makes the default iteration about 1 s")
+    parser.add_argument("--time-scale", type=float, default=None,
+                        help="GPU work time scale (default: about 1 s per iteration at maximum clocks)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, per-rank records) and print its path")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     options = DemoOptions(
-        ranks=args.ranks,
+        ranks=args.ranks if args.ranks is not None else (4 if args.dp == 1 else 2),
+        dp=args.dp,
+        straggler=args.straggler,
         microbatches=args.microbatches,
         iterations=args.iterations,
         sweep_step=args.sweep_step,

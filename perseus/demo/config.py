@@ -23,6 +23,11 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DemoConfig:
     out_dir: str
+    num_stages: int = 4
+    # Data-parallel pipelines (torch mapping: rank = stage + num_stages * pipeline); the last one
+    # runs on GPUs throttled `straggler` times slower (set by the launcher) when straggler > 1.
+    dp: int = 1
+    straggler: float = 1.0
     num_microbatches: int = 8
     microbatch_size: int = 2
     seed: int = 0
@@ -32,9 +37,12 @@ class DemoConfig:
     # Iterations: baseline ones at maximum clocks without Perseus (the first warms up), then
     # under Perseus: warm-up, profiling and planning, then `planned_iterations` planned ones
     # (after the switch); `max_iterations` under Perseus stops the job even if no plan arrives.
+    # With a straggler, the planned iterations count from the straggler-aware re-plan, and
+    # `replan_wait_iterations` planned iterations without one stop the job.
     baseline_iterations: int = 3
     planned_iterations: int = 4
     max_iterations: int = 200
+    replan_wait_iterations: int = 30
     # Perseus: the planner service's address (None: no Perseus, baseline iterations only)
     server: str | None = None
     warmup_iterations: int = 1
@@ -43,13 +51,24 @@ class DemoConfig:
     tag: str = "perseus-demo"
 
     def __post_init__(self) -> None:
-        for name in ("num_microbatches", "microbatch_size", "planned_iterations", "max_iterations"):
+        for name in ("num_stages", "dp", "num_microbatches", "microbatch_size", "planned_iterations", "max_iterations"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"demo setting {name} must be >= 1, got {getattr(self, name)}")
         if self.baseline_iterations < 2:
             raise ConfigError(
                 f"demo setting baseline_iterations must be >= 2 (the first one warms up), got {self.baseline_iterations}"
             )
+        if not self.straggler >= 1.0 or (self.straggler > 1.0 and self.dp < 2):
+            raise ConfigError(f"demo setting straggler must be >= 1.0, and > 1.0 only with dp >= 2; got {self.straggler} with dp={self.dp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages * self.dp
+
+    @property
+    def straggler_pipeline(self) -> int | None:
+        """The throttled pipeline: the last one (the first one uploads the shared profiles)."""
+        return self.dp - 1 if self.straggler > 1.0 else None
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -14,6 +14,7 @@ import os
 import select
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,17 +26,20 @@ from typing import Any
 from perseus.atomic import write_json_atomic
 from perseus.demo.config import DemoConfig
 from perseus.demo.results import Iteration, load_iterations, median_iteration, phase_stats, split_phases
-from perseus.demo.workload import DEFAULT_TIME_SCALE
+from perseus.demo.workload import default_time_scale
 from perseus.devices.sim import SimGPU, get_preset
 from perseus.exceptions import ConfigError, PerseusError
 
 PRESET = "a100-sxm"
 SERVICE_START_TIMEOUT_S = 60.0
+MAX_PROCESSES = 8  # torchrun ranks in all
 
 
 @dataclass(frozen=True)
 class DemoOptions:
-    ranks: int = 4
+    ranks: int = 4  # pipeline stages, one rank each, per pipeline
+    dp: int = 1  # data-parallel pipelines
+    straggler: float = 1.0  # the last pipeline's GPUs take this many times longer (> 1 needs dp >= 2)
     microbatches: int = 8
     iterations: int = 4  # measured baseline and planned iterations (each phase runs one more)
     sweep_step: int = 4  # profile every n-th supported clock, from the highest
@@ -43,7 +47,7 @@ class DemoOptions:
     state_dir: str | None = None  # default: a temporary one
     port: int | None = None  # default: a free one
     seed: int = 0
-    time_scale: float = DEFAULT_TIME_SCALE
+    time_scale: float | None = None  # default: about a second per iteration (default_time_scale)
     plot_dir: str | None = None
     keep_dir: bool = False  # keep the work folder (logs, per-rank records)
     timeout_s: float = 600.0
@@ -51,6 +55,18 @@ class DemoOptions:
     def __post_init__(self) -> None:
         if not 2 <= self.ranks <= 8:
             raise ConfigError(f"--ranks must be between 2 and 8, got {self.ranks}")
+        if not 1 <= self.dp <= 4 or self.ranks * self.dp > MAX_PROCESSES:
+            raise ConfigError(
+                f"--dp must be between 1 and 4 with at most {MAX_PROCESSES} ranks in all (--dp x --ranks), "
+                f"got --dp {self.dp} x --ranks {self.ranks}"
+            )
+        if not self.straggler >= 1.0 or (self.straggler > 1.0 and self.dp < 2):
+            raise ConfigError(
+                f"--straggler must be a slowdown factor >= 1.0 (1.2: 20% slower), and above 1.0 needs --dp 2 or more; "
+                f"got --straggler {self.straggler} with --dp {self.dp}"
+            )
+        if self.time_scale is not None and not self.time_scale > 0:
+            raise ConfigError(f"--time-scale must be positive, got {self.time_scale}")
         if self.microbatches < self.ranks:
             raise ConfigError(
                 f"--microbatches ({self.microbatches}) must be at least --ranks ({self.ranks}): 1F1B needs a "
@@ -120,14 +136,15 @@ class ServiceProcess:
             proc.stdout.close()
 
 
-def start_job(ranks: int, config_path: str, sim_dir: str, log_path: str) -> subprocess.Popen[bytes]:
+def start_job(ranks: int, config_path: str, sim_dir: str, log_path: str, max_restarts: int = 0) -> subprocess.Popen[bytes]:
     """Start torchrun with `ranks` demo workers (in their own process group), output to `log_path`.
 
-    Rank r runs on simulated GPU r, whose state lives in `sim_dir`.
+    Rank r runs on simulated GPU r, whose state lives in `sim_dir`. With `max_restarts`, torchrun
+    restarts the whole group that many times after a rank fails.
     """
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-        "-m", "perseus.demo.worker", config_path,
+        "--max-restarts", str(max_restarts), "-m", "perseus.demo.worker", config_path,
     ]
     env = _child_env(PERSEUS_GPU=f"sim:{PRESET}:{ranks}", PERSEUS_SIM_DIR=sim_dir, OMP_NUM_THREADS="1")
     with open(log_path, "ab") as log:
@@ -143,6 +160,16 @@ def sim_gpus_at_default(ranks: int, sim_dir: str) -> bool:
         if gpu.power_limit_mw() != gpu.default_power_limit_mw():
             return False
     return True
+
+
+def throttle(gpus: list[int], factor: float, sim_dir: str) -> None:
+    """Make the simulated GPUs `gpus` take `factor` times longer for their work (1.0: undo)."""
+    for i in gpus:
+        gpu = SimGPU(PRESET, i, state_dir=sim_dir)
+        if factor == 1.0:
+            gpu.reset_slowdown()
+        else:
+            gpu.set_slowdown(factor)
 
 
 def fetch_status(address: str, job_id: str | None) -> Any:
@@ -171,6 +198,10 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
         os.makedirs(sim_dir)
         state_dir = options.state_dir or os.path.join(work, "state")
         os.makedirs(state_dir, exist_ok=True)
+        config = demo_config(options, out_dir, None)
+        world = config.world_size
+        slow = config.straggler_pipeline
+        slow_ranks = None if slow is None else [slow * options.ranks + s for s in range(options.ranks)]
 
         service = ServiceProcess(state_dir, os.path.join(work, "service.log"), options.port)
         address = service.start()
@@ -179,9 +210,17 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             config = demo_config(options, out_dir, address)
             config_path = os.path.join(work, "config.json")
             write_json_atomic(config_path, config.to_json())
-            say(f"torchrun: {options.ranks} ranks (gloo, CPU), each on a simulated A100-SXM; "
-                f"{options.microbatches} microbatches per iteration, Schedule1F1B")
-            rc = _run_job(options, config_path, sim_dir, os.path.join(work, "torchrun.log"), out_dir, say)
+            pipelines = f"{options.dp} data-parallel pipelines x " if options.dp > 1 else ""
+            say(f"torchrun: {world} ranks (gloo, CPU), {pipelines}{options.ranks} stages, each rank on a simulated "
+                f"A100-SXM; {options.microbatches} microbatches per iteration, Schedule1F1B")
+            if slow_ranks is not None:
+                throttle(slow_ranks, options.straggler, sim_dir)
+                say(f"straggler: pipeline {slow} (ranks {slow_ranks[0]}-{slow_ranks[-1]}) on GPUs {options.straggler:g}x slower")
+            try:
+                rc = _run_job(options, world, config_path, sim_dir, os.path.join(work, "torchrun.log"), out_dir, say)
+            finally:
+                if slow_ranks is not None:
+                    throttle(slow_ranks, 1.0, sim_dir)
             job_id = _job_id(out_dir) if rc == 0 else None
             status = fetch_status(address, job_id)
         finally:
@@ -189,26 +228,32 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
         if rc != 0:
             raise PerseusError(f"the demo job failed (torchrun exit code {rc}); its log:\n{_tail(os.path.join(work, 'torchrun.log'))}")
 
-        iterations = load_iterations(out_dir, options.ranks)
+        iterations = load_iterations(out_dir, world)
         if not any(set(it.phases) == {"planned"} for it in iterations):
             raise PerseusError(
                 "the demo job ran no planned iteration: the planner service published no plan; its log:\n"
                 + _tail(os.path.join(work, "service.log"))
             )
-        result = summarize(iterations, status)
+        if slow_ranks is None:
+            result = summarize(iterations, status)
+        else:
+            result = summarize_straggler(iterations, status, options, job_record(state_dir, job_id))
         result.update(
-            ranks=options.ranks,
+            ranks=world,
+            stages=options.ranks,
+            dp=options.dp,
             microbatches=options.microbatches,
+            time_scale=config.time_scale,
             gpu=f"sim:{PRESET}",
             job_id=job_id,
-            clocks_reset=sim_gpus_at_default(options.ranks, sim_dir),
+            clocks_reset=sim_gpus_at_default(world, sim_dir),
             wall_time_s=time.monotonic() - began,
         )
         if options.plot_dir:
             from perseus.demo.plot import plot_timelines
 
-            phases = split_phases(iterations)
-            panels = [(name, median_iteration(phases[name])) for name in ("baseline", "planned") if phases[name]]
+            phases = split_phases(iterations, slow_ranks)
+            panels = [(name, median_iteration(phases[name])) for name in ("baseline", "intrinsic", "planned") if phases.get(name)]
             if panels:
                 result["plots"] = plot_timelines(panels, options.plot_dir)
         if options.keep_dir:
@@ -219,16 +264,17 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             shutil.rmtree(work, ignore_errors=True)
 
 
-def summarize(iterations: list[Iteration], status: Any) -> dict:
+def summarize(iterations: list[Iteration], status: Any, phases: dict[str, list[Iteration]] | None = None) -> dict:
     """Per-phase figures, the service's prediction (`status`: its JobStatus, or None) against
-    the measured saving, and whether the planned clocks ran as assigned."""
-    phases = split_phases(iterations)
+    the measured saving, and whether the planned clocks ran as assigned. `phases`: the
+    iterations split by `split_phases` (default: split here)."""
+    phases = split_phases(iterations) if phases is None else phases
     stats = {name: phase_stats(its) for name, its in phases.items()}
     baseline, planned = stats["baseline"], stats["planned"]
     result: dict = {name: (s.to_json() if s else None) for name, s in stats.items()}
     result["iterations_run"] = len(iterations)
     result["profiled"] = bool(phases["profiling"])
-    result["measured_saving"] = (1.0 - planned.energy_j / baseline.energy_j) if baseline and planned else None
+    result["measured_saving"] = _saving(baseline, planned)
     result["iteration_time_change"] = (planned.iteration_time_s / baseline.iteration_time_s - 1.0) if baseline and planned else None
     result["predicted_saving"] = status.predicted_saving if status is not None else None
     result["predicted"] = None
@@ -245,6 +291,108 @@ def summarize(iterations: list[Iteration], status: Any) -> dict:
     return result
 
 
+def summarize_straggler(iterations: list[Iteration], status: Any, options: DemoOptions, record: dict | None) -> dict:
+    """A job with a straggler pipeline (the last one): per pipeline, its baseline, its intrinsic
+    plan (no slowdown) and its straggler-aware plan, measured and predicted. The top-level
+    figures are those of the other pipelines together -- the ones Perseus slows to the
+    straggler's pace --; `pipelines` lists every pipeline, the straggler included.
+
+    Predictions are the service's plans (`record`: its job record, see `job_record`), each put
+    at the straggler's pace T' (the straggler-aware plan's deadline): a plan of time T and
+    energy E costs E + P_block x stages x (T' - T) when it waits for the straggler."""
+    pp, dp = options.ranks, options.dp
+    slow = dp - 1
+    ranks_of = {k: [k * pp + s for s in range(pp)] for k in range(dp)}
+    phases = split_phases(iterations, ranks_of[slow])
+    predicted = predict_at_pace(record, pp, slow)
+    rows = []
+    for k, ranks in ranks_of.items():
+        stats = {name: phase_stats([it.of_ranks(ranks) for it in phases[name]]) for name in ("baseline", "intrinsic", "planned")}
+        row: dict = {"pipeline": k, "straggler": k == slow, "slowdown": options.straggler if k == slow else 1.0}
+        for name, st in stats.items():
+            row[name] = None if st is None else {
+                **st.to_json(),
+                "compute_time_s": statistics.median(it.of_ranks(ranks).compute_time_s() for it in phases[name]),
+            }
+        row["measured_intrinsic_saving"] = _saving(stats["baseline"], stats["intrinsic"])
+        row["measured_saving"] = _saving(stats["baseline"], stats["planned"])
+        row.update(predicted.get(k, {"predicted_intrinsic_saving": None, "predicted_saving": None}))
+        rows.append(row)
+
+    fast = [r for k in range(dp) if k != slow for r in ranks_of[k]]
+    fast_phases = {name: [it.of_ranks(fast) for it in its] for name, its in phases.items()}
+    result = summarize(iterations, None, fast_phases)
+    for key in ("predicted_intrinsic_saving", "predicted_saving"):
+        values = [row[key] for row in rows if not row["straggler"]]
+        result[key] = statistics.mean(values) if None not in values else None
+    result["measured_intrinsic_saving"] = _saving(phase_stats(fast_phases["baseline"]), phase_stats(fast_phases["intrinsic"]))
+    result["pipelines"] = rows
+    result["saving_scope"] = f"pipelines {', '.join(str(k) for k in range(dp) if k != slow)} (not the straggler)"
+    pipeline = status.pipelines[slow] if status is not None and len(status.pipelines) > slow else None
+    result["straggler"] = {
+        "pipeline": slow,
+        "slowdown": options.straggler,
+        "source": (pipeline.straggler or None) if pipeline is not None else None,  # "detected" or "declared"
+        "factor": pipeline.straggler_factor if pipeline is not None else None,  # as the service sees it
+        "deadline_s": predicted.get("deadline_s"),
+    }
+    return result
+
+
+def predict_at_pace(record: dict | None, stages: int, slow: int) -> dict:
+    """Per pipeline (not the straggler): the predicted intrinsic and straggler-aware savings at
+    the straggler's pace, from the service's job record; the straggler: its plan's saving."""
+    if not record or not record.get("plans") or record.get("blocking_power_w") is None:
+        return {}
+    plans = {int(k): p for k, p in record["plans"].items()}
+    block = record["blocking_power_w"] * stages
+    paced = [p for k, p in plans.items() if k != slow and p.get("deadline_s") is not None]
+    out: dict = {}
+    if slow in plans:
+        p = plans[slow]
+        out[slow] = {"predicted_intrinsic_saving": 1 - p["energy_j"] / p["baseline_energy_j"], "predicted_saving": 1 - p["energy_j"] / p["baseline_energy_j"]}
+    base = next((p for p in plans.values() if p.get("deadline_s") is None), None)
+    if base is None:
+        return out
+    pace = max((p["deadline_s"] for p in paced), default=None)
+    out["deadline_s"] = pace
+    at = (lambda e, t: e + block * (pace - t)) if pace is not None else (lambda e, t: e)
+    baseline = at(base["baseline_energy_j"], base["baseline_iteration_time_s"])
+    intrinsic = 1 - at(base["energy_j"], base["iteration_time_s"]) / baseline
+    for k, p in plans.items():
+        if k != slow:
+            final = 1 - at(p["energy_j"], p["iteration_time_s"]) / baseline if p.get("deadline_s") is not None else None
+            out[k] = {"predicted_intrinsic_saving": intrinsic, "predicted_saving": final}
+    return out
+
+
+def job_record(state_dir: str, job_id: str | None) -> dict | None:
+    """The service's saved record of `job_id` (its published plans), with the blocking power per
+    GPU its planner used (the job's, else the mean of its stage profiles'); None if missing."""
+    import glob
+    import json
+
+    if job_id is None:
+        return None
+    folder = os.path.join(state_dir, "jobs", job_id)
+    try:
+        with open(os.path.join(folder, "job.json"), encoding="utf-8") as f:
+            record = json.load(f)
+        powers = []
+        for path in sorted(glob.glob(os.path.join(folder, "stage-*.json"))):
+            with open(path, encoding="utf-8") as f:
+                powers.append(float(json.load(f)["blocking_power_w"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    declared = record.get("spec", {}).get("blocking_power_w")
+    record["blocking_power_w"] = declared if declared is not None else (statistics.mean(powers) if powers else None)
+    return record
+
+
+def _saving(baseline: Any, planned: Any) -> float | None:
+    return (1.0 - planned.energy_j / baseline.energy_j) if baseline and planned else None
+
+
 def plan_applied(planned: list[Iteration]) -> float | None:
     """Fraction of planned instructions whose GPU work ran (mostly) at the clock assigned to it."""
     total = hits = 0
@@ -258,19 +406,25 @@ def plan_applied(planned: list[Iteration]) -> float | None:
 
 def format_report(result: dict) -> str:
     """The human-readable summary `perseus demo` prints."""
-    lines = [f"{'phase':<10} {'iterations':>10} {'iteration time':>15} {'energy (all GPUs)':>18}"]
-    for name in ("baseline", "profiling", "planned"):
+    lines = []
+    if result.get("pipelines"):
+        lines += _straggler_report(result)
+    lines.append(f"{'phase':<10} {'iterations':>10} {'iteration time':>15} {'energy':>16}")
+    for name in ("baseline", "profiling", "intrinsic", "planned"):
+        if name not in result:
+            continue
         s = result.get(name)
         if s:
-            lines.append(f"{name:<10} {s['iterations']:>10} {s['iteration_time_s']:>13.3f} s {s['energy_j']:>16.1f} J")
+            lines.append(f"{name:<10} {s['iterations']:>10} {s['iteration_time_s']:>13.3f} s {s['energy_j']:>14.1f} J")
         else:
             lines.append(f"{name:<10} {'-':>10}")
+    scope = f" of {result['saving_scope']}" if result.get("saving_scope") else ""
     predicted, measured = result.get("predicted_saving"), result.get("measured_saving")
     if predicted is not None and measured is not None:
         ratio = f" ({measured / predicted:.0%} of predicted)" if predicted > 0 else ""
-        lines.append(f"energy saving: predicted {predicted:.1%}, measured {measured:.1%}{ratio}")
+        lines.append(f"energy saving{scope}: predicted {predicted:.1%}, measured {measured:.1%}{ratio}")
     elif measured is not None:
-        lines.append(f"energy saving: measured {measured:.1%} (the service reported no prediction)")
+        lines.append(f"energy saving{scope}: measured {measured:.1%} (the service reported no prediction)")
     else:
         lines.append("energy saving: not measured (a phase has no measured iterations)")
     if result.get("iteration_time_change") is not None:
@@ -286,28 +440,62 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _straggler_report(result: dict) -> list[str]:
+    """Per pipeline: baseline, intrinsic and straggler-aware energy, savings measured (predicted)."""
+    straggler = result["straggler"]
+    how = {"detected": "detected by the service", "declared": "declared"}.get(straggler["source"] or "", "NOT detected")
+    seen = f" at {straggler['factor']:.2f}x" if straggler.get("factor") else ""
+    lines = [
+        f"straggler: pipeline {straggler['pipeline']} on GPUs {straggler['slowdown']:g}x slower, {how}{seen}",
+        f"{'pipeline':<14} {'compute':>8} {'baseline':>10} {'intrinsic plan: saving':>32} {'straggler-aware plan: saving':>36}",
+    ]
+
+    def cell(row: dict, phase: str, saving: str, predicted: str) -> str:
+        if not row.get(phase):
+            return "-"
+        pred = f" (predicted {row[predicted]:.1%})" if row.get(predicted) is not None else ""
+        return f"{row[phase]['energy_j']:.0f} J {row[saving]:.1%}{pred}"
+
+    for row in result["pipelines"]:
+        name = f"{row['pipeline']}{' (straggler)' if row['straggler'] else ''}"
+        compute = f"{row['baseline']['compute_time_s']:.2f} s" if row.get("baseline") else "-"
+        base = f"{row['baseline']['energy_j']:.0f} J" if row.get("baseline") else "-"
+        lines.append(
+            f"{name:<14} {compute:>8} {base:>10} "
+            f"{cell(row, 'intrinsic', 'measured_intrinsic_saving', 'predicted_intrinsic_saving'):>32} "
+            f"{cell(row, 'planned', 'measured_saving', 'predicted_saving'):>36}"
+        )
+    return lines
+
+
 def demo_config(options: DemoOptions, out_dir: str, address: str | None) -> DemoConfig:
     """What every rank runs: `options` with the planner at `address` (None: baseline only)."""
     sweep = list(get_preset(PRESET).frequencies[:: options.sweep_step])
+    time_scale = options.time_scale or default_time_scale(options.ranks, options.microbatches)
     return DemoConfig(
         out_dir=out_dir,
+        num_stages=options.ranks,
+        dp=options.dp,
+        straggler=options.straggler,
         num_microbatches=options.microbatches,
         seed=options.seed,
-        time_scale=options.time_scale,
+        time_scale=time_scale,
         baseline_iterations=options.iterations + 1,
         planned_iterations=options.iterations,
-        # A generous cap under Perseus: warm-up, the whole sweep, planning, then the planned ones.
-        max_iterations=1 + len(sweep) * options.iterations_per_frequency + 20 + options.iterations + 1,
+        # A generous cap under Perseus: warm-up, the whole sweep, planning, (waiting for the
+        # straggler-aware re-plan,) then the planned ones.
+        max_iterations=1 + len(sweep) * options.iterations_per_frequency + 20 + options.iterations + 1
+        + (DemoConfig.replan_wait_iterations if options.straggler > 1.0 else 0),
         server=address,
         iterations_per_frequency=options.iterations_per_frequency,
         sweep_frequencies=sweep,
     )
 
 
-def _run_job(options: DemoOptions, config_path: str, sim_dir: str, log_path: str, out_dir: str,
+def _run_job(options: DemoOptions, world: int, config_path: str, sim_dir: str, log_path: str, out_dir: str,
              say: Callable[[str], None]) -> int:
     """Run torchrun to completion, reporting rank 0's finished iterations as they land."""
-    proc = start_job(options.ranks, config_path, sim_dir, log_path)
+    proc = start_job(world, config_path, sim_dir, log_path)
     deadline = time.monotonic() + options.timeout_s
     seen = 0
     try:

@@ -34,6 +34,27 @@ class Iteration:
     spans: tuple[tuple[dict, ...], ...]  # per rank: instruction spans, times relative to `start`
     start: float
     plans: tuple[list[int] | None, ...] = ()  # per rank: the planned clock of each instruction
+    versions: tuple[int | None, ...] = ()  # per rank: the plan version run (None: not planned)
+    windows: tuple[tuple[float, float], ...] = ()  # per rank: (time_s, energy_j)
+
+    def of_ranks(self, ranks: list[int]) -> Iteration:
+        """This iteration as the ranks `ranks` (one pipeline) measured it."""
+        return Iteration(
+            index=self.index,
+            phases=tuple(self.phases[r] for r in ranks),
+            time_s=max(self.windows[r][0] for r in ranks),
+            energy_j=sum(self.windows[r][1] for r in ranks),
+            spans=tuple(self.spans[r] for r in ranks),
+            start=self.start,
+            plans=tuple(self.plans[r] for r in ranks),
+            versions=tuple(self.versions[r] for r in ranks),
+            windows=tuple(self.windows[r] for r in ranks),
+        )
+
+    def compute_time_s(self) -> float:
+        """From the iteration's start to the end of its last instruction on any rank: the time
+        before the gradient synchronization, which a straggler stretches."""
+        return max((s["end"] for rank in self.spans for s in rank), default=0.0)
 
     @property
     def label(self) -> str:
@@ -67,19 +88,25 @@ def load_iterations(out_dir: str, world_size: int) -> list[Iteration]:
                 ),
                 start=start,
                 plans=tuple(r.get("plan") for r in rows),
+                versions=tuple(r.get("plan_version") for r in rows),
+                windows=tuple((r["end"] - r["start"], r["energy_j"]) for r in rows),
             )
         )
     return iterations
 
 
-def split_phases(iterations: list[Iteration]) -> dict[str, list[Iteration]]:
+def split_phases(iterations: list[Iteration], straggler_ranks: list[int] | None = None) -> dict[str, list[Iteration]]:
     """The measured iterations of each phase.
 
     baseline: before Perseus, at maximum clocks, without the first iteration (it warms up the
     pipeline). profiling: any rank sweeping clocks. planned: every rank running the plan,
-    without the first such iteration (the switch).
+    without the first such iteration (the switch). With a straggler pipeline (its ranks
+    `straggler_ranks`), planned iterations split in two, each without its switch: `intrinsic`,
+    every rank on the first plan (no slowdown), and `planned`, every other rank on a later plan
+    (the straggler-aware one).
     """
     out: dict[str, list[Iteration]] = {"baseline": [], "profiling": [], "planned": []}
+    planned = []
     for it in iterations:
         phases = set(it.phases)
         if phases == {"baseline"} and it.index > 0:
@@ -87,8 +114,15 @@ def split_phases(iterations: list[Iteration]) -> dict[str, list[Iteration]]:
         elif "profiling" in phases:
             out["profiling"].append(it)
         elif phases == {"planned"}:
-            out["planned"].append(it)
-    out["planned"] = out["planned"][1:]
+            planned.append(it)
+    if straggler_ranks is None:
+        out["planned"] = planned[1:]
+        return out
+    first = min((v for it in planned for v in it.versions if v is not None), default=None)
+    others = [r for r in range(len(iterations[0].phases)) if r not in straggler_ranks] if iterations else []
+    intrinsic = [it for it in planned if set(it.versions) == {first}]
+    final = [it for it in planned if all(it.versions[r] != first for r in others)]
+    out["intrinsic"], out["planned"] = intrinsic[1:], final[1:]
     return out
 
 

@@ -1,7 +1,8 @@
 """One rank of the demo job, started by torchrun: `python -m perseus.demo.worker CONFIG.json`.
 
-Trains its stage of the demo transformer with torch's Schedule1F1B on gloo, every
-instruction emulated on this rank's simulated GPU, and writes what it measured per
+Trains its stage of the demo transformer with torch's Schedule1F1B on gloo (with several
+data-parallel pipelines: in its pipeline's group, its gradients averaged over the stage's
+replicas), every instruction emulated on this rank's simulated GPU, and writes what it measured per
 iteration (window, energy, instruction spans, Perseus phase) to `<out_dir>/rank<R>.json`.
 """
 
@@ -22,6 +23,7 @@ from perseus.demo.emulation import EmulatedStage, GPUEmulator
 from perseus.demo.model import build_stage, lm_loss, make_batch
 from perseus.demo.workload import stage_works
 from perseus.devices import get_gpus
+from perseus.exceptions import ConfigError
 
 #: Iterations at default clocks after profiling (no plan: the service failed to plan) before the demo stops.
 UNPLANNED_AFTER_PROFILING = 3
@@ -31,29 +33,34 @@ def run_rank(config: DemoConfig) -> None:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if world != config.world_size:
+        raise ConfigError(f"torchrun started {world} ranks but the demo config needs {config.world_size} ({config.dp} x {config.num_stages})")
+    stage_index, pipeline = rank % config.num_stages, rank // config.num_stages
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
+        pipeline_group, replica_group = _groups(config, stage_index, pipeline)
         gpu = get_gpus()[local_rank]
-        emulator = GPUEmulator(gpu, stage_works(world, config.time_scale)[rank])
-        model = build_stage(config.model, rank, world, config.seed)
+        emulator = GPUEmulator(gpu, stage_works(config.num_stages, config.time_scale)[stage_index])
+        model = build_stage(config.model, stage_index, config.num_stages, config.seed)
         stage = PipelineStage(
             EmulatedStage(model, emulator),
-            rank,
-            world,
+            stage_index,
+            config.num_stages,
             torch.device("cpu"),
             input_args=model.example_input(config.model, config.microbatch_size),
             output_args=model.example_output(config.model, config.microbatch_size),
+            group=pipeline_group,
         )
         schedule = Schedule1F1B(stage, config.num_microbatches, loss_fn=lm_loss)
-        trainer = _Trainer(config, rank, world, schedule, model, emulator)
+        trainer = _Trainer(config, rank, stage_index, pipeline, schedule, model, emulator, replica_group)
         trainer.run(config.baseline_iterations)  # the baseline: no Perseus, maximum clocks
         if config.server is not None:
             from perseus.server.client import PlannerClient
 
             client = PlannerClient(config.server)
             try:
-                _instrument(stage, schedule, gpu, client, config)
+                _instrument(stage, schedule, gpu, client, config, rank, pipeline)
                 try:
                     trainer.run(config.max_iterations, stage.perseus, client)
                 finally:
@@ -64,7 +71,19 @@ def run_rank(config: DemoConfig) -> None:
         dist.destroy_process_group()
 
 
-def _instrument(stage, schedule, gpu, client, config: DemoConfig) -> None:
+def _groups(config: DemoConfig, stage: int, pipeline: int):
+    """This rank's pipeline group and its stage's data-parallel replica group (None, None with
+    one pipeline: the world is the pipeline, and there is no gradient to share)."""
+    if config.dp == 1:
+        return None, None
+    pp = config.num_stages
+    # Every rank creates every group, in the same order (torch.distributed requires it).
+    pipelines = [dist.new_group([k * pp + s for s in range(pp)]) for k in range(config.dp)]
+    replicas = [dist.new_group([k * pp + s for k in range(config.dp)]) for s in range(pp)]
+    return pipelines[pipeline], replicas[stage]
+
+
+def _instrument(stage, schedule, gpu, client, config: DemoConfig, rank: int, pipeline: int) -> None:
     """Perseus on this rank's stage, talking to the planner through `client`."""
     import perseus
     from perseus.runtime import ProfilingSettings
@@ -74,47 +93,64 @@ def _instrument(stage, schedule, gpu, client, config: DemoConfig) -> None:
         iterations_per_frequency=config.iterations_per_frequency,
         frequencies=tuple(config.sweep_frequencies) if config.sweep_frequencies else None,
     )
-    perseus.instrument(stage, schedule=schedule, client=client, gpu=gpu, tag=config.tag, profiling=settings)
+    perseus.instrument(
+        stage, schedule=schedule, client=client, gpu=gpu, tag=config.tag, profiling=settings,
+        rank=rank, dp=config.dp, dp_index=pipeline,
+    )
 
 
 class _Trainer:
-    """The training loop. Every iteration ends at a tiny all-reduce, so each rank's measured
-    window covers the whole iteration, its idle time included; the ranks' windows line up."""
+    """The training loop. With data-parallel pipelines, each iteration ends with the gradient
+    all-reduce over the stage's replicas, where a fast pipeline waits for a slow one; then every
+    iteration ends at a tiny all-reduce over all ranks, so each rank's measured window covers the
+    whole iteration, its idle time included, and the ranks' windows line up."""
 
-    def __init__(self, config: DemoConfig, rank: int, world: int, schedule, model, emulator: GPUEmulator) -> None:
-        self.config, self.rank, self.world = config, rank, world
-        self.schedule, self.emulator, self.gpu = schedule, emulator, emulator.gpu
+    def __init__(self, config: DemoConfig, rank: int, stage: int, pipeline: int, schedule, model, emulator: GPUEmulator,
+                 replica_group) -> None:
+        self.config, self.rank, self.stage, self.pipeline = config, rank, stage, pipeline
+        self.schedule, self.model, self.emulator, self.gpu = schedule, model, emulator, emulator.gpu
+        self.replica_group = replica_group
         self.optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
-        self.tokens, self.targets = make_batch(config.model, config.num_microbatches * config.microbatch_size, config.seed)
+        batch = config.num_microbatches * config.microbatch_size
+        self.tokens, self.targets = make_batch(config.model, batch, config.seed + 7919 * pipeline)  # its own data
         self.path = os.path.join(config.out_dir, f"rank{rank}.json")
         self.records: list[dict] = []
         self.job_id: str | None = None
 
     def run(self, max_iterations: int, perseus_rank=None, client=None) -> None:
         """Train `max_iterations`, or with Perseus until `planned_iterations` iterations (after
-        the switch) ran the plan on every rank, or until `UNPLANNED_AFTER_PROFILING` iterations
-        ran unplanned after profiling (the service could not plan: see its log)."""
+        the switch) ran the plan on every rank -- with a straggler, the straggler-aware plan
+        on every other pipeline --, or until `UNPLANNED_AFTER_PROFILING` iterations ran
+        unplanned after profiling (the service could not plan: see its log), or until
+        `replan_wait_iterations` planned iterations passed without a straggler-aware plan."""
         if perseus_rank is not None:
             self.job_id = perseus_rank.job_spec().job_id()
-        planned = given_up = 0
+        straggler = self.config.straggler_pipeline
+        planned = replanned = given_up = 0
         profiled = False
+        first_version: int | None = None
         plan: list[int] | None = None
         start, energy_start = self.gpu.clock.now(), self.gpu.energy_mj()
         for _ in range(max_iterations):
             self.step()
             phase = "baseline" if perseus_rank is None else str(perseus_rank.phase)
+            version = perseus_rank.plan_version if phase == "planned" else None
             profiled = profiled or phase == "profiling"
             if phase == "planned":  # the clocks this rank was told to run (the client's cached table)
                 assigned = client.assignment(perseus_rank.job_iteration).frequencies
                 plan = list(assigned) if assigned is not None else plan
-            # One all-reduce ends the iteration: MIN of (all planned, not given up).
-            flags = torch.tensor([int(phase == "planned"), -int(profiled and phase == "unplanned")])
+                first_version = version if first_version is None else first_version
+            # A re-plan: the straggler keeps its plan, the others get one at its pace.
+            holds_final = phase == "planned" and (straggler is None or self.pipeline == straggler or version != first_version)
+            # One all-reduce ends the iteration: MIN of (all planned, all at the final plan, not given up).
+            flags = torch.tensor([int(phase == "planned"), int(holds_final), -int(profiled and phase == "unplanned")])
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
             end, energy_end = self.gpu.clock.now(), self.gpu.energy_mj()
             self.records.append(
                 {
                     "iteration": len(self.records),
                     "phase": phase,
+                    "plan_version": version,
                     "start": start,
                     "end": end,
                     "energy_j": (energy_end - energy_start) / 1000.0,
@@ -125,22 +161,42 @@ class _Trainer:
             self.save()
             start, energy_start = end, energy_end
             planned += int(flags[0].item())
-            given_up += -int(flags[1].item())
-            if planned > self.config.planned_iterations or given_up >= UNPLANNED_AFTER_PROFILING:
+            replanned += int(flags[1].item())
+            given_up += -int(flags[2].item())
+            if replanned > self.config.planned_iterations or given_up >= UNPLANNED_AFTER_PROFILING:
                 return
+            if straggler is not None and not replanned and planned >= self.config.replan_wait_iterations:
+                return  # no straggler-aware plan came: the result says so
 
     def step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        if self.rank == 0:
+        if self.stage == 0:
             self.schedule.step(self.tokens)
-        elif self.rank == self.world - 1:
+        elif self.stage == self.config.num_stages - 1:
             self.schedule.step(target=self.targets)
         else:
             self.schedule.step()
+        self.sync_gradients()
         self.optimizer.step()
 
+    def sync_gradients(self) -> None:
+        """Average the stage's gradients over its data-parallel replicas (one flat all-reduce)."""
+        if self.replica_group is None:
+            return
+        params = list(self.model.parameters())
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.replica_group)
+        flat /= self.config.dp
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
     def save(self) -> None:
-        doc = {"rank": self.rank, "pid": os.getpid(), "world_size": self.world, "job_id": self.job_id, "iterations": self.records}
+        doc = {
+            "rank": self.rank, "stage": self.stage, "pipeline": self.pipeline, "pid": os.getpid(),
+            "world_size": self.config.world_size, "job_id": self.job_id, "iterations": self.records,
+        }
         write_json_atomic(self.path, doc, indent=None, fsync=False)  # a progress record, rewritten every iteration
 
 

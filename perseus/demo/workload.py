@@ -31,6 +31,19 @@ BACKWARD_INTENSITY = 0.91
 DEFAULT_TIME_SCALE = 0.3
 
 
+def default_time_scale(num_stages: int, num_microbatches: int) -> float:
+    """The time scale that gives `num_stages` x `num_microbatches` of 1F1B the nominal iteration
+    time of the default demo (DEFAULT_TIME_SCALE at 4 x 8): about a second at maximum clocks."""
+    return DEFAULT_TIME_SCALE * _nominal_1f1b_s(4, 8) / _nominal_1f1b_s(num_stages, num_microbatches)
+
+
+def _nominal_1f1b_s(num_stages: int, num_microbatches: int) -> float:
+    """1F1B's iteration time at scale 1 when the heaviest stage sets the pace: its forward and
+    backward for every microbatch, plus one per extra stage to fill and drain the pipeline."""
+    slowest = max(w[Kind.FORWARD].time_s + w[Kind.BACKWARD].time_s for w in stage_works(num_stages, 1.0))
+    return (num_microbatches + num_stages - 1) * slowest
+
+
 def stage_works(num_stages: int, time_scale: float = DEFAULT_TIME_SCALE) -> list[dict[Kind, Work]]:
     """Per stage, the Work of one forward and one backward microbatch."""
     measured = len(GPT3_A100_STAGES)

@@ -8,11 +8,11 @@ torch = pytest.importorskip("torch")
 
 from perseus.clock import VirtualClock
 from perseus.demo.emulation import EmulatedStage, GPUEmulator
-from perseus.demo.launcher import DemoOptions, plan_applied, summarize
+from perseus.demo.launcher import DemoOptions, plan_applied, predict_at_pace, summarize
 from perseus.demo.config import ModelConfig
 from perseus.demo.model import build_stage, lm_loss, make_batch
 from perseus.demo.results import Iteration, split_phases
-from perseus.demo.workload import DEFAULT_TIME_SCALE, GPT3_A100_STAGES, stage_works
+from perseus.demo.workload import DEFAULT_TIME_SCALE, GPT3_A100_STAGES, default_time_scale, stage_works
 from perseus.devices.sim import SimGPU, predict
 from perseus.exceptions import ConfigError
 from perseus.schedules.instruction import Kind
@@ -135,3 +135,53 @@ def test_options_are_checked():
         DemoOptions(ranks=1)
     with pytest.raises(ConfigError, match="--port"):
         DemoOptions(port=70000)
+    with pytest.raises(ConfigError, match="--straggler"):
+        DemoOptions(straggler=1.2)  # one pipeline
+    with pytest.raises(ConfigError, match="--dp"):
+        DemoOptions(ranks=4, dp=3)
+
+
+def _dp_it(index, phases, versions, windows):
+    """Two pipelines x 2 stages: ranks 0, 1 (pipeline 0) and 2, 3 (the straggler)."""
+    spans = tuple(({"kind": "backward", "microbatch": 0, "start": 0.0, "end": t, "frequency": 1410},) for t, _ in windows)
+    return Iteration(index, tuple(phases), max(t for t, _ in windows), sum(e for _, e in windows), spans, 0.0,
+                     (None,) * 4, tuple(versions), tuple(windows))
+
+
+def test_straggler_phases_split_intrinsic_from_straggler_aware_and_predict_at_its_pace():
+    base, slow = [(1.0, 100.0)] * 2, [(1.2, 120.0)] * 2
+    its = [
+        _dp_it(0, ["baseline"] * 4, [None] * 4, base + slow),
+        _dp_it(1, ["baseline"] * 4, [None] * 4, base + slow),
+        _dp_it(2, ["planned"] * 4, [1] * 4, [(1.0, 98.0)] * 2 + slow),  # the switch: dropped
+        _dp_it(3, ["planned"] * 4, [1] * 4, [(1.0, 98.0)] * 2 + slow),
+        _dp_it(4, ["planned"] * 4, [2, 1, 1, 1], [(1.1, 90.0)] * 2 + slow),  # mixed: neither
+        _dp_it(5, ["planned"] * 4, [2, 2, 1, 1], [(1.2, 80.0)] * 2 + slow),  # the switch: dropped
+        _dp_it(6, ["planned"] * 4, [2, 2, 1, 1], [(1.2, 80.0)] * 2 + slow),
+    ]
+    phases = split_phases(its, straggler_ranks=[2, 3])
+    assert [i.index for i in phases["intrinsic"]] == [3]
+    assert [i.index for i in phases["planned"]] == [6]
+    assert its[6].of_ranks([0, 1]).energy_j == 160.0 and its[6].of_ranks([2, 3]).time_s == 1.2
+    # Plans of 1 s (max clocks 600 J) at 2 stages, blocking 50 W: at the straggler's 1.2 s pace
+    # the baseline costs 600 + 2 x 50 x 0.2 = 620 J, the intrinsic plan 580 + 20, the paced plan 500.
+    record = {
+        "blocking_power_w": 50.0,
+        "plans": {
+            "0": {"energy_j": 500.0, "iteration_time_s": 1.2, "deadline_s": 1.2, "baseline_energy_j": 600.0, "baseline_iteration_time_s": 1.0},
+            "1": {"energy_j": 580.0, "iteration_time_s": 1.0, "deadline_s": None, "baseline_energy_j": 600.0, "baseline_iteration_time_s": 1.0},
+        },
+    }
+    predicted = predict_at_pace(record, stages=2, slow=1)
+    assert predicted[0]["predicted_intrinsic_saving"] == pytest.approx(1 - 600 / 620)
+    assert predicted[0]["predicted_saving"] == pytest.approx(1 - 500 / 620)
+    assert predicted[1]["predicted_saving"] == pytest.approx(1 - 580 / 600)
+    assert predict_at_pace(None, 2, 1) == {}
+
+
+def test_default_time_scale_keeps_about_a_second_per_iteration():
+    assert default_time_scale(4, 8) == pytest.approx(DEFAULT_TIME_SCALE)
+    for stages, microbatches in ((2, 8), (8, 16)):
+        works = stage_works(stages, default_time_scale(stages, microbatches))
+        slowest = max(w[Kind.FORWARD].time_s + w[Kind.BACKWARD].time_s for w in works)
+        assert 0.9 < (microbatches + stages - 1) * slowest < 1.1
