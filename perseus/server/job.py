@@ -415,7 +415,10 @@ class Job:
         for k, ((models, deadline), result) in changed.items():
             base = {f.name: getattr(result, f.name) for f in fields(PlanResult)}
             self.plans[k] = PublishedPlan(**base, version=self.last_version, start_iteration=start, models=models, deadline_s=deadline)
-            self.history[k].append((start, result.iteration_time_s))
+            history = self.history[k]
+            while history and history[-1][0] > self.last_iteration:
+                history.pop()  # superseded before its start: the ranks never run it (see PlannerClient)
+            history.append((start, result.iteration_time_s))
         self.planned = Mean()
         self._changed()
         return sorted(changed)

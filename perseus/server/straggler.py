@@ -59,7 +59,8 @@ class StragglerDetector:
 
     def update(self) -> Straggler | None:
         """Decide with the values so far; returns (and keeps in `current`) the straggler or None.
-        A straggler's factor is only revised when it moves by more than threshold / 2."""
+        A straggler's factor is only revised when it moves by more than `threshold` (each
+        revision re-plans the other pipelines: iteration noise of a few percent must not)."""
         medians = self.medians()
         if len(medians) < 2:
             return self.current
@@ -70,7 +71,7 @@ class StragglerDetector:
         if current is not None and current.pipeline == slowest:
             if factor < 1 + self.threshold / 2:
                 self.current = None
-            elif abs(factor / current.factor - 1) > self.threshold / 2:
+            elif abs(factor / current.factor - 1) > self.threshold:
                 self.current = Straggler(slowest, factor)
         elif factor > 1 + self.threshold:
             self.current = Straggler(slowest, factor)
