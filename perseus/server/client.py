@@ -320,16 +320,16 @@ class PlannerClient:
             plan = old.plan
         if plan is None or table.plan_start_iteration == 0:
             previous = None
-        failed = table.phase == JobPhase.FAILED.value
+        failed = table.phase == JobPhase.FAILED.value  # no plan will come: no sweep either
         self._view = _View(
             warmup_iterations=table.warmup_iterations,
             iterations_per_frequency=table.iterations_per_frequency,
-            sweep=tuple(Assignment(Phase.PROFILING, None, f, version) for f in table.sweep_frequencies),
+            sweep=() if failed else tuple(Assignment(Phase.PROFILING, None, f, version) for f in table.sweep_frequencies),
             stage_profiled=info.stage in table.profiled_stages,
             plan=plan,
             plan_start=table.plan_start_iteration,
             previous=previous,
-            warmup=Assignment(Phase.WARMUP, None, None, version),
+            warmup=UNPLANNED if failed else Assignment(Phase.WARMUP, None, None, version),
             waiting=UNPLANNED if failed else Assignment(Phase.PLANNING, None, None, version),
             upload=table.upload,
         )
