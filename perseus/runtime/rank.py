@@ -10,7 +10,8 @@ stage costs) and the frequency controller (running it). A framework calls its fo
 Each iteration is reported to the planner with two times: `time_s`, from on_step_begin to
 on_step_end (everything the step does, the optimizer step and the data-parallel gradient
 synchronization included), and `compute_time_s`, from on_step_begin to the end of the rank's
-last instruction of the iteration (device-synchronized). The gradient synchronization makes
+last instruction of the iteration (one device synchronization per iteration, right after
+that instruction). The gradient synchronization makes
 every data-parallel pipeline's `time_s` that of the slowest one, so the planner tells a
 straggler pipeline by `compute_time_s`. It only excludes the synchronization when the
 framework runs it after the last instruction (an all-reduce after the pipeline schedule's
