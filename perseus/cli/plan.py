@@ -7,7 +7,7 @@ import csv
 import io
 from pathlib import Path
 
-from perseus.atomic import write_text_atomic
+from perseus.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
 from perseus.exceptions import ConfigError, PlanError
 
 EPILOG = """examples:
@@ -46,11 +46,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from perseus.planner import Planner, save_plan
+    from perseus.planner import Planner
     from perseus.planner.baselines import envpipe_plan, max_frequency_plan, uniform_plan
     from perseus.profiler import load_profile
     from perseus.schedules import build_schedule
 
+    if args.blocking_power is None and args.profile.suffix.lower() == ".csv":
+        raise ConfigError(
+            f"{args.profile}: a CSV profile carries no blocking power; pass --blocking-power W "
+            "(watts a GPU draws while waiting on a peer, e.g. 83.64 for A100-SXM, 70.38 for A40)"
+        )
+    if args.frontier_points < 2:
+        raise ConfigError(f"--frontier-points must be at least 2 (the fastest and the least-energy plan), got {args.frontier_points}")
     for path in (args.out, args.frontier):
         if path is not None and not path.parent.exists():
             raise ConfigError(f"folder {path.parent} does not exist; create it or choose another path for {path.name}")
@@ -87,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"(savings over an iteration of {pace:.6g} s: a plan that ends early waits for the slowest pipeline)")
 
     if args.out is not None:
-        save_plan(plan, args.out)
+        write_json_atomic(args.out, plan.to_json())
         print(f"plan written to {args.out}")
     frontier = None
     if args.frontier is not None or args.plot is not None:
@@ -118,10 +125,9 @@ def _write_frontier(points, path: Path) -> None:
 def _plots(folder: Path, planner, plan, frontier, baselines) -> None:
     from perseus.planner.plot import plot_frontier, plot_timeline
 
-    folder.mkdir(parents=True, exist_ok=True)
     ev = planner.evaluator
     panels = [("all GPUs at max clock", ev.evaluate(baselines[0].frequencies)), ("Perseus plan", ev.evaluate(plan.frequencies))]
-    plot_timeline(panels, planner.schedule, planner.profile, folder / "timeline.png")
+    write_bytes_atomic(folder / "timeline.png", plot_timeline(panels, planner.schedule, planner.profile))
     points = {r.name: (r.iteration_time_s, r.energy_j) for r in baselines}
     points["Perseus plan"] = (plan.iteration_time_s, plan.energy_j)
-    plot_frontier(frontier, points, folder / "frontier.png")
+    write_bytes_atomic(folder / "frontier.png", plot_frontier(frontier, points))

@@ -11,7 +11,7 @@ from perseus.planner.evaluator import (
     shared_frequencies,
     uniform_frequencies,
 )
-from perseus.planner.plan import Plan, load_plan, save_plan
+from perseus.planner.plan import Plan
 from perseus.planner.solver import FrontierPoint, Planner
 
 __all__ = [
@@ -26,9 +26,7 @@ __all__ = [
     "build_dag",
     "dag_arrays",
     "evaluate",
-    "load_plan",
     "max_frequencies",
-    "save_plan",
     "shared_frequencies",
     "uniform_frequencies",
 ]

@@ -7,13 +7,9 @@ interleaves chunks), next to `iteration_time_s`, `energy_j`, `lower_bound_j`, `g
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from perseus.atomic import write_json_atomic
 from perseus.exceptions import PlanError
 from perseus.schedules.instruction import Instruction, Kind, Schedule
 
@@ -109,19 +105,3 @@ def _number(doc: dict, key: str) -> float:
         raise PlanError(f"plan field {key!r} must be a finite number, got {value!r}")
     return float(value)
 
-
-def save_plan(plan: Plan, path: str | os.PathLike) -> None:
-    """Write the plan as JSON atomically (temporary file, then rename)."""
-    write_json_atomic(path, plan.to_json())
-
-
-def load_plan(path: str | os.PathLike, schedule: Schedule) -> Plan:
-    """Read a plan file written by `save_plan` for `schedule`."""
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as exc:
-        raise PlanError(f"cannot read plan {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"{path}: not valid JSON ({exc})") from None
-    return Plan.from_json(doc, schedule)

@@ -1,16 +1,14 @@
 """Pictures of plans: a per-stage Gantt chart of one iteration, and the time-energy frontier.
 
 matplotlib is an optional extra (`pip install 'perseus[plot]'`); it is imported only here.
+Each function returns the picture as PNG bytes; the caller decides where it goes.
 """
 
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
-from perseus.atomic import write_bytes_atomic
 from perseus.exceptions import ConfigError
 from perseus.planner.evaluator import Evaluation
 from perseus.profiler.profile import Profile
@@ -28,14 +26,17 @@ def pyplot():
     return plt
 
 
-def _save(fig, path: Path) -> None:
-    """Write the figure as PNG atomically."""
+def _png(plt, fig) -> bytes:
+    """The figure as PNG bytes; the figure is closed."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    write_bytes_atomic(path, buf.getvalue())
+    try:
+        fig.savefig(buf, format="png", dpi=120)
+    finally:
+        plt.close(fig)
+    return buf.getvalue()
 
 
-def plot_timeline(panels: Sequence[tuple[str, Evaluation]], schedule: Schedule, profile: Profile, path: str | os.PathLike) -> None:
+def plot_timeline(panels: Sequence[tuple[str, Evaluation]], schedule: Schedule, profile: Profile) -> bytes:
     """One Gantt chart per (title, evaluation), stacked with a shared time axis: a box per
     instruction on its stage's row, coloured by its average power, the critical path drawn."""
     plt = pyplot()
@@ -73,15 +74,10 @@ def plot_timeline(panels: Sequence[tuple[str, Evaluation]], schedule: Schedule, 
         ax.legend(loc="upper right", fontsize=7)
     axes[-1, 0].set_xlabel("time (s)")
     fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[:, 0].tolist(), label="power (W)", fraction=0.02, pad=0.01)
-    _save(fig, Path(path))
-    plt.close(fig)
+    return _png(plt, fig)
 
 
-def plot_frontier(
-    frontier: Sequence,
-    baselines: Mapping[str, tuple[float, float]],
-    path: str | os.PathLike,
-) -> None:
+def plot_frontier(frontier: Sequence, baselines: Mapping[str, tuple[float, float]]) -> bytes:
     """Energy against iteration time: the frontier (FrontierPoints), the lower bound at each
     deadline, and each baseline's (time, energy) point."""
     plt = pyplot()
@@ -95,5 +91,4 @@ def plot_frontier(
     ax.set_ylabel("energy per iteration (J)")
     ax.grid(alpha=0.3)
     ax.legend()
-    _save(fig, Path(path))
-    plt.close(fig)
+    return _png(plt, fig)
