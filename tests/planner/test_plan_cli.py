@@ -63,3 +63,16 @@ def test_errors_name_the_problem(tmp_path, profile_csv):
                      "--deadline", "0.001")
     assert result.returncode == 1
     assert "relax the deadline" in result.stderr
+
+
+def test_flag_mistakes_are_caught_before_planning(tmp_path, profile_csv, capsys):
+    from perseus.cli.main import main
+
+    base = ["plan", "--profile", str(profile_csv), "--stages", "3", "--microbatches", "4"]
+    assert main(base) == 1
+    assert "pass --blocking-power W" in capsys.readouterr().err
+    assert main([*base, "--blocking-power", "70", "--frontier", str(tmp_path / "f.csv"), "--frontier-points", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert "--frontier-points must be at least 2" in err
+    assert out == ""  # no savings table printed before the failure
+    assert not (tmp_path / "f.csv").exists()
