@@ -4,6 +4,7 @@ the others to its pace (or clear it); without --factor or --clear, show each pip
 from __future__ import annotations
 
 import argparse
+import logging
 
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.server.client import PlannerClient
@@ -46,16 +47,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if (args.factor is not None or args.clear) and args.pipeline is None:
         raise ConfigError("say which pipeline with --pipeline K (its data-parallel index)")
+    if args.factor is not None and not 1.0 <= args.factor <= MAX_STRAGGLER_FACTOR:
+        raise ConfigError(f"--factor is the straggler's iteration time over its planned time, in [1, {MAX_STRAGGLER_FACTOR:g}]; got {args.factor:g}")
     security = CurveClient.from_dir(args.curve_keys, args.client) if args.curve_keys else None
-    with PlannerClient(args.address, timeout_s=args.timeout, security=security) as client:
-        if args.factor is not None or args.clear:
-            if not client.declare_straggler(args.job, args.pipeline, None if args.clear else args.factor):
-                raise ServiceError("unreachable", f"the planner service at {args.address} did not answer within {args.timeout:g} s; is it running?")
-            what = "cleared" if args.clear else f"declared {args.factor:g}x"
-            print(f"job {args.job}: pipeline {args.pipeline} {what}")
-        status = client.status(args.job)
+    unreachable = ServiceError("unreachable", f"the planner service at {args.address} did not answer within {args.timeout:g} s; is it running?")
+    # The client's own warning speaks to training ranks ("training continues"); here the error says it.
+    client_log = logging.getLogger(PlannerClient.__module__)
+    level = client_log.level
+    client_log.setLevel(logging.ERROR)
+    try:
+        with PlannerClient(args.address, timeout_s=args.timeout, security=security) as client:
+            if args.factor is not None or args.clear:
+                if not client.declare_straggler(args.job, args.pipeline, None if args.clear else args.factor):
+                    raise unreachable
+                what = "cleared" if args.clear else f"declared {args.factor:g}x"
+                print(f"job {args.job}: pipeline {args.pipeline} {what}")
+            status = client.status(args.job)
+    finally:
+        client_log.setLevel(level)
     if status is None:
-        raise ServiceError("unreachable", f"the planner service at {args.address} did not answer within {args.timeout:g} s; is it running?")
+        raise unreachable
     print(format_pipelines(status.jobs[0]))
     return 0
 
