@@ -127,7 +127,11 @@ class PlannerService:
             sock.bind(address)
         except zmq.ZMQError as e:
             sock.close()
-            raise ConfigError(f"cannot bind {self.address}: {e}; is another perseus serve running there? pick another --bind address") from None
+            if e.errno == zmq.EADDRINUSE:
+                hint = "is another perseus serve running there? pick another --bind address"
+            else:
+                hint = f"--bind takes a ZeroMQ endpoint on this machine, such as {DEFAULT_ADDRESS} or tcp://127.0.0.1:0 (a free port)"
+            raise ConfigError(f"cannot bind {self.address}: {zmq.strerror(e.errno)}; {hint}") from None
         self._socket = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if not is_local_endpoint(self.endpoint) and not self.security.authenticated:

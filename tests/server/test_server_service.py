@@ -208,3 +208,17 @@ def test_profile_upload_of_another_stage_is_refused(serve):
     wrong = Profile({(1, k): v for (_, k), v in stage_profile(0).points.items()}, 80.0)
     reply = request(served.endpoint, "upload_profile", job_id=spec.job_id(), rank=0, stage=0, profile=profile_to_wire(wrong))
     assert _error(reply) == "bad_field" and "stages [1]" in reply["error"]["message"]
+
+
+def test_bind_errors_say_what_to_change(serve, tmp_path):
+    from perseus.exceptions import ConfigError
+    from perseus.server.service import PlannerService
+
+    busy = serve()
+    for address, hint in ((busy.endpoint, "another perseus serve"), ("tcp://127.0.0.1:notaport", "--bind takes a ZeroMQ endpoint")):
+        service = PlannerService(address, str(tmp_path / "other"))
+        try:
+            with pytest.raises(ConfigError, match=hint):
+                service.bind()
+        finally:
+            service.close()
