@@ -78,9 +78,3 @@ class StragglerDetector:
         elif current is not None and factor < 1 + self.threshold / 2:
             self.current = None
         return self.current
-
-    def reset(self) -> None:
-        """Forget every value (the job restarted) and the current straggler."""
-        for values in self._values:
-            values.clear()
-        self.current = None
