@@ -27,13 +27,25 @@ COMMANDS = [
 ]
 
 
+EPILOG = """examples:
+  perseus info                                GPUs, clocks, power limits, permissions
+  perseus plan --profile gpt3.csv --blocking-power 83.64 --stages 8 --microbatches 96
+  perseus serve                               the planner service that instrumented training talks to
+  perseus demo                                end to end on a simulated 4-GPU pipeline
+
+`perseus COMMAND --help` shows a command's options and more examples.
+GPUs: real ones through NVML by default; PERSEUS_GPU=sim:a100-sxm:4 simulates four A100s.
+"""
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `command`, only that subcommand's module is imported (fast start-up:
     `perseus serve` should not pay for torch, which `perseus demo` imports)."""
     parser = argparse.ArgumentParser(
         prog="perseus",
         description="Measure and cut the energy of deep-learning training on GPUs.",
-        epilog="GPUs: real ones through NVML by default; PERSEUS_GPU=sim:a100-sxm:4 simulates four A100s.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = f"perseus.cli.{command}"

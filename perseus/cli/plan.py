@@ -11,9 +11,15 @@ from perseus.atomic import write_bytes_atomic, write_json_atomic, write_text_ato
 from perseus.exceptions import ConfigError, PlanError
 
 EPILOG = """examples:
-  perseus plan --profile gpt3.csv --blocking-power 83.64 --schedule 1f1b --stages 8 --microbatches 96
+  perseus plan --profile gpt3.csv --blocking-power 83.64 --stages 8 --microbatches 96
+                          no slowdown: what Perseus saves at the all-max-clock iteration time
   perseus plan --profile gpt3.csv --blocking-power 83.64 --stages 8 --microbatches 96 --max-slowdown 1.1 --out plan.json
+                          up to 10% slower (a straggler's pace), the plan written as JSON
   perseus plan --profile prof.json --stages 4 --microbatches 16 --frontier frontier.csv --plot plots/
+                          the whole time-energy frontier, with pictures (a JSON profile carries its blocking power)
+
+A CSV profile has the columns stage,instruction,frequency,time,energy: one row per stage,
+instruction kind (forward, backward, ...) and SM frequency (MHz), with seconds and joules.
 """
 
 
@@ -29,18 +35,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--profile", required=True, type=Path, help="time-energy profile (.csv or .json)")
-    parser.add_argument("--blocking-power", type=float, help="watts a GPU draws while waiting on a peer (required for CSV profiles)")
+    parser.add_argument("--profile", required=True, type=Path, metavar="FILE", help="time-energy profile (.csv or .json)")
+    parser.add_argument("--blocking-power", type=float, metavar="W", help="watts a GPU draws while waiting on a peer (required for CSV profiles)")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
-    parser.add_argument("--stages", type=int, required=True, help="number of pipeline stages (ranks)")
-    parser.add_argument("--microbatches", type=int, required=True, help="microbatches per iteration")
-    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved-1f1b)")
+    parser.add_argument("--stages", type=int, required=True, metavar="N", help="number of pipeline stages (ranks)")
+    parser.add_argument("--microbatches", type=int, required=True, metavar="M", help="microbatches per iteration")
+    parser.add_argument("--chunks", type=int, default=1, metavar="V", help="model chunks per rank (interleaved-1f1b; default 1)")
     limit = parser.add_mutually_exclusive_group()
-    limit.add_argument("--deadline", type=float, help="iteration time limit in seconds")
-    limit.add_argument("--max-slowdown", type=float, help="iteration time limit as a factor of the all-max-clock time, e.g. 1.1")
-    parser.add_argument("--out", type=Path, help="write the plan as JSON here")
-    parser.add_argument("--frontier", type=Path, help="write the time-energy frontier as CSV here")
-    parser.add_argument("--frontier-points", type=int, default=50, help="frontier points (default 50)")
+    limit.add_argument("--deadline", type=float, metavar="S", help="iteration time limit in seconds")
+    limit.add_argument("--max-slowdown", type=float, metavar="F", help="iteration time limit as a factor of the all-max-clock time, e.g. 1.1")
+    parser.add_argument("--out", type=Path, metavar="FILE", help="write the plan as JSON here")
+    parser.add_argument("--frontier", type=Path, metavar="FILE", help="write the time-energy frontier as CSV here")
+    parser.add_argument("--frontier-points", type=int, default=50, metavar="N", help="frontier points (default 50)")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write timeline.png and frontier.png into DIR (needs matplotlib)")
     parser.set_defaults(func=run)
 

@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--job", required=True, metavar="ID", help="the job id (perseus serve logs it; job-<hex>)")
     parser.add_argument("--pipeline", type=int, default=None, metavar="K", help="the straggling pipeline's data-parallel index")
     action = parser.add_mutually_exclusive_group()
-    action.add_argument("--factor", type=float, default=None, help=f"its iteration time over its planned time, in [1, {MAX_STRAGGLER_FACTOR:g}]")
+    action.add_argument("--factor", type=float, default=None, metavar="F", help=f"its iteration time over its planned time, in [1, {MAX_STRAGGLER_FACTOR:g}]")
     action.add_argument("--clear", action="store_true", help="withdraw the declaration (the others go back to their no-slowdown plans)")
     parser.add_argument("--address", default=DEFAULT_ADDRESS, metavar="ENDPOINT", help=f"the planner service (default {DEFAULT_ADDRESS})")
     parser.add_argument("--curve-keys", default=None, metavar="DIR", help="CURVE keys folder, for a service run with --curve-keys")
