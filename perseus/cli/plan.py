@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from perseus.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
@@ -64,9 +66,13 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.frontier_points < 2:
         raise ConfigError(f"--frontier-points must be at least 2 (the fastest and the least-energy plan), got {args.frontier_points}")
-    for path in (args.out, args.frontier):
+    for flag, path in (("--out", args.out), ("--frontier", args.frontier)):
+        if path is not None and path.is_dir():
+            raise ConfigError(f"{flag} {path} is a folder; give a file path, e.g. {path / ('plan.json' if flag == '--out' else 'frontier.csv')}")
         if path is not None and not path.parent.exists():
             raise ConfigError(f"folder {path.parent} does not exist; create it or choose another path for {path.name}")
+    if args.plot is not None and args.plot.exists() and not args.plot.is_dir():
+        raise ConfigError(f"--plot {args.plot} is a file; give a folder for timeline.png and frontier.png")
     if args.plot is not None:
         from perseus.planner.plot import pyplot
 
@@ -100,18 +106,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"(savings over an iteration of {pace:.6g} s: a plan that ends early waits for the slowest pipeline)")
 
     if args.out is not None:
-        write_json_atomic(args.out, plan.to_json())
+        with _writing("--out", args.out):
+            write_json_atomic(args.out, plan.to_json())
         print(f"plan written to {args.out}")
     frontier = None
     if args.frontier is not None or args.plot is not None:
         frontier = planner.frontier(args.frontier_points)
     if args.frontier is not None:
-        _write_frontier(frontier, args.frontier)
+        with _writing("--frontier", args.frontier):
+            _write_frontier(frontier, args.frontier)
         print(f"frontier ({len(frontier)} points) written to {args.frontier}")
     if args.plot is not None:
-        _plots(args.plot, planner, plan, frontier, rows)
+        with _writing("--plot", args.plot):
+            _plots(args.plot, planner, plan, frontier, rows)
         print(f"plots written to {args.plot / 'timeline.png'} and {args.plot / 'frontier.png'}")
     return 0
+
+
+@contextmanager
+def _writing(flag: str, path: Path) -> Iterator[None]:
+    """An OS error while writing an output is the user's to fix: say which flag, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise ConfigError(f"cannot write {flag} {path}: {e.strerror or e}; choose a writable path") from None
 
 
 def _at_pace(energy: float, time_s: float, pace: float, ev) -> float:

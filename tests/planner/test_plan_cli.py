@@ -76,3 +76,17 @@ def test_flag_mistakes_are_caught_before_planning(tmp_path, profile_csv, capsys)
     assert "--frontier-points must be at least 2" in err
     assert out == ""  # no savings table printed before the failure
     assert not (tmp_path / "f.csv").exists()
+
+
+def test_output_paths_that_cannot_be_written_are_errors_not_tracebacks(tmp_path, profile_csv, capsys):
+    from perseus.cli.main import main
+
+    base = ["plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "3", "--microbatches", "4"]
+    assert main([*base, "--out", str(tmp_path)]) == 1
+    assert f"--out {tmp_path} is a folder" in capsys.readouterr().err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main([*base, "--plot", str(a_file)]) == 1
+    assert "is a file; give a folder" in capsys.readouterr().err
+    assert main([*base, "--out", str(a_file / "plan.json")]) == 1  # its folder is a file: found when writing
+    assert f"cannot write --out {a_file / 'plan.json'}" in capsys.readouterr().err
