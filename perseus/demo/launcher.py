@@ -25,7 +25,7 @@ from typing import Any
 
 from perseus.atomic import write_json_atomic
 from perseus.demo.config import DemoConfig
-from perseus.demo.results import Iteration, load_iterations, median_iteration, phase_stats, split_phases
+from perseus.demo.results import Iteration, hop_latency, load_iterations, median_iteration, phase_stats, split_phases
 from perseus.demo.workload import default_time_scale
 from perseus.devices.sim import SimGPU, get_preset
 from perseus.exceptions import ConfigError, PerseusError
@@ -120,6 +120,13 @@ class ServiceProcess:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash: no shutdown, no last state write. Idempotent; `start` again resumes."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self.stop()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL if it does not exit in time. Idempotent."""
         proc, self._proc = self._proc, None
@@ -146,7 +153,12 @@ def start_job(ranks: int, config_path: str, sim_dir: str, log_path: str, max_res
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
         "--max-restarts", str(max_restarts), "-m", "perseus.demo.worker", config_path,
     ]
-    env = _child_env(PERSEUS_GPU=f"sim:{PRESET}:{ranks}", PERSEUS_SIM_DIR=sim_dir, OMP_NUM_THREADS="1")
+    env = _child_env(
+        PERSEUS_GPU=f"sim:{PRESET}:{ranks}", PERSEUS_SIM_DIR=sim_dir, OMP_NUM_THREADS="1",
+        # A restarted group must not share torchrun's rendezvous store: gloo would read the
+        # previous attempt's addresses from it and fail to connect (pytorch/pytorch#135712).
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     with open(log_path, "ab") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -238,6 +250,7 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             result = summarize(iterations, status)
         else:
             result = summarize_straggler(iterations, status, options, job_record(state_dir, job_id))
+        result["hop_latency_s"] = hop_latency(out_dir, world)
         result.update(
             ranks=world,
             stages=options.ranks,
@@ -285,6 +298,10 @@ def summarize(iterations: list[Iteration], status: Any, phases: dict[str, list[I
             "baseline_energy_j": status.predicted_baseline_energy_j,
             "plan_version": status.plan_version,
         }
+    # How far the measured baseline runs over the planner's model of it (a no-slowdown plan takes
+    # the max-clock time): pipeline hops and host scheduling the model does not include.
+    predicted_time = status.predicted_iteration_time_s if status is not None else None
+    result["model_time_gap"] = baseline.iteration_time_s / predicted_time - 1.0 if baseline and predicted_time else None
     last = phases["planned"][-1] if phases["planned"] else None
     result["plan_frequencies"] = list(last.plans) if last is not None else None
     result["plan_applied"] = plan_applied(phases["planned"])
@@ -429,6 +446,9 @@ def format_report(result: dict) -> str:
         lines.append("energy saving: not measured (a phase has no measured iterations)")
     if result.get("iteration_time_change") is not None:
         lines.append(f"iteration time: {result['iteration_time_change']:+.1%} planned against baseline")
+    if result.get("model_time_gap") is not None:
+        hop = f"; one gloo hop between stages takes {result['hop_latency_s'] * 1e3:.2f} ms" if result.get("hop_latency_s") else ""
+        lines.append(f"baseline against the planner's model: {result['model_time_gap']:+.1%} (hops and host scheduling{hop})")
     if result.get("plan_applied") is not None:
         lines.append(f"planned clocks applied on time: {result['plan_applied']:.0%} of instructions")
     if not result.get("profiled"):

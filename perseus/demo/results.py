@@ -95,6 +95,21 @@ def load_iterations(out_dir: str, world_size: int) -> list[Iteration]:
     return iterations
 
 
+def hop_latency(out_dir: str, world_size: int) -> float | None:
+    """The median over ranks of the measured one-way latency to the next stage (see
+    perseus.demo.worker.hop_latency), or None if no rank measured one."""
+    values = []
+    for rank in range(world_size):
+        try:
+            with open(os.path.join(out_dir, f"rank{rank}.json"), encoding="utf-8") as f:
+                value = json.load(f).get("hop_latency_s")
+        except (OSError, ValueError):
+            continue
+        if value is not None:
+            values.append(value)
+    return statistics.median(values) if values else None
+
+
 def split_phases(iterations: list[Iteration], straggler_ranks: list[int] | None = None) -> dict[str, list[Iteration]]:
     """The measured iterations of each phase.
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
+import time
 from dataclasses import asdict
 
 import torch
@@ -25,6 +27,8 @@ from perseus.demo.workload import stage_works
 from perseus.devices import get_gpus
 from perseus.exceptions import ConfigError
 
+#: Ping-pong round trips per pair of adjacent stages when measuring the hop latency.
+HOP_ROUNDS = 20
 #: Iterations at default clocks after profiling (no plan: the service failed to plan) before the demo stops.
 UNPLANNED_AFTER_PROFILING = 3
 
@@ -54,6 +58,7 @@ def run_rank(config: DemoConfig) -> None:
         )
         schedule = Schedule1F1B(stage, config.num_microbatches, loss_fn=lm_loss)
         trainer = _Trainer(config, rank, stage_index, pipeline, schedule, model, emulator, replica_group)
+        trainer.hop_latency_s = hop_latency(config, stage_index, rank)
         trainer.run(config.baseline_iterations)  # the baseline: no Perseus, maximum clocks
         if config.server is not None:
             from perseus.server.client import PlannerClient
@@ -81,6 +86,32 @@ def _groups(config: DemoConfig, stage: int, pipeline: int):
     pipelines = [dist.new_group([k * pp + s for s in range(pp)]) for k in range(config.dp)]
     replicas = [dist.new_group([k * pp + s for k in range(config.dp)]) for s in range(pp)]
     return pipelines[pipeline], replicas[stage]
+
+
+def hop_latency(config: DemoConfig, stage: int, rank: int) -> float | None:
+    """The median one-way time (s) of sending one microbatch's activations to the next stage
+    over gloo, by ping-pong with it (the planner's model has no such cost); None on the last
+    stage. Adjacent stage pairs take turns, in every pipeline at once."""
+    x = torch.zeros(config.microbatch_size, config.model.seq_len, config.model.d_model)
+    latency = None
+    for first in (stage - 1, stage):  # the pair with the previous stage, then with the next
+        if not 0 <= first < config.num_stages - 1:
+            continue
+        sender = first == stage
+        peer = rank + 1 if sender else rank - 1
+        times = []
+        for _ in range(HOP_ROUNDS):
+            began = time.perf_counter()
+            if sender:
+                dist.send(x, peer)
+                dist.recv(x, peer)
+                times.append((time.perf_counter() - began) / 2)
+            else:
+                dist.recv(x, peer)
+                dist.send(x, peer)
+        if sender:
+            latency = statistics.median(times)
+    return latency
 
 
 def _instrument(stage, schedule, gpu, client, config: DemoConfig, rank: int, pipeline: int) -> None:
@@ -116,6 +147,7 @@ class _Trainer:
         self.path = os.path.join(config.out_dir, f"rank{rank}.json")
         self.records: list[dict] = []
         self.job_id: str | None = None
+        self.hop_latency_s: float | None = None
 
     def run(self, max_iterations: int, perseus_rank=None, client=None) -> None:
         """Train `max_iterations`, or with Perseus until `planned_iterations` iterations (after
@@ -195,7 +227,9 @@ class _Trainer:
     def save(self) -> None:
         doc = {
             "rank": self.rank, "stage": self.stage, "pipeline": self.pipeline, "pid": os.getpid(),
-            "world_size": self.config.world_size, "job_id": self.job_id, "iterations": self.records,
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # torchrun's group restarts
+            "world_size": self.config.world_size, "job_id": self.job_id, "hop_latency_s": self.hop_latency_s,
+            "iterations": self.records,
         }
         write_json_atomic(self.path, doc, indent=None, fsync=False)  # a progress record, rewritten every iteration
 
