@@ -8,7 +8,7 @@ import logging
 
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.server.client import PlannerClient
-from perseus.server.protocol import DEFAULT_ADDRESS, MAX_STRAGGLER_FACTOR, JobStatus
+from perseus.server.protocol import DEFAULT_ADDRESS, MAX_STRAGGLER_FACTOR, ErrorCode, JobStatus
 from perseus.server.security import DEFAULT_CLIENT, CurveClient
 
 EPILOG = f"""examples:
@@ -51,10 +51,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--factor is the straggler's iteration time over its planned time, in [1, {MAX_STRAGGLER_FACTOR:g}]; got {args.factor:g}")
     security = CurveClient.from_dir(args.curve_keys, args.client) if args.curve_keys else None
     unreachable = ServiceError("unreachable", f"the planner service at {args.address} did not answer within {args.timeout:g} s; is it running?")
-    # The client's own warning speaks to training ranks ("training continues"); here the error says it.
+    # The client logs for training ranks ("training continues ..."); here every failure is raised
+    # and reported once, as this command's error.
     client_log = logging.getLogger(PlannerClient.__module__)
     level = client_log.level
-    client_log.setLevel(logging.ERROR)
+    client_log.setLevel(logging.CRITICAL)
     try:
         with PlannerClient(args.address, timeout_s=args.timeout, security=security) as client:
             if args.factor is not None or args.clear:
@@ -63,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
                 what = "cleared" if args.clear else f"declared {args.factor:g}x"
                 print(f"job {args.job}: pipeline {args.pipeline} {what}")
             status = client.status(args.job)
+    except ServiceError as e:
+        if e.code == ErrorCode.UNKNOWN_JOB.value:
+            raise ServiceError(e.code, f"no job {args.job} on the service at {args.address}; check --job (perseus serve logs each job's id)") from None
+        raise
     finally:
         client_log.setLevel(level)
     if status is None:

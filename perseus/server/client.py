@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 MAX_QUEUED_REPORTS = 4096
 _RETRY_CODES = (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_RANK.value)
+_RANK_REQUESTS = (RegisterRank, GetTable, UploadProfile, ReportIteration)  # retried on _RETRY_CODES
 
 
 @dataclass(frozen=True)
@@ -520,9 +521,10 @@ class _Connection:
     def _on_reply(self, out: _Out, reply: Message | ServiceError) -> None:
         c = self.c
         message = out.message
-        if isinstance(reply, ServiceError) and reply.code in _RETRY_CODES and not isinstance(message, (GetStatus, RegisterJob)):
+        if isinstance(reply, ServiceError) and reply.code in _RETRY_CODES and isinstance(message, _RANK_REQUESTS):
             # The service does not know the job or rank (restarted without its state, or rank 0
-            # has not registered yet): register again and retry, at the poll rate.
+            # has not registered yet): register again and retry, at the poll rate. Other requests
+            # (an operator's status or straggler declaration) get the error.
             self.rank_registered = False
             self.register_due = self.register_due or time.monotonic() + c.poll_interval_s
             if isinstance(message, UploadProfile):

@@ -108,3 +108,15 @@ def test_straggler_cli_errors_name_the_flag_or_the_service(tmp_path, capsys, cap
     assert "did not answer within 0.3 s; is it running?" in capsys.readouterr().err
     # The client's warning to training ranks ("training continues ...") is not shown to an operator.
     assert not [r for r in caplog.records if r.name == "perseus.server.client" and r.levelno < 40]
+
+
+def test_straggler_cli_on_an_unknown_job_says_so(serve, capsys):
+    """The service's unknown_job reply to a declaration used to be taken for a lost request
+    (retried as if from a rank), so the command reported the service as unreachable."""
+    served = serve()
+    job = ["straggler", "--job", "job-1a2b3c4d5e6f7a8b", "--address", served.endpoint, "--timeout", "2"]
+    for extra in ([], ["--pipeline", "1", "--factor", "1.2"]):
+        assert main([*job, *extra]) == 1
+        err = capsys.readouterr().err
+        assert "[unknown_job] no job job-1a2b3c4d5e6f7a8b" in err and "check --job" in err and "did not answer" not in err
+        assert err.count("\n") == 1  # one error line, no client log besides
