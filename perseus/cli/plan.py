@@ -43,6 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--stages", type=int, required=True, metavar="N", help="number of pipeline stages (ranks)")
     parser.add_argument("--microbatches", type=int, required=True, metavar="M", help="microbatches per iteration")
     parser.add_argument("--chunks", type=int, default=1, metavar="V", help="model chunks per rank (interleaved-1f1b; default 1)")
+    parser.add_argument(
+        "--split-backward", type=float, metavar="F",
+        help="zb-h1 with a profile of whole backwards: derive input- and weight-gradient rows, F of each backward's "
+        "time and energy to the input part (e.g. 0.5)",
+    )
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--deadline", type=float, metavar="S", help="iteration time limit in seconds")
     limit.add_argument("--max-slowdown", type=float, metavar="F", help="iteration time limit as a factor of the all-max-clock time, e.g. 1.1")
@@ -58,12 +63,15 @@ def run(args: argparse.Namespace) -> int:
     from perseus.planner.baselines import envpipe_plan, max_frequency_plan, uniform_plan
     from perseus.profiler import load_profile
     from perseus.schedules import build_schedule
+    from perseus.schedules.instruction import Kind
 
     if args.blocking_power is None and args.profile.suffix.lower() == ".csv":
         raise ConfigError(
             f"{args.profile}: a CSV profile carries no blocking power; pass --blocking-power W "
             "(watts a GPU draws while waiting on a peer, e.g. 83.64 for A100-SXM, 70.38 for A40)"
         )
+    if args.split_backward is not None and not 0.0 < args.split_backward < 1.0:
+        raise ConfigError(f"--split-backward is the input part's share of each backward, strictly between 0 and 1; got {args.split_backward:g}")
     if args.frontier_points < 2:
         raise ConfigError(f"--frontier-points must be at least 2 (the fastest and the least-energy plan), got {args.frontier_points}")
     for flag, path in (("--out", args.out), ("--frontier", args.frontier)):
@@ -79,6 +87,15 @@ def run(args: argparse.Namespace) -> int:
         pyplot()  # fail before planning if matplotlib is missing
     profile = load_profile(args.profile, args.blocking_power)
     schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
+    if args.split_backward is not None:
+        profile = profile.with_split_backward(args.split_backward)
+    elif Kind.BACKWARD_INPUT in {ins.kind for row in schedule.stages for ins in row} and not any(
+        Kind.BACKWARD_INPUT.value in profile.kinds(stage) for stage in profile.stages()
+    ):
+        raise ConfigError(
+            f"{schedule.name} splits each backward into input- and weight-gradient parts, which {args.profile} does not "
+            "profile apart; pass --split-backward F to give F of each backward to the input part (e.g. 0.5)"
+        )
     planner = Planner(schedule, profile)
     plan = planner.plan(deadline=args.deadline, max_slowdown=args.max_slowdown)
 

@@ -90,3 +90,19 @@ def test_output_paths_that_cannot_be_written_are_errors_not_tracebacks(tmp_path,
     assert "is a file; give a folder" in capsys.readouterr().err
     assert main([*base, "--out", str(a_file / "plan.json")]) == 1  # its folder is a file: found when writing
     assert f"cannot write --out {a_file / 'plan.json'}" in capsys.readouterr().err
+
+
+def test_zero_bubble_from_a_profile_of_whole_backwards_needs_split_backward(tmp_path, capsys):
+    from perseus.cli.main import main
+    from perseus.profiler.profile import Profile
+
+    whole = random_profile(4, 2, 4, power_w=70.0)
+    path = tmp_path / "whole.csv"
+    save_profile(Profile({k: v for k, v in whole.points.items() if k[1] in ("forward", "backward")}, 70.0), path)
+    base = ["plan", "--profile", str(path), "--blocking-power", "70", "--schedule", "zb-h1", "--stages", "2", "--microbatches", "4"]
+    assert main(base) == 1
+    assert "pass --split-backward F" in capsys.readouterr().err
+    assert main([*base, "--split-backward", "1.5"]) == 1
+    assert "--split-backward is the input part's share" in capsys.readouterr().err
+    assert main([*base, "--split-backward", "0.5"]) == 0
+    assert "Perseus is within" in capsys.readouterr().out
