@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 
+from perseus.exceptions import ConfigError
 from perseus.server.protocol import DEFAULT_ADDRESS
 from perseus.server.security import PLAINTEXT, CurveServer
 from perseus.server.service import PlannerService
@@ -52,6 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.log_every < 1:
+        raise ConfigError(f"--log-every must be 1 or more (log every N-th planned iteration), got {args.log_every}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     security = CurveServer(args.curve_keys) if args.curve_keys else PLAINTEXT
     service = PlannerService(args.bind, args.state_dir, security=security, insecure=args.insecure, log_every=args.log_every)

@@ -47,6 +47,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if (args.factor is not None or args.clear) and args.pipeline is None:
         raise ConfigError("say which pipeline with --pipeline K (its data-parallel index)")
+    if args.pipeline is not None and args.pipeline < 0:
+        raise ConfigError(f"--pipeline is a data-parallel index, 0 or more; got {args.pipeline}")
+    if not 0 < args.timeout <= 3600:
+        raise ConfigError(f"--timeout is in seconds, more than 0 and at most 3600; got {args.timeout:g}")
     if args.factor is not None and not 1.0 <= args.factor <= MAX_STRAGGLER_FACTOR:
         raise ConfigError(f"--factor is the straggler's iteration time over its planned time, in [1, {MAX_STRAGGLER_FACTOR:g}]; got {args.factor:g}")
     security = CurveClient.from_dir(args.curve_keys, args.client) if args.curve_keys else None

@@ -100,10 +100,16 @@ def test_declared_and_detected_stragglers_replan_the_other_pipeline(serve, capsy
             c.close()
 
 
-def test_straggler_cli_errors_name_the_flag_or_the_service(tmp_path, capsys, caplog):
+def test_straggler_and_serve_flag_errors_name_the_flag_or_the_service(tmp_path, capsys, caplog):
     job = ["straggler", "--job", "job-1a2b3c4d5e6f7a8b", "--address", f"ipc://{tmp_path}/absent", "--timeout", "0.3"]
     assert main([*job, "--pipeline", "1", "--factor", "0.5"]) == 1
     assert "--factor is the straggler's iteration time over its planned time, in [1, 10]" in capsys.readouterr().err
+    assert main([*job, "--pipeline", "-1", "--factor", "1.2"]) == 1
+    assert "--pipeline is a data-parallel index" in capsys.readouterr().err
+    assert main([*job, "--timeout", "0"]) == 1
+    assert "--timeout is in seconds" in capsys.readouterr().err
+    assert main(["serve", "--log-every", "0"]) == 1
+    assert "--log-every must be 1 or more" in capsys.readouterr().err
     assert main(job) == 1
     assert "did not answer within 0.3 s; is it running?" in capsys.readouterr().err
     # The client's warning to training ranks ("training continues ...") is not shown to an operator.
