@@ -8,7 +8,7 @@ import logging
 
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.server.client import PlannerClient
-from perseus.server.protocol import DEFAULT_ADDRESS, MAX_STRAGGLER_FACTOR, ErrorCode, JobStatus
+from perseus.server.protocol import DEFAULT_ADDRESS, MAX_STRAGGLER_FACTOR, ErrorCode, GetStatus, JobStatus
 from perseus.server.security import DEFAULT_CLIENT, CurveClient
 
 EPILOG = f"""examples:
@@ -47,6 +47,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if (args.factor is not None or args.clear) and args.pipeline is None:
         raise ConfigError("say which pipeline with --pipeline K (its data-parallel index)")
+    try:
+        GetStatus(args.job)  # the protocol's own check of a job id
+    except ConfigError:
+        raise ConfigError(f"--job takes a job id as perseus serve logs it (job-<hex>), got {args.job!r}") from None
     if args.pipeline is not None and args.pipeline < 0:
         raise ConfigError(f"--pipeline is a data-parallel index, 0 or more; got {args.pipeline}")
     if not 0 < args.timeout <= 3600:

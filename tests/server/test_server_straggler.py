@@ -106,6 +106,8 @@ def test_straggler_and_serve_flag_errors_name_the_flag_or_the_service(tmp_path, 
     assert "--factor is the straggler's iteration time over its planned time, in [1, 10]" in capsys.readouterr().err
     assert main([*job, "--pipeline", "-1", "--factor", "1.2"]) == 1
     assert "--pipeline is a data-parallel index" in capsys.readouterr().err
+    assert main(["straggler", "--job", "nope"]) == 1
+    assert "--job takes a job id as perseus serve logs it (job-<hex>), got 'nope'" in capsys.readouterr().err
     assert main([*job, "--timeout", "0"]) == 1
     assert "--timeout is in seconds" in capsys.readouterr().err
     assert main(["serve", "--log-every", "0"]) == 1
