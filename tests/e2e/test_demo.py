@@ -2,7 +2,8 @@
 
 Slow by nature (each torchrun start imports torch in every rank): the module runs two
 short jobs on 2 ranks with GPU work scaled down (about 0.15 s per iteration) and a coarse
-profiling sweep, and shares the first job's state directory with the later ones.
+profiling sweep; the second shares the first job's state directory. A third runs two pipelines,
+one a straggler. (A rank killed with SIGKILL: see test_chaos.py.)
 """
 
 from __future__ import annotations
@@ -164,3 +165,21 @@ def test_restarted_service_resumes_without_profiling_and_training_survives_its_s
     assert planned and all(list(it.plans) == demo["plan_frequencies"] for it in planned)  # the stored plan
     assert plan_applied(planned) >= 0.8
     assert sim_gpus_at_default(RANKS, job.sim_dir)
+
+
+def test_straggler_pipeline_is_detected_and_the_other_saves_more_at_its_pace():
+    # 2 pipelines x 2 stages, the second on GPUs 20% slower (about 27 s: profiling, the intrinsic
+    # plan, detection over 5+ iterations, the straggler-aware re-plan).
+    result = run_demo(DemoOptions(**{**OPTIONS.__dict__, "dp": 2, "straggler": 1.2}))
+    assert result["straggler"]["source"] == "detected"  # from the ranks' compute times, nothing declared
+    assert result["straggler"]["factor"] == pytest.approx(1.2, abs=0.05)
+    fast, slow = result["pipelines"]
+    assert slow["straggler"] and not fast["straggler"]
+    assert slow["baseline"]["compute_time_s"] > 1.1 * fast["baseline"]["compute_time_s"]
+    # The fast pipeline saves far more at the straggler's pace than with its intrinsic plan.
+    assert fast["measured_saving"] > fast["measured_intrinsic_saving"] + 0.1
+    assert fast["predicted_saving"] > fast["predicted_intrinsic_saving"] + 0.1
+    assert fast["measured_saving"] > 0.7 * fast["predicted_saving"]
+    assert abs(result["iteration_time_change"]) < 0.2  # the straggler sets the pace throughout
+    assert result["clocks_reset"] is True  # clocks and the straggler's throttle undone
+    assert "straggler-aware plan" in format_report(result)
