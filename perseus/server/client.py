@@ -54,7 +54,7 @@ from perseus.server.security import Security, security_from_env
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_REPORTS = 4096
-_RETRY_CODES = (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_RANK.value)
+_RETRY_CODES = (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_RANK.value, ErrorCode.NOT_READY.value)
 _RANK_REQUESTS = (RegisterRank, GetTable, UploadProfile, ReportIteration)  # retried on _RETRY_CODES
 
 

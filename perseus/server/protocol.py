@@ -58,6 +58,7 @@ class ErrorCode(_Name):
     UNKNOWN_JOB = "unknown_job"
     UNKNOWN_RANK = "unknown_rank"
     UNKNOWN_TYPE = "unknown_type"
+    NOT_READY = "not_ready"  # the job's schedule is still being built: retry shortly
     INTERNAL = "internal"
 
 

@@ -96,7 +96,6 @@ class PlannerService:
         self._to_build: queue.SimpleQueue[JobSpec] = queue.SimpleQueue()
         self._built: queue.SimpleQueue[tuple[JobSpec, Any, float]] = queue.SimpleQueue()
         self._builder: threading.Thread | None = None
-        self._early_uploads: dict[str, dict[int, UploadProfile]] = {}  # job -> rank -> upload before its schedule
         self._stop = threading.Event()
         self._context = zmq.Context()
         self._socket: zmq.Socket | None = None
@@ -285,10 +284,11 @@ class PlannerService:
 
     def _upload_profile(self, msg: UploadProfile) -> Ack:
         job = self._job(msg.job_id)
-        if job.schedule is None and not job.error:  # checked against the schedule once it is built
+        if job.schedule is None and not job.error:
+            # Not acknowledged: a profile is only taken once it can be checked and saved, so a
+            # crash while the schedule builds never loses one the rank believes delivered.
             job.rank(msg.rank)
-            self._early_uploads.setdefault(job.job_id, {})[msg.rank] = msg
-            return Ack(job.phase.value)
+            raise ServiceError(ErrorCode.NOT_READY.value, f"job {job.job_id}'s schedule is still being built; the client retries")
         name = job.add_profile(msg.rank, msg.stage, msg.profile)
         if name is not None:
             self.state.save_stage_profile(job.job_id, name, msg.profile)
@@ -352,7 +352,6 @@ class PlannerService:
             except queue.Empty:
                 return
             job = self.jobs[spec.job_id()]
-            early = self._early_uploads.pop(job.job_id, {})
             if isinstance(result, BaseException):
                 reason = str(result) if isinstance(result, PerseusError) else f"internal error ({type(result).__name__}: {result})"
                 job.fail(f"invalid job: {reason}")
@@ -360,12 +359,6 @@ class PlannerService:
             else:
                 job.set_schedule(result)
                 log.info("job %s: schedule built in %.2f s (%d instructions)", job.job_id, seconds, sum(len(r) for r in result.stages))
-                for msg in early.values():
-                    try:
-                        self._upload_profile(msg)
-                    except PerseusError as e:
-                        log.error("job %s: rank %d's profile of stage %d, uploaded before the schedule was built, refused: %s",
-                                  job.job_id, msg.rank, msg.stage, e)
             self._plan(job)
 
     # ---- planning ------------------------------------------------------------------------------

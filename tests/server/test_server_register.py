@@ -9,8 +9,11 @@ import logging
 import threading
 import time
 
+import pytest
+
 from server_helpers import job_spec, rank_info, stage_profile, wait_until
 
+from perseus.exceptions import ServiceError
 from perseus.profiler.profile import Profile, ProfilePoint, load_profile
 from perseus.schedules import build_schedule
 from perseus.server.client import PlannerClient
@@ -108,7 +111,9 @@ def test_an_invalid_order_fails_the_job_and_every_rank_hears_why(serve, caplog):
     assert any("appears more than once" in r.getMessage() and "maximum clocks" in r.getMessage() for r in caplog.records)
 
 
-def test_profiles_uploaded_before_the_schedule_is_built_are_checked_once_it_is(tmp_path, caplog):
+def test_profiles_uploaded_before_the_schedule_is_built_are_refused_until_it_is(tmp_path):
+    # An acknowledged profile must be a saved one: before the schedule exists nothing can be
+    # checked or saved, so the upload gets `not_ready` (the client retries), never an ack.
     service = PlannerService("tcp://127.0.0.1:0", str(tmp_path))  # handlers only: this test runs the loop's steps
     service._builder = threading.Thread(target=service._build_worker, daemon=True)  # started below, after the uploads
     spec = job_spec()
@@ -117,15 +122,15 @@ def test_profiles_uploaded_before_the_schedule_is_built_are_checked_once_it_is(t
     service._planning.add(job.job_id)  # keep the planner thread out of this test
     for r in (0, 1):
         service._register_rank(RegisterRank(job.job_id, rank_info(r)))
-    lacking = Profile({(1, "forward"): stage_profile(1).points[(1, "forward")]}, 80.0)  # no backward rows
-    with caplog.at_level(logging.ERROR):
-        for r, profile in ((0, stage_profile(0)), (1, lacking)):
-            assert service._upload_profile(UploadProfile(job.job_id, r, r, profile)).phase == "profiling"
-        assert job.schedule is None and job.profiled_stages == ()  # held until the schedule is built
-        service._builder.start()
-        wait_until(lambda: service._finish_builds() or job.schedule is not None)
+    with pytest.raises(ServiceError) as refused:
+        service._upload_profile(UploadProfile(job.job_id, 0, 0, stage_profile(0)))
+    assert refused.value.code == "not_ready"
+    assert job.schedule is None and job.profiled_stages == ()
+    service._builder.start()
+    wait_until(lambda: service._finish_builds() or job.schedule is not None)
+    assert service._upload_profile(UploadProfile(job.job_id, 0, 0, stage_profile(0))).phase == "profiling"
     assert job.profiled_stages == (0,) and not job.error
-    assert any("rank 1's profile of stage 1" in r.getMessage() and "backward" in r.getMessage() for r in caplog.records)
+    assert list((tmp_path / "jobs" / job.job_id).glob("stage-*.json"))  # saved before the ack
     service.close()
 
 
