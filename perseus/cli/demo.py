@@ -41,12 +41,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the last pipeline's simulated GPUs take F times longer (e.g. 1.2; needs --dp 2 or more)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per iteration (default 8)")
     parser.add_argument("--iterations", type=int, default=4, help="measured baseline and planned iterations (default 4)")
-    parser.add_argument("--sweep-step", type=int, default=4, metavar="N", help="profile every N-th supported clock (default 4)")
+    parser.add_argument("--sweep-step", type=int, default=5, metavar="N", help="profile every N-th supported clock (default 5)")
     parser.add_argument("--state-dir", metavar="DIR", default=None, help="planner state directory (default: a temporary one)")
     parser.add_argument("--port", type=int, default=None, help="planner service port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
     parser.add_argument("--time-scale", type=float, default=None,
-                        help="GPU work time scale (default: about 1 s per iteration at maximum clocks)")
+                        help="GPU work time scale (default: about 1.5 s per iteration at maximum clocks)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, per-rank records) and print its path")
     parser.set_defaults(func=run)
 

@@ -95,14 +95,52 @@ def load_iterations(out_dir: str, world_size: int) -> list[Iteration]:
     return iterations
 
 
-def hop_latency(out_dir: str, world_size: int) -> float | None:
-    """The median over ranks of the measured one-way latency to the next stage (see
-    perseus.demo.worker.hop_latency), or None if no rank measured one."""
+def pipeline_hops(iterations: list[Iteration]) -> list[float]:
+    """Every measured pipeline hop that nothing else delayed: from the end of a stage's forward
+    (backward) GPU work to the start of the next (previous) stage's work on the same microbatch,
+    where the receiving stage sat idle waiting for it. It holds what the planner's model leaves
+    out between dependent instructions: the send, the receive, and both ranks' host work."""
+    hops = []
+    for it in iterations:
+        for sender, receiver, kind in [(s, s + 1, "forward") for s in range(len(it.spans) - 1)] + [
+            (s + 1, s, "backward") for s in range(len(it.spans) - 1)
+        ]:
+            sent = {x["microbatch"]: x for x in it.spans[sender] if x["kind"] == kind}
+            row = it.spans[receiver]
+            for i, x in enumerate(row):
+                before = sent.get(x["microbatch"])
+                if x["kind"] == kind and before is not None and (i == 0 or row[i - 1]["end"] <= before["end"]):
+                    hops.append(x["start"] - before["end"])
+    return hops
+
+
+def instruction_gaps(iterations: list[Iteration]) -> list[float]:
+    """Every gap between consecutive instructions on a stage where the next one waited for no
+    other stage (its input was in before the previous one ended): host work -- sends, receives,
+    the loss, the schedule's bookkeeping -- that the planner's model also leaves out."""
+    gaps = []
+    for it in iterations:
+        last = len(it.spans) - 1
+        ends = [{(x["kind"], x["microbatch"]): x["end"] for x in row} for row in it.spans]
+        for s, row in enumerate(it.spans):
+            for prev, x in zip(row, row[1:]):
+                source = s - 1 if x["kind"] == "forward" else s + 1  # the stage its input comes from
+                if 0 <= source <= last:
+                    ready = ends[source].get((x["kind"], x["microbatch"]))
+                    if ready is None or ready > prev["end"]:
+                        continue
+                gaps.append(x["start"] - prev["end"])
+    return gaps
+
+
+def gloo_latency(out_dir: str, world_size: int) -> float | None:
+    """The median over ranks of the measured one-way gloo latency to the next stage (see
+    perseus.demo.worker.gloo_latency), or None if no rank measured one."""
     values = []
     for rank in range(world_size):
         try:
             with open(os.path.join(out_dir, f"rank{rank}.json"), encoding="utf-8") as f:
-                value = json.load(f).get("hop_latency_s")
+                value = json.load(f).get("gloo_latency_s")
         except (OSError, ValueError):
             continue
         if value is not None:

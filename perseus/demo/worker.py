@@ -27,7 +27,7 @@ from perseus.demo.workload import stage_works
 from perseus.devices import get_gpus
 from perseus.exceptions import ConfigError
 
-#: Ping-pong round trips per pair of adjacent stages when measuring the hop latency.
+#: Ping-pong round trips per pair of adjacent stages when measuring gloo's latency.
 HOP_ROUNDS = 20
 #: Iterations at default clocks after profiling (no plan: the service failed to plan) before the demo stops.
 UNPLANNED_AFTER_PROFILING = 3
@@ -58,7 +58,7 @@ def run_rank(config: DemoConfig) -> None:
         )
         schedule = Schedule1F1B(stage, config.num_microbatches, loss_fn=lm_loss)
         trainer = _Trainer(config, rank, stage_index, pipeline, schedule, model, emulator, replica_group)
-        trainer.hop_latency_s = hop_latency(config, stage_index, rank)
+        trainer.gloo_latency_s = gloo_latency(config, stage_index, rank)
         trainer.run(config.baseline_iterations)  # the baseline: no Perseus, maximum clocks
         if config.server is not None:
             from perseus.server.client import PlannerClient
@@ -88,7 +88,7 @@ def _groups(config: DemoConfig, stage: int, pipeline: int):
     return pipelines[pipeline], replicas[stage]
 
 
-def hop_latency(config: DemoConfig, stage: int, rank: int) -> float | None:
+def gloo_latency(config: DemoConfig, stage: int, rank: int) -> float | None:
     """The median one-way time (s) of sending one microbatch's activations to the next stage
     over gloo, by ping-pong with it (the planner's model has no such cost); None on the last
     stage. Adjacent stage pairs take turns, in every pipeline at once."""
@@ -147,7 +147,7 @@ class _Trainer:
         self.path = os.path.join(config.out_dir, f"rank{rank}.json")
         self.records: list[dict] = []
         self.job_id: str | None = None
-        self.hop_latency_s: float | None = None
+        self.gloo_latency_s: float | None = None
 
     def run(self, max_iterations: int, perseus_rank=None, client=None) -> None:
         """Train `max_iterations`, or with Perseus until `planned_iterations` iterations (after
@@ -228,7 +228,7 @@ class _Trainer:
         doc = {
             "rank": self.rank, "stage": self.stage, "pipeline": self.pipeline, "pid": os.getpid(),
             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # torchrun's group restarts
-            "world_size": self.config.world_size, "job_id": self.job_id, "hop_latency_s": self.hop_latency_s,
+            "world_size": self.config.world_size, "job_id": self.job_id, "gloo_latency_s": self.gloo_latency_s,
             "iterations": self.records,
         }
         write_json_atomic(self.path, doc, indent=None, fsync=False)  # a progress record, rewritten every iteration

@@ -27,10 +27,10 @@ def test_stage_works_merge_the_measured_stages_and_keep_the_last_heaviest():
     assert fwd[3] == pytest.approx(GPT3_A100_STAGES[6][0] + GPT3_A100_STAGES[7][0])
     assert fwd[3] > fwd[0] and bwd[3] > bwd[0]
     assert sum(fwd) == pytest.approx(sum(s[0] for s in GPT3_A100_STAGES))
-    # 1F1B, 4 stages x 8 microbatches: about a second at the default scale.
+    # 1F1B, 4 stages x 8 microbatches: about 1.5 s at the default scale.
     scaled = stage_works(4)
     critical = (8 + 3) * (scaled[3][Kind.FORWARD].time_s + scaled[3][Kind.BACKWARD].time_s)
-    assert 0.8 < critical < 1.2
+    assert 1.3 < critical < 1.7
     with pytest.raises(ConfigError, match="1 to 8 pipeline stages"):
         stage_works(9)
     with pytest.raises(ConfigError, match="time scale"):
@@ -179,9 +179,9 @@ def test_straggler_phases_split_intrinsic_from_straggler_aware_and_predict_at_it
     assert predict_at_pace(None, 2, 1) == {}
 
 
-def test_default_time_scale_keeps_about_a_second_per_iteration():
+def test_default_time_scale_keeps_the_default_iteration_time_for_any_shape():
     assert default_time_scale(4, 8) == pytest.approx(DEFAULT_TIME_SCALE)
     for stages, microbatches in ((2, 8), (8, 16)):
         works = stage_works(stages, default_time_scale(stages, microbatches))
         slowest = max(w[Kind.FORWARD].time_s + w[Kind.BACKWARD].time_s for w in works)
-        assert 0.9 < (microbatches + stages - 1) * slowest < 1.1
+        assert 1.35 < (microbatches + stages - 1) * slowest < 1.65
