@@ -1,11 +1,12 @@
-"""`perseus demo`: a planner service, a 4-rank torchrun pipeline job on simulated A100s, and
-what Perseus saved, measured.
+"""`perseus demo`: a planner service, a torchrun pipeline job on simulated A100s (4 ranks, or
+several data-parallel pipelines, one of them a straggler), and what Perseus saved, measured.
 
-The launcher starts `perseus serve` on a free loopback port, then torchrun with one
-`perseus.demo.worker` per rank (gloo on CPU, every rank on its own simulated GPU whose state
-lives in a private folder), follows rank 0's progress, and afterwards joins the ranks'
-measurements, reads the plan from the service's state directory and checks that every
-simulated GPU is back at its default clocks.
+The launcher starts `perseus serve` on a free loopback port, throttles the straggler's
+simulated GPUs if asked, then torchrun with one `perseus.demo.worker` per rank (gloo on CPU,
+every rank on its own simulated GPU whose state lives in a private folder), follows rank 0's
+progress, and afterwards joins the ranks' measurements, takes the prediction from the service
+(its status, and with a straggler its saved plans) and checks that every simulated GPU is back
+at its default clocks.
 """
 
 from __future__ import annotations
