@@ -17,9 +17,9 @@ from perseus.planner.problem import Problem
 _MS = 1000.0
 
 # Choices (binaries) up to which `solve_exact` is used; beyond, the LP rounding stands alone.
-MAX_BINARIES = 400
+MAX_BINARIES = 120
 # Branch-and-bound nodes before the best solution found so far is taken as is.
-MAX_NODES = 20_000
+MAX_NODES = 5_000
 
 
 def num_binaries(problem: Problem) -> int:
