@@ -14,6 +14,7 @@ clocks off the training thread, so a new clock lands a moment after the instruct
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,31 +109,18 @@ class GPUEmulator:
         self._left -= 1
 
 
-class _LaunchBackward(torch.autograd.Function):
-    """Identity at the stage output; the backward reaches it first and launches its work there."""
+class _OnBackward(torch.autograd.Function):
+    """Identity that calls `hook` when the backward reaches it: at the stage output (reached
+    first) it launches the backward's work, at the stage input (reached last) it waits for it."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, emulator: GPUEmulator) -> torch.Tensor:  # type: ignore[override]
-        ctx.emulator = emulator
+    def forward(ctx, x: torch.Tensor, hook: Callable[[], None]) -> torch.Tensor:  # type: ignore[override]
+        ctx.hook = hook
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        ctx.emulator.launch(Kind.BACKWARD)
-        return grad, None
-
-
-class _WaitBackward(torch.autograd.Function):
-    """Identity at the stage input; the backward reaches it last and waits for its work there."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, emulator: GPUEmulator) -> torch.Tensor:  # type: ignore[override]
-        ctx.emulator = emulator
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        ctx.emulator.wait()
+        ctx.hook()
         return grad, None
 
 
@@ -148,10 +136,13 @@ class EmulatedStage(nn.Module):
         self.emulator.launch(Kind.FORWARD)
         if self.stage.is_first:
             x = self.stage.embed(x)
-        x = _WaitBackward.apply(x, self.emulator)
+        x = _OnBackward.apply(x, self.emulator.wait)
         x = self.stage.body(x)
         if self.stage.is_last:
             x = self.stage.head_out(x)
-        x = _LaunchBackward.apply(x, self.emulator)
+        x = _OnBackward.apply(x, self._launch_backward)
         self.emulator.wait()
         return x
+
+    def _launch_backward(self) -> None:
+        self.emulator.launch(Kind.BACKWARD)
