@@ -34,7 +34,17 @@ import time
 from collections.abc import Callable
 
 from perseus.atomic import write_json_atomic
-from perseus.demo.launcher import PRESET, DemoOptions, ServiceProcess, demo_config, sim_gpus_at_default, start_job
+from perseus.demo.launcher import (
+    PRESET,
+    DemoOptions,
+    ServiceProcess,
+    demo_config,
+    sim_gpus_at_default,
+    start_job,
+    stop_job,
+    wait_for_job,
+)
+from perseus.demo.results import read_rank_record
 from perseus.devices.sim import SimGPU
 from perseus.server.client import PlannerClient
 
@@ -54,10 +64,8 @@ class Records:
 
     def poll(self) -> None:
         for rank in range(RANKS):
-            try:
-                with open(os.path.join(self.out_dir, f"rank{rank}.json"), encoding="utf-8") as f:
-                    doc = json.load(f)
-            except (OSError, ValueError):
+            doc = read_rank_record(self.out_dir, rank)
+            if doc is None:
                 continue
             attempt = doc.get("attempt", 0)
             self.pids[(attempt, rank)] = doc["pid"]
@@ -95,16 +103,7 @@ def run_chaos(work: str, time_scale: float = 0.05, outage_iterations: int = 3, s
     outages: list[dict] = []
 
     def until(predicate: Callable[[], bool], what: str, timeout_s: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            records.poll()
-            if predicate():
-                return
-            if job.poll() is not None or time.monotonic() > deadline:
-                with open(log_path, encoding="utf-8", errors="replace") as f:
-                    tail = "".join(f.readlines()[-30:])
-                raise RuntimeError(f"the job {'exited' if job.poll() is not None else 'timed out'} before {what}:\n{tail}")
-            time.sleep(0.05)
+        wait_for_job(job, lambda: records.poll() or predicate(), what, timeout_s, log_path)
 
     def outage(attempt: int, during: str) -> None:
         done = len(records.of(attempt, 0))
@@ -141,21 +140,16 @@ def run_chaos(work: str, time_scale: float = 0.05, outage_iterations: int = 3, s
         rc = job.wait(120)
     finally:
         if job.poll() is None:
-            stop_job(job, records)
+            stop_job_and_ranks(job, records)
         service.stop()
     records.poll()
     return figures(records, state_dir, sim_dir, outages, rc, reset_s, rejoined_s, time.monotonic() - began)
 
 
-def stop_job(job, records: Records) -> None:
-    """Stop torchrun and its ranks (which run in sessions of their own): SIGTERM through
-    torchrun first (the ranks reset their clocks), then SIGKILL whatever is left."""
-    job.send_signal(signal.SIGTERM)
-    try:
-        job.wait(15)
-    except Exception:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+def stop_job_and_ranks(job, records: Records) -> None:
+    """Stop torchrun and its ranks: through torchrun first (the ranks reset their clocks), then
+    SIGKILL any rank left (the ranks run in sessions of their own, out of torchrun's group)."""
+    stop_job(job)
     for pid in records.pids.values():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:

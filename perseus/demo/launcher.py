@@ -11,6 +11,8 @@ at its default clocks.
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import select
 import shutil
@@ -31,6 +33,7 @@ from perseus.demo.results import (
     gloo_latency,
     instruction_gaps,
     load_iterations,
+    read_rank_record,
     median_iteration,
     phase_stats,
     pipeline_hops,
@@ -115,7 +118,7 @@ class ServiceProcess:
                 self.stop()
                 raise PerseusError(
                     f"the planner service did not start ({'exited' if left > 0 else 'timed out'}); "
-                    f"its log:\n{_tail(self.log_path)}"
+                    f"its log:\n{log_tail(self.log_path)}"
                 )
             if select.select([self._proc.stdout], [], [], min(left, 0.2))[0]:
                 chunk = os.read(self._proc.stdout.fileno(), 4096)
@@ -171,6 +174,35 @@ def start_job(ranks: int, config_path: str, sim_dir: str, log_path: str, max_res
     )
     with open(log_path, "ab") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop_job(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a job `start_job` started, if it still runs: SIGTERM to torchrun (it passes it on,
+    and the ranks reset their clocks), then SIGKILL to its process group if it does not exit."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_for_job(proc: subprocess.Popen[bytes], predicate: Callable[[], Any], what: str, timeout_s: float,
+                 log_path: str) -> Any:
+    """Poll `predicate` while the job `proc` runs until it returns something truthy (returned);
+    PerseusError with the job's log if the job exits or `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise PerseusError(f"the demo job exited ({proc.returncode}) before {what}; its log:\n{log_tail(log_path)}")
+        if time.monotonic() > deadline:
+            raise PerseusError(f"the demo job ran {timeout_s:g} s without {what}; its log:\n{log_tail(log_path)}")
+        time.sleep(0.05)
 
 
 def sim_gpus_at_default(ranks: int, sim_dir: str) -> bool:
@@ -248,13 +280,13 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
         finally:
             service.stop()
         if rc != 0:
-            raise PerseusError(f"the demo job failed (torchrun exit code {rc}); its log:\n{_tail(os.path.join(work, 'torchrun.log'))}")
+            raise PerseusError(f"the demo job failed (torchrun exit code {rc}); its log:\n{log_tail(os.path.join(work, 'torchrun.log'))}")
 
         iterations = load_iterations(out_dir, world)
         if not any(set(it.phases) == {"planned"} for it in iterations):
             raise PerseusError(
                 "the demo job ran no planned iteration: the planner service published no plan; its log:\n"
-                + _tail(os.path.join(work, "service.log"))
+                + log_tail(os.path.join(work, "service.log"))
             )
         if slow_ranks is None:
             result = summarize(iterations, status)
@@ -399,9 +431,6 @@ def predict_at_pace(record: dict | None, stages: int, slow: int) -> dict:
 def job_record(state_dir: str, job_id: str | None) -> dict | None:
     """The service's saved record of `job_id` (its published plans), with the blocking power per
     GPU its planner used (the job's, else the mean of its stage profiles'); None if missing."""
-    import glob
-    import json
-
     if job_id is None:
         return None
     folder = os.path.join(state_dir, "jobs", job_id)
@@ -538,29 +567,20 @@ def _run_job(options: DemoOptions, world: int, config_path: str, sim_dir: str, l
     try:
         while proc.poll() is None:
             if time.monotonic() > deadline:
-                raise PerseusError(f"the demo job did not finish within {options.timeout_s:g} s; its log:\n{_tail(log_path)}")
+                raise PerseusError(f"the demo job did not finish within {options.timeout_s:g} s; its log:\n{log_tail(log_path)}")
             time.sleep(0.25)
             seen = _report_progress(out_dir, seen, say)
         _report_progress(out_dir, seen, say)
         return proc.returncode
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # torchrun passes it on; ranks reset their clocks
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_job(proc)
 
 
 def _report_progress(out_dir: str, seen: int, say: Callable[[str], None]) -> int:
-    import json
-
-    try:
-        with open(os.path.join(out_dir, "rank0.json"), encoding="utf-8") as f:
-            records = json.load(f)["iterations"]
-    except (OSError, ValueError, KeyError):
+    doc = read_rank_record(out_dir, 0)
+    if doc is None:
         return seen
+    records = doc["iterations"]
     for r in records[seen:]:
         clocks = sorted({s["frequency"] for s in r["spans"]}, reverse=True)
         clock = f"{clocks[0]} MHz" if len(clocks) == 1 else f"{clocks[-1]}-{clocks[0]} MHz"
@@ -569,10 +589,8 @@ def _report_progress(out_dir: str, seen: int, say: Callable[[str], None]) -> int
 
 
 def _job_id(out_dir: str) -> str | None:
-    import json
-
-    with open(os.path.join(out_dir, "rank0.json"), encoding="utf-8") as f:
-        return json.load(f).get("job_id")
+    doc = read_rank_record(out_dir, 0)
+    return doc.get("job_id") if doc else None
 
 
 def _child_env(**extra: str) -> dict[str, str]:
@@ -582,7 +600,8 @@ def _child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _tail(path: str, lines: int = 40) -> str:
+def log_tail(path: str, lines: int = 40) -> str:
+    """The last `lines` lines of the log at `path`, for an error message."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return "".join(f.readlines()[-lines:])

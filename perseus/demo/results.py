@@ -62,11 +62,26 @@ class Iteration:
         return self.phases[0] if len(set(self.phases)) == 1 else "mixed"
 
 
+def rank_record_path(out_dir: str, rank: int) -> str:
+    """Where rank `rank` of the demo job writes its record (see perseus.demo.worker)."""
+    return os.path.join(out_dir, f"rank{rank}.json")
+
+
+def read_rank_record(out_dir: str, rank: int) -> dict | None:
+    """Rank `rank`'s record as it stands (the rank rewrites it every iteration), or None if it
+    has written none yet."""
+    try:
+        with open(rank_record_path(out_dir, rank), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def load_iterations(out_dir: str, world_size: int) -> list[Iteration]:
     """Join the ranks' records (rank<R>.json in `out_dir`) iteration by iteration."""
     docs = []
     for rank in range(world_size):
-        path = os.path.join(out_dir, f"rank{rank}.json")
+        path = rank_record_path(out_dir, rank)
         try:
             with open(path, encoding="utf-8") as f:
                 docs.append(json.load(f))
@@ -136,15 +151,8 @@ def instruction_gaps(iterations: list[Iteration]) -> list[float]:
 def gloo_latency(out_dir: str, world_size: int) -> float | None:
     """The median over ranks of the measured one-way gloo latency to the next stage (see
     perseus.demo.worker.gloo_latency), or None if no rank measured one."""
-    values = []
-    for rank in range(world_size):
-        try:
-            with open(os.path.join(out_dir, f"rank{rank}.json"), encoding="utf-8") as f:
-                value = json.load(f).get("gloo_latency_s")
-        except (OSError, ValueError):
-            continue
-        if value is not None:
-            values.append(value)
+    docs = (read_rank_record(out_dir, rank) for rank in range(world_size))
+    values = [doc["gloo_latency_s"] for doc in docs if doc and doc.get("gloo_latency_s") is not None]
     return statistics.median(values) if values else None
 
 

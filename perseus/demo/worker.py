@@ -23,6 +23,7 @@ from perseus.atomic import write_json_atomic
 from perseus.demo.config import DemoConfig
 from perseus.demo.emulation import EmulatedStage, GPUEmulator
 from perseus.demo.model import build_stage, lm_loss, make_batch
+from perseus.demo.results import rank_record_path
 from perseus.demo.workload import stage_works
 from perseus.devices import get_gpus
 from perseus.exceptions import ConfigError
@@ -144,7 +145,7 @@ class _Trainer:
         self.optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
         batch = config.num_microbatches * config.microbatch_size
         self.tokens, self.targets = make_batch(config.model, batch, config.seed + 7919 * pipeline)  # its own data
-        self.path = os.path.join(config.out_dir, f"rank{rank}.json")
+        self.path = rank_record_path(config.out_dir, rank)
         self.records: list[dict] = []
         self.job_id: str | None = None
         self.gloo_latency_s: float | None = None

@@ -23,12 +23,14 @@ from perseus.demo.launcher import (
     ServiceProcess,
     demo_config,
     format_report,
+    log_tail,
     plan_applied,
     run_demo,
     sim_gpus_at_default,
     start_job,
+    wait_for_job,
 )
-from perseus.demo.results import load_iterations, split_phases
+from perseus.demo.results import load_iterations, read_rank_record, split_phases
 
 RANKS = 2
 # Three iterations per clock: the first is dropped, the medians of the other two (8 samples per
@@ -51,24 +53,6 @@ def demo(state_dir, tmp_path_factory):
     return run_demo(options)
 
 
-def _rank_records(out_dir: str, rank: int) -> dict | None:
-    try:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 class _Job:
     """One torchrun demo job against a planner service on `state_dir`, in `tmp`."""
 
@@ -86,16 +70,10 @@ class _Job:
 
     def until(self, predicate, timeout_s: float, what: str):
         """Wait for `predicate` while the job runs; fail with its log if it ends first."""
-
-        def check():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the job exited ({self.proc.returncode}) before {what}:\n{self.log_tail()}")
-            return predicate()
-
-        return _wait_for(check, timeout_s, what)
+        return wait_for_job(self.proc, predicate, what, timeout_s, self.log)
 
     def records(self, rank: int = 0) -> dict | None:
-        return _rank_records(self.out_dir, rank)
+        return read_rank_record(self.out_dir, rank)
 
     def planned_iterations(self, rank: int = 0) -> int:
         doc = self.records(rank)
@@ -113,10 +91,6 @@ class _Job:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.service.stop()
-
-    def log_tail(self) -> str:
-        with open(self.log, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-30:])
 
 
 def test_demo_profiles_plans_applies_and_saves(demo):
@@ -152,7 +126,7 @@ def test_restarted_service_resumes_without_profiling_and_training_survives_its_s
         job.until(lambda: all(job.planned_iterations(r) >= 1 for r in range(RANKS)), 90, "every rank running the plan")
         job.service.stop()  # the planner goes away mid-run
         stopped_at = time.monotonic()
-        assert job.wait() == 0, job.log_tail()
+        assert job.wait() == 0, log_tail(job.log)
     finally:
         job.close()
     iterations = load_iterations(job.out_dir, RANKS)

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from perseus.clock import VirtualClock
 from perseus.demo.emulation import EmulatedStage, GPUEmulator
-from perseus.demo.launcher import DemoOptions, plan_applied, predict_at_pace, summarize
+from perseus.demo.launcher import DemoOptions, plan_applied, predict_at_pace, stop_job, summarize, wait_for_job
 from perseus.demo.config import ModelConfig
 from perseus.demo.model import build_stage, lm_loss, make_batch
-from perseus.demo.results import Iteration, split_phases
+from perseus.demo.results import Iteration, read_rank_record, split_phases
 from perseus.demo.workload import DEFAULT_TIME_SCALE, GPT3_A100_STAGES, default_time_scale, stage_works
 from perseus.devices.sim import SimGPU, predict
-from perseus.exceptions import ConfigError
+from perseus.exceptions import ConfigError, PerseusError
 from perseus.schedules.instruction import Kind
 from perseus.server.protocol import JobStatus
 
@@ -35,7 +39,6 @@ def test_stage_works_merge_the_measured_stages_and_keep_the_last_heaviest():
         stage_works(9)
     with pytest.raises(ConfigError, match="time scale"):
         stage_works(2, time_scale=0)
-    assert DEFAULT_TIME_SCALE > 0
 
 
 def test_emulated_stage_runs_each_instruction_on_the_simulated_gpu(tmp_path):
@@ -185,3 +188,27 @@ def test_default_time_scale_keeps_the_default_iteration_time_for_any_shape():
         works = stage_works(stages, default_time_scale(stages, microbatches))
         slowest = max(w[Kind.FORWARD].time_s + w[Kind.BACKWARD].time_s for w in works)
         assert 1.35 < (microbatches + stages - 1) * slowest < 1.65
+
+
+def test_rank_records_read_as_none_until_written(tmp_path):
+    assert read_rank_record(str(tmp_path), 0) is None
+    (tmp_path / "rank0.json").write_text('{"iterations": [')  # not JSON
+    assert read_rank_record(str(tmp_path), 0) is None
+    (tmp_path / "rank0.json").write_text('{"iterations": []}')
+    assert read_rank_record(str(tmp_path), 0) == {"iterations": []}
+
+
+def test_waiting_on_a_job_returns_the_value_or_fails_with_what_and_its_log(tmp_path):
+    log = tmp_path / "torchrun.log"
+    log.write_text("rank 1 crashed\n")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        assert wait_for_job(proc, lambda: 7, "seven", 1.0, str(log)) == 7
+        with pytest.raises(PerseusError, match="ran 0.1 s without the plan; its log:\nrank 1 crashed"):
+            wait_for_job(proc, lambda: None, "the plan", 0.1, str(log))
+    finally:
+        stop_job(proc)
+    assert proc.returncode == -signal.SIGTERM
+    with pytest.raises(PerseusError, match=r"exited \(-15\) before the plan"):
+        wait_for_job(proc, lambda: None, "the plan", 5.0, str(log))
+    stop_job(proc)  # no-op once it ended
