@@ -212,3 +212,14 @@ def test_waiting_on_a_job_returns_the_value_or_fails_with_what_and_its_log(tmp_p
     with pytest.raises(PerseusError, match=r"exited \(-15\) before the plan"):
         wait_for_job(proc, lambda: None, "the plan", 5.0, str(log))
     stop_job(proc)  # no-op once it ended
+
+
+def test_the_command_line_and_the_demo_launcher_start_without_torch():
+    # `perseus serve` must start fast, and `perseus demo` leaves torch to its ranks.
+    code = (
+        "import sys, perseus, perseus.demo.launcher; from perseus.cli.main import build_parser; build_parser(); "
+        "print([m for m in sys.modules if m.split('.')[0] == 'torch'])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
