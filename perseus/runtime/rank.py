@@ -11,12 +11,12 @@ Each iteration is reported to the planner with two times: `time_s`, from on_step
 on_step_end (everything the step does, the optimizer step and the data-parallel gradient
 synchronization included), and `compute_time_s`, from on_step_begin to the end of the rank's
 last instruction of the iteration (one device synchronization per iteration, right after
-that instruction). The gradient synchronization makes
-every data-parallel pipeline's `time_s` that of the slowest one, so the planner tells a
-straggler pipeline by `compute_time_s`. It only excludes the synchronization when the
-framework runs it after the last instruction (an all-reduce after the pipeline schedule's
-step, as Megatron-LM's finalize_model_grads does without overlap_grad_reduce); a
-synchronization overlapped with the last backward counts as compute.
+that instruction). The gradient synchronization makes every data-parallel pipeline's
+`time_s` that of the slowest one, so the planner tells a straggler pipeline by
+`compute_time_s`. It only excludes the synchronization when the framework runs it after the
+last instruction (an all-reduce after the pipeline schedule's step, as Megatron-LM's
+finalize_model_grads does without overlap_grad_reduce); a synchronization overlapped with the
+last backward counts as compute.
 
 Nothing here may break training: every hook catches and logs its own failures, the planner is
 only ever asked through a client that never blocks past its timeout, and with no planner the
@@ -79,10 +79,12 @@ class PerseusRank:
     perseus.server.topology) tells the planner how global ranks map to those coordinates, and a
     named mapping is checked here. `rank` defaults to `stage` when dp = tp = 1, else to what
     a named mapping gives. Every rank uploads its stage profile; the planner takes one per GPU
-    model, stage and tensor-parallel index (from the lowest data-parallel index on that model). `client`: a `perseus.server.PlannerClient` (closed by `close()`
-    when `close_client`), or None to run at default clocks and only measure. `wait_for_clock`: block each clock change until applied;
-    only for emulated GPUs whose work reads the clock when issued (real kernels run long after
-    the CPU issues them, and the training thread must not wait on the driver).
+    model, stage and tensor-parallel index (from the lowest data-parallel index on that model).
+
+    `client`: a `perseus.server.PlannerClient` (closed by `close()` when `close_client`), or
+    None to run at default clocks and only measure. `wait_for_clock`: block each clock change
+    until applied; only for emulated GPUs whose work reads the clock when issued (real kernels
+    run long after the CPU issues them, and the training thread must not wait on the driver).
     """
 
     def __init__(
