@@ -39,8 +39,8 @@ GPUs: real ones through NVML by default; PERSEUS_GPU=sim:a100-sxm:4 simulates fo
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; with `command`, only that subcommand's module is imported (fast start-up:
-    `perseus serve` should not pay for torch, which `perseus demo` imports)."""
+    """The parser; with `command`, only that subcommand's module is imported, so a command
+    pays only for its own imports (`perseus serve` starts in a fraction of a second)."""
     parser = argparse.ArgumentParser(
         prog="perseus",
         description="Measure and cut the energy of deep-learning training on GPUs.",
