@@ -79,7 +79,7 @@ class PlanResult:
 def make_planner(schedule: Schedule, profile: Profile) -> Any:
     """A `perseus.planner.Planner` for one pipeline; kept per job, it answers later deadlines
     (stragglers) without rebuilding the problem. PlanError if the profile does not fit."""
-    # Imported here: the planner pulls in cvxpy and friends, which would make the service (and
+    # Imported here: the planner pulls in scipy and HiGHS, which would make the service (and
     # every test that starts it) slow to start; only the worker thread pays the import.
     from perseus.planner import Planner
 

@@ -3,7 +3,7 @@ the service keeps serving, and a real job completes afterwards.
 
 A short seeded run of benchmarks/service_fuzz.py (the full run sends 10,000 frames), plus one
 test per crash or hang the fuzzer found, so each shows on its own. About 8 s in all (five
-service starts; the real job's planning imports the planner, cvxpy, in the service).
+service starts; the real job's planning imports the planner (scipy, HiGHS) in the service).
 """
 
 from __future__ import annotations

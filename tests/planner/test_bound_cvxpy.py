@@ -1,0 +1,68 @@
+"""The certified lower bound, checked against the same relaxation written independently in cvxpy.
+
+The planner solves its LP with HiGHS on hand-built sparse matrices (Pareto-filtered hull
+segments, times in milliseconds, warm starts). Here the relaxation is stated from its definition
+instead: every instruction takes a convex combination of its raw profile points, starts after
+its predecessors end, and the iteration ends by T <= deadline; minimise
+sum(e - P_block * t) + P_block * N_stages * T. Both must agree, and the bound must stay below
+every plan's energy.
+"""
+
+from __future__ import annotations
+
+import cvxpy as cp
+import numpy as np
+import pytest
+from test_solver import GPT3, random_profile
+
+from perseus.planner import Planner, build_dag
+from perseus.profiler import load_profile
+from perseus.schedules import build_schedule
+
+
+def relaxation_bound(schedule, profile, deadline_s: float) -> float:
+    dag = build_dag(schedule)
+    nodes = list(dag.nodes)
+    index = {ins: i for i, ins in enumerate(nodes)}
+    p_block = profile.blocking_power_w
+    start = cp.Variable(len(nodes))
+    duration = cp.Variable(len(nodes))
+    T = cp.Variable()
+    cost = []
+    constraints = [start >= 0, T <= deadline_s]
+    for i, ins in enumerate(nodes):
+        points = profile.points_for(ins, schedule)
+        t = np.array([p.time for p in points])
+        c = np.array([p.energy - p_block * p.time for p in points])
+        weight = cp.Variable(len(points), nonneg=True)
+        constraints += [cp.sum(weight) == 1, duration[i] == t @ weight]
+        cost.append(c @ weight)
+        if dag.out_degree(ins) == 0:
+            constraints.append(start[i] + duration[i] <= T)
+    for a, b in dag.edges:
+        constraints.append(start[index[b]] >= start[index[a]] + duration[index[a]])
+    objective = cp.Minimize(cp.sum(cp.hstack(cost)) + p_block * schedule.num_stages * T)
+    problem = cp.Problem(objective, constraints)
+    problem.solve(solver=cp.HIGHS)
+    assert problem.status == cp.OPTIMAL, problem.status
+    return float(problem.value)
+
+
+def check(schedule, profile, slowdowns):
+    planner = Planner(schedule, profile)
+    for slowdown in slowdowns:
+        plan = planner.plan(max_slowdown=slowdown)
+        independent = relaxation_bound(schedule, profile, plan.deadline_s)
+        assert plan.lower_bound_j == pytest.approx(independent, rel=1e-5), slowdown
+        assert plan.lower_bound_j <= plan.energy_j
+
+
+@pytest.mark.parametrize("name,stages,microbatches,seed", [("1f1b", 3, 4, 5), ("gpipe", 2, 3, 6), ("zb-h1", 2, 3, 7)])
+def test_bound_equals_the_relaxation_stated_independently(name, stages, microbatches, seed):
+    check(build_schedule(name, stages, microbatches), random_profile(seed, stages, num_freqs=8), (1.0, 1.1, 1.3))
+
+
+@pytest.mark.skipif(not GPT3.exists(), reason="shared SOSP'24 profiles not present")
+def test_bound_on_measured_gpt3_profile():
+    profile = load_profile(GPT3, blocking_power_w=83.64)
+    check(build_schedule("1f1b", 8, 8), profile, (1.0, 1.2))
