@@ -14,6 +14,9 @@ every virtual stage -- each chunk is a model partition with its own profile -- e
 Zero-bubble schedules need `backward_input` and `backward_weight` rows. A profile measured with
 only `forward` and `backward` can be turned into one with `with_split_backward(fraction)`, which
 splits each backward point's time and energy into I and W parts by a fraction you choose.
+
+`with_overheads(instruction_s, hop_s)` adds per-instruction host work and stage-to-stage hops,
+which a profile of GPU work alone leaves out, before planning.
 """
 
 from __future__ import annotations
@@ -147,6 +150,37 @@ class Profile:
                 continue
             for new_kind, share in ((Kind.BACKWARD_INPUT.value, input_fraction), (Kind.BACKWARD_WEIGHT.value, 1.0 - input_fraction)):
                 points.setdefault((stage, new_kind), [ProfilePoint(p.frequency, p.time * share, p.energy * share) for p in pts])
+        return Profile(points, self.blocking_power_w, dict(self.meta))
+
+    def with_overheads(self, instruction_s: float = 0.0, hop_s: float = 0.0, num_stages: int | None = None) -> Profile:
+        """A copy whose points also pay what the instruction model leaves out: `instruction_s` of
+        host work per instruction, plus `hop_s` for kinds that wait on a peer stage's output
+        (forward on stages after the first, backward and backward_input on stages before the
+        last; `num_stages` defaults to the profile's highest stage + 1). The GPU idles meanwhile,
+        so each point's energy grows by blocking_power_w times the added time.
+
+        Conservative: a hop overlapped with other work is still counted, so a plan built on it
+        keeps a little slack it might not have needed, rather than spending slack that host work
+        and transfers were silently using. Zero overheads return an equal copy."""
+        for name, value in (("instruction_s", instruction_s), ("hop_s", hop_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        stages = self.stages()
+        if num_stages is None:
+            num_stages = stages[-1] + 1 if stages else 1
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1 or (stages and stages[-1] >= num_stages):
+            raise ConfigError(f"num_stages must be a whole number covering the profile's stages {stages}, got {num_stages!r}")
+        last = num_stages - 1
+
+        def receives(stage: int, kind: str) -> bool:
+            if kind == Kind.FORWARD.value:
+                return stage > 0
+            return kind in (Kind.BACKWARD.value, Kind.BACKWARD_INPUT.value) and stage < last
+
+        points = {}
+        for (stage, kind), pts in self.points.items():
+            added = instruction_s + (hop_s if receives(stage, kind) else 0.0)
+            points[(stage, kind)] = [ProfilePoint(p.frequency, p.time + added, p.energy + self.blocking_power_w * added) for p in pts]
         return Profile(points, self.blocking_power_w, dict(self.meta))
 
 

@@ -155,3 +155,45 @@ def test_real_profiles(name, freqs):
     slowest = p.points[(0, "forward")][-1]
     assert top.time < slowest.time  # a lower clock is slower
     p.validate(build_schedule("1f1b", 8, 96))
+
+
+def _three_stage_profile() -> Profile:
+    kinds = ("forward", "backward", "backward_input", "backward_weight")
+    points = {(s, k): [ProfilePoint(1410, 0.010, 3.0), ProfilePoint(1200, 0.012, 2.5)] for s in range(3) for k in kinds}
+    return Profile(points, 80.0, {"source": "test"})
+
+
+def test_with_overheads_adds_host_work_and_hops_where_a_peer_sends():
+    profile = _three_stage_profile()
+    out = profile.with_overheads(instruction_s=0.001, hop_s=0.002)
+    receives = {(1, "forward"), (2, "forward"), (0, "backward"), (1, "backward"), (0, "backward_input"), (1, "backward_input")}
+    for key, pts in out.points.items():
+        added = 0.001 + (0.002 if key in receives else 0.0)
+        for before, after in zip(profile.points[key], pts):
+            assert after.frequency == before.frequency
+            assert after.time == pytest.approx(before.time + added)
+            assert after.energy == pytest.approx(before.energy + 80.0 * added)  # the GPU idles, blocked
+    assert out.blocking_power_w == 80.0 and out.meta == {"source": "test"}
+    assert profile.points[(1, "forward")][0].time == 0.010  # the original is untouched
+    out.validate()
+
+
+def test_with_overheads_num_stages_sets_the_last_stage():
+    out = _three_stage_profile().with_overheads(hop_s=0.002, num_stages=4)  # stage 2 is not the last: it receives gradients
+    assert out.points[(2, "backward")][0].time == pytest.approx(0.012)
+    with pytest.raises(ConfigError, match="num_stages"):
+        _three_stage_profile().with_overheads(hop_s=0.002, num_stages=2)
+
+
+def test_with_overheads_zero_is_identity():
+    profile = _three_stage_profile()
+    out = profile.with_overheads()
+    assert out.points == profile.points and out.blocking_power_w == profile.blocking_power_w
+
+
+@pytest.mark.parametrize("value", [-0.001, float("nan"), float("inf"), "0.001", True])
+def test_with_overheads_rejects_bad_values(value):
+    with pytest.raises(ConfigError, match="instruction_s must be a finite number of seconds >= 0"):
+        _three_stage_profile().with_overheads(instruction_s=value)
+    with pytest.raises(ConfigError, match="hop_s must be a finite number of seconds >= 0"):
+        _three_stage_profile().with_overheads(hop_s=value)
