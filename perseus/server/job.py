@@ -321,8 +321,9 @@ class Job:
         return None if power is None else power * self.spec.tp  # every GPU of a stage blocks
 
     def pipeline_profile(self, models: Models) -> Profile | None:
-        """The profile a pipeline with these stage models is planned with; None until complete
-        (or while the schedule is being built)."""
+        """The profile a pipeline with these stage models is planned with: the stages' measured
+        rows plus the spec's host and hop overheads. None until complete (or while the schedule
+        is being built)."""
         if self.schedule is None:
             return None
         stages: dict[int, Profile] = {}
@@ -334,7 +335,8 @@ class Job:
             if rows is None:
                 return None
             stages[s] = rows
-        return merge_profiles(stages, self._blocking_power())
+        merged = merge_profiles(stages, self._blocking_power())
+        return merged.with_overheads(self.spec.instruction_overhead_s, self.spec.hop_latency_s)
 
     # ---- plans and stragglers --------------------------------------------------------------------
 

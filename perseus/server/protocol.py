@@ -198,6 +198,9 @@ class JobSpec(Message):
     `rank_mapping` says how ranks map to (stage, dp_index, tp_index): "explicit" (each rank
     states its own), "megatron" or "torch" (see perseus.server.topology); with a named mapping
     the service checks every rank's stated coordinates against it.
+    `instruction_overhead_s` (host work between a stage's instructions) and `hop_latency_s` (a
+    stage-to-stage transfer) are added to the profile at planning time (`Profile.with_overheads`);
+    the cached profile stays as measured, so they are not part of the signature.
     """
 
     world_size: int
@@ -217,6 +220,8 @@ class JobSpec(Message):
     sweep_frequencies: tuple[int, ...] | None = None
     blocking_power_w: float | None = None
     rank_mapping: str = "explicit"
+    instruction_overhead_s: float = 0.0
+    hop_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         n = "JobSpec"
@@ -252,6 +257,11 @@ class JobSpec(Message):
             _set(self, sweep_frequencies=_frequencies(self.sweep_frequencies, f"{n}.sweep_frequencies"))
         if self.blocking_power_w is not None:
             _set(self, blocking_power_w=_float(self.blocking_power_w, f"{n}.blocking_power_w", 0.0, 100_000.0))
+        for name in ("instruction_overhead_s", "hop_latency_s"):
+            value = _float(getattr(self, name), f"{n}.{name}", 0.0, 1.0)
+            if value >= 1.0:
+                raise ConfigError(f"{n}.{name} must be under 1 s (a per-instruction overhead), got {value}")
+            _set(self, **{name: value})
 
     def to_wire(self) -> dict[str, Any]:
         doc = self._fields()
@@ -266,6 +276,9 @@ class JobSpec(Message):
         doc = super().to_wire()
         if self.rank_mapping == "explicit":
             del doc["rank_mapping"]  # the default: specs (and job ids) of earlier releases unchanged
+        for name in ("instruction_overhead_s", "hop_latency_s"):
+            if doc[name] == 0.0:
+                del doc[name]  # likewise
         return doc
 
     def signature(self, gpu_model: str | None = None) -> dict[str, Any]:

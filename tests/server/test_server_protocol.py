@@ -59,11 +59,36 @@ def test_job_spec_round_trips_and_its_id_is_deterministic():
         ({"stage_orders": [[("forward", 0, 0)]]}, "stage_orders"),
         ({"stage_orders": [[("sideways", 0, 0)], [("forward", 0, 0)]]}, "stage_orders[0][0].kind"),
         ({"stage_orders": [[("forward", 9, 0)], [("forward", 0, 0)]]}, "microbatch"),
+        ({"instruction_overhead_s": -0.001}, "instruction_overhead_s"),
+        ({"instruction_overhead_s": math.inf}, "instruction_overhead_s"),
+        ({"hop_latency_s": math.nan}, "hop_latency_s"),
+        ({"hop_latency_s": 1.0}, "hop_latency_s must be under 1 s"),
     ],
 )
 def test_job_spec_rejects_bad_fields_naming_them(overrides, words):
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]").replace("*", r"\*")):
         job_spec(**overrides)
+
+
+def test_job_spec_overheads_travel_only_when_set_and_leave_the_profile_key():
+    plain, spec = job_spec(), job_spec(instruction_overhead_s=0.0007, hop_latency_s=0.001)
+    assert "instruction_overhead_s" not in plain.to_wire() and "hop_latency_s" not in plain.to_wire()
+    assert job_spec(instruction_overhead_s=0, hop_latency_s=0.0).job_id() == plain.job_id()  # older peers' ids unchanged
+    again = JobSpec.from_wire(msgpack.unpackb(msgpack.packb(spec.to_wire())))
+    assert again == spec and (again.instruction_overhead_s, again.hop_latency_s) == (0.0007, 0.001)
+    assert spec.job_id() != plain.job_id() and spec.profile_key() == plain.profile_key()  # the cached profile stays raw
+
+
+def test_pipeline_profile_adds_the_spec_overheads_and_the_cache_keeps_measured_rows():
+    job = _job(instruction_overhead_s=0.001, hop_latency_s=0.002)
+    job.add_profile(0, 0, stage_profile(0))
+    job.add_profile(1, 1, stage_profile(1))
+    raw = merge_profiles({0: stage_profile(0), 1: stage_profile(1)}, None)
+    assert job.model_profile("sim-a100").points == raw.points
+    planned = job.pipeline_profile(("sim-a100", "sim-a100"))
+    assert planned.points == raw.with_overheads(0.001, 0.002).points
+    assert planned.points[(1, "forward")][0].time == pytest.approx(raw.points[(1, "forward")][0].time + 0.003)
+    assert planned.points[(0, "forward")][0].time == pytest.approx(raw.points[(0, "forward")][0].time + 0.001)
 
 
 def test_rank_info_sorts_frequencies_and_rejects_bad_ones():
