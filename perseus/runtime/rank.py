@@ -85,6 +85,9 @@ class PerseusRank:
     None to run at default clocks and only measure. `wait_for_clock`: block each clock change
     until applied; only for emulated GPUs whose work reads the clock when issued (real kernels
     run long after the CPU issues them, and the training thread must not wait on the driver).
+    `instruction_overhead_s` and `hop_latency_s`: host work between this job's instructions and
+    the time of one stage-to-stage transfer, measured by the caller; the planner adds them to
+    the profile (see `Profile.with_overheads`). Default 0: plan on the GPU work alone.
     """
 
     def __init__(
@@ -102,6 +105,8 @@ class PerseusRank:
         rank_mapping: str = "explicit",
         tag: str = "",
         profiling: ProfilingSettings | None = None,
+        instruction_overhead_s: float = 0.0,
+        hop_latency_s: float = 0.0,
         progress: Progress | bool | None = None,
         wait_for_clock: bool = False,
         handle_signals: bool = True,
@@ -118,6 +123,7 @@ class PerseusRank:
         self.stage = stage
         self.dp, self.dp_index, self.tp, self.tp_index = dp, dp_index, tp, tp_index
         self.rank_mapping, self.tag = rank_mapping, tag
+        self.instruction_overhead_s, self.hop_latency_s = instruction_overhead_s, hop_latency_s
         self.rank = _check_coordinates(rank, stage, schedule.num_stages, dp, dp_index, tp, tp_index, rank_mapping)
         self.settings = profiling or ProfilingSettings()
         self.order = schedule.stages[stage]
@@ -136,6 +142,8 @@ class PerseusRank:
             iterations_per_frequency=self.settings.iterations_per_frequency,
             early_stop_rises=self.settings.early_stop_rises,
         )
+        if client is not None:
+            self.job_spec()  # a bad field (the overheads, say) raises ConfigError here, not in the registration thread
         self.profiler = OnlineProfiler(gpu, self.sweep)
         self.controller = FrequencyController(gpu, handle_signals=handle_signals, watchdog=watchdog)
 
@@ -386,6 +394,8 @@ class PerseusRank:
             iterations_per_frequency=self.settings.iterations_per_frequency,
             sweep_frequencies=self.sweep.frequencies,
             rank_mapping=self.rank_mapping,
+            instruction_overhead_s=self.instruction_overhead_s,
+            hop_latency_s=self.hop_latency_s,
         )
 
     def rank_info(self) -> Any:

@@ -77,6 +77,8 @@ def instrument(
     rank_mapping: str = "explicit",
     tag: str = "",
     profiling: ProfilingSettings | None = None,
+    instruction_overhead_s: float = 0.0,
+    hop_latency_s: float = 0.0,
     security: Any = None,
     **options: Any,
 ) -> Any:
@@ -101,6 +103,9 @@ def instrument(
             perseus.instrument(stage, schedule=sched, dp=ps.get_data_parallel_world_size(),
                                dp_index=ps.get_data_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
                                tp_index=ps.get_tensor_model_parallel_rank(), rank_mapping="megatron")
+    instruction_overhead_s, hop_latency_s: host work between a stage's instructions and the
+        time of one stage-to-stage activation (gradient) transfer, in seconds, as you measured
+        them; the planner counts them so a plan does not spend slack they use (default 0).
     security: for the client `instrument` creates (client None or an address): e.g.
         `perseus.server.CurveClient.from_dir(DIR, NAME)` for a service started with
         --curve-keys; default from $PERSEUS_CURVE_KEYS, else plaintext. Pass it to your own
@@ -131,7 +136,7 @@ def instrument(
     perseus_rank = PerseusRank(
         gpu, plan, pp_rank, client=_resolve_client(client, security), rank=rank, dp=dp, dp_index=dp_index,
         tp=tp, tp_index=tp_index, rank_mapping=rank_mapping, tag=tag, profiling=profiling,
-        close_client=own_client, **options,
+        instruction_overhead_s=instruction_overhead_s, hop_latency_s=hop_latency_s, close_client=own_client, **options,
     )
     hooks = _StageHooks(perseus_rank)
     for s in stages:

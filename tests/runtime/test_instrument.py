@@ -156,7 +156,7 @@ def test_multi_chunk_schedules_match_their_pipeline_order(gpu, schedule_cls):
     schedule = schedule_cls(stages, MICROBATCHES, loss_fn=loss_fn)
     planner = StaticPlanner()
     perseus.instrument(stages, schedule=schedule, client=planner, gpu=gpu, watchdog=False,
-                       handle_signals=False, progress=False)
+                       handle_signals=False, progress=False, instruction_overhead_s=0.0007, hop_latency_s=0.001)
     rank = stages[0].perseus
     assert stages[1].perseus is rank
     rank._registrar.join(5)
@@ -171,6 +171,7 @@ def test_multi_chunk_schedules_match_their_pipeline_order(gpu, schedule_cls):
     assert {k for k, _, _ in expected} >= {"forward"} and {c for _, _, c in expected} == {0, 1}
     assert rank.plan_version == 1 and not rank.controller.fallen_back and rank.iteration == 1
     assert planner.spec.num_chunks == 2 and planner.spec.stage_orders[0] == tuple(expected)
+    assert (planner.spec.instruction_overhead_s, planner.spec.hop_latency_s) == (0.0007, 0.001)
 
 
 def test_profiles_then_applies_the_plan_on_a_real_stage(gpu):

@@ -259,3 +259,15 @@ def test_3d_coordinates_reach_the_job_spec_and_rank_info(gpu):
 def test_bad_3d_coordinates_are_refused_naming_the_fix(gpu, kwargs, words):
     with pytest.raises(ConfigError, match=words):
         PerseusRank(gpu, SCHEDULE, 1, progress=False, handle_signals=False, watchdog=False, **kwargs)
+
+
+def test_overheads_reach_the_job_spec_and_bad_ones_are_refused_at_once(gpu):
+    rank = PerseusRank(gpu, SCHEDULE, 1, instruction_overhead_s=0.0007, hop_latency_s=0.001,
+                       progress=False, handle_signals=False, watchdog=False)
+    try:
+        spec = rank.job_spec()
+        assert (spec.instruction_overhead_s, spec.hop_latency_s) == (0.0007, 0.001)
+    finally:
+        rank.close()
+    with pytest.raises(ConfigError, match="hop_latency_s must be a finite number"):
+        PerseusRank(gpu, SCHEDULE, 1, client=object(), hop_latency_s=-1.0, progress=False, handle_signals=False, watchdog=False)
