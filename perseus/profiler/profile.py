@@ -156,8 +156,10 @@ class Profile:
         """A copy whose points also pay what the instruction model leaves out: `instruction_s` of
         host work per instruction, plus `hop_s` for kinds that wait on a peer stage's output
         (forward on stages after the first, backward and backward_input on stages before the
-        last; `num_stages` defaults to the profile's highest stage + 1). The GPU idles meanwhile,
-        so each point's energy grows by blocking_power_w times the added time.
+        last; `num_stages` defaults to the profile's highest stage + 1). A hop from one stage's
+        instruction to the next stage's then takes instruction_s + hop_s in the model, so for a
+        measured hop H (sender's end to receiver's start) pass hop_s = H - instruction_s. The GPU
+        idles meanwhile, so each point's energy grows by blocking_power_w times the added time.
 
         Conservative: a hop overlapped with other work is still counted, so a plan built on it
         keeps a little slack it might not have needed, rather than spending slack that host work

@@ -86,7 +86,7 @@ class PerseusRank:
     until applied; only for emulated GPUs whose work reads the clock when issued (real kernels
     run long after the CPU issues them, and the training thread must not wait on the driver).
     `instruction_overhead_s` and `hop_latency_s`: host work between this job's instructions and
-    the time of one stage-to-stage transfer, measured by the caller; the planner adds them to
+    what one stage-to-stage hop takes beyond it, measured by the caller; the planner adds them to
     the profile (see `Profile.with_overheads`). Default 0: plan on the GPU work alone.
     """
 

@@ -103,8 +103,8 @@ def instrument(
             perseus.instrument(stage, schedule=sched, dp=ps.get_data_parallel_world_size(),
                                dp_index=ps.get_data_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
                                tp_index=ps.get_tensor_model_parallel_rank(), rank_mapping="megatron")
-    instruction_overhead_s, hop_latency_s: host work between a stage's instructions and the
-        time of one stage-to-stage activation (gradient) transfer, in seconds, as you measured
+    instruction_overhead_s, hop_latency_s: host work between a stage's instructions, and what a
+        stage-to-stage activation (gradient) hop takes beyond it, in seconds, as you measured
         them; the planner counts them so a plan does not spend slack they use (default 0).
     security: for the client `instrument` creates (client None or an address): e.g.
         `perseus.server.CurveClient.from_dir(DIR, NAME)` for a service started with

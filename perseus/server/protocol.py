@@ -198,8 +198,8 @@ class JobSpec(Message):
     `rank_mapping` says how ranks map to (stage, dp_index, tp_index): "explicit" (each rank
     states its own), "megatron" or "torch" (see perseus.server.topology); with a named mapping
     the service checks every rank's stated coordinates against it.
-    `instruction_overhead_s` (host work between a stage's instructions) and `hop_latency_s` (a
-    stage-to-stage transfer) are added to the profile at planning time (`Profile.with_overheads`);
+    `instruction_overhead_s` (host work between a stage's instructions) and `hop_latency_s` (what
+    a stage-to-stage hop takes beyond that host work) are added to the profile at planning time (`Profile.with_overheads`);
     the cached profile stays as measured, so they are not part of the signature.
     """
 
