@@ -489,7 +489,7 @@ def format_report(result: dict) -> str:
     if result.get("iteration_time_change") is not None:
         lines.append(f"iteration time: {result['iteration_time_change']:+.1%} planned against baseline")
     if result.get("model_time_gap") is not None:
-        lines.append(f"baseline against the planner's model: {result['model_time_gap']:+.1%} (host work and hops it leaves out)")
+        lines.append(f"baseline against the planner's model: {result['model_time_gap']:+.1%} (what host work and hops take beyond the overheads below, which it counts)")
     if result.get("hop_latency_s") is not None:
         gloo = f" (of which gloo's send: {result['gloo_latency_s'] * 1e3:.2f} ms)" if result.get("gloo_latency_s") else ""
         lines.append(f"pipeline hop, stage to stage: {result['hop_latency_s'] * 1e3:.1f} ms{gloo}")

@@ -148,6 +148,25 @@ def instruction_gaps(iterations: list[Iteration]) -> list[float]:
     return gaps
 
 
+def model_overheads(iterations: list[Iteration], num_stages: int) -> tuple[float, float]:
+    """(host gap between a stage's instructions, what a hop takes beyond it), in seconds, from
+    the medians of `instruction_gaps` and `pipeline_hops` over the baseline iterations of every
+    pipeline (ranks `num_stages * k` onwards); 0.0 where none was measured. What the demo tells
+    the planner: a measured hop already holds both ranks' host work, and the sender's
+    instruction carries the host gap, so the receiver's adds only the rest."""
+    baseline = split_phases(iterations)["baseline"]
+    gaps: list[float] = []
+    hops: list[float] = []
+    pipelines = len(baseline[0].phases) // num_stages if baseline else 0
+    for k in range(pipelines):
+        ranks = list(range(k * num_stages, (k + 1) * num_stages))
+        own = [it.of_ranks(ranks) for it in baseline]
+        gaps += instruction_gaps(own)
+        hops += pipeline_hops(own)
+    gap = statistics.median(gaps) if gaps else 0.0
+    return gap, (max(0.0, statistics.median(hops) - gap) if hops else 0.0)
+
+
 def gloo_latency(out_dir: str, world_size: int) -> float | None:
     """The median over ranks of the measured one-way gloo latency to the next stage (see
     perseus.demo.worker.gloo_latency), or None if no rank measured one."""

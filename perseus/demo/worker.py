@@ -3,7 +3,9 @@
 Trains its stage of the demo transformer with torch's Schedule1F1B on gloo (with several
 data-parallel pipelines: in its pipeline's group, its gradients averaged over the stage's
 replicas), every instruction emulated on this rank's simulated GPU, and writes what it measured per
-iteration (window, energy, instruction spans, Perseus phase) to `<out_dir>/rank<R>.json`.
+iteration (window, energy, instruction spans, Perseus phase) to `<out_dir>/rank<R>.json`. Before
+Perseus attaches, the ranks agree on the host gap and pipeline hop their baseline measured, which
+the planner adds to the profile.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from perseus.atomic import write_json_atomic
 from perseus.demo.config import DemoConfig
 from perseus.demo.emulation import EmulatedStage, GPUEmulator
 from perseus.demo.model import build_stage, lm_loss, make_batch
-from perseus.demo.results import rank_record_path
+from perseus.demo.results import load_iterations, model_overheads, rank_record_path
 from perseus.demo.workload import stage_works
 from perseus.devices import get_gpus
 from perseus.exceptions import ConfigError
@@ -64,9 +66,10 @@ def run_rank(config: DemoConfig) -> None:
         if config.server is not None:
             from perseus.server.client import PlannerClient
 
+            overheads = measured_overheads(config, rank)
             client = PlannerClient(config.server)
             try:
-                _instrument(stage, schedule, gpu, client, config, rank, pipeline)
+                _instrument(stage, schedule, gpu, client, config, rank, pipeline, overheads)
                 try:
                     trainer.run(config.max_iterations, stage.perseus, client)
                 finally:
@@ -115,8 +118,21 @@ def gloo_latency(config: DemoConfig, stage: int, rank: int) -> float | None:
     return latency
 
 
-def _instrument(stage, schedule, gpu, client, config: DemoConfig, rank: int, pipeline: int) -> None:
-    """Perseus on this rank's stage, talking to the planner through `client`."""
+def measured_overheads(config: DemoConfig, rank: int) -> tuple[float, float]:
+    """(host gap between instructions, pipeline hop) in seconds, as the baseline measured them
+    (`perseus.demo.results.model_overheads`): rank 0 reads every rank's records once all are
+    written, and broadcasts its figures, so every rank's job spec carries the same numbers."""
+    dist.barrier()  # every rank's baseline records are on disk
+    values = torch.zeros(2, dtype=torch.float64)
+    if rank == 0:
+        values[:] = torch.tensor(model_overheads(load_iterations(config.out_dir, config.world_size), config.num_stages))
+    dist.broadcast(values, 0)
+    return float(values[0]), float(values[1])
+
+
+def _instrument(stage, schedule, gpu, client, config: DemoConfig, rank: int, pipeline: int, overheads: tuple[float, float]) -> None:
+    """Perseus on this rank's stage, talking to the planner through `client`; the planner counts
+    the measured host gap and hop (`overheads`) the GPU-only profile leaves out."""
     import perseus
     from perseus.runtime import ProfilingSettings
 
@@ -127,7 +143,7 @@ def _instrument(stage, schedule, gpu, client, config: DemoConfig, rank: int, pip
     )
     perseus.instrument(
         stage, schedule=schedule, client=client, gpu=gpu, tag=config.tag, profiling=settings,
-        rank=rank, dp=config.dp, dp_index=pipeline,
+        rank=rank, dp=config.dp, dp_index=pipeline, instruction_overhead_s=overheads[0], hop_latency_s=overheads[1],
     )
 
 

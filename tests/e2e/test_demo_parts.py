@@ -15,7 +15,7 @@ from perseus.demo.emulation import EmulatedStage, GPUEmulator
 from perseus.demo.launcher import DemoOptions, plan_applied, predict_at_pace, stop_job, summarize, wait_for_job
 from perseus.demo.config import ModelConfig
 from perseus.demo.model import build_stage, lm_loss, make_batch
-from perseus.demo.results import Iteration, read_rank_record, split_phases
+from perseus.demo.results import Iteration, model_overheads, read_rank_record, split_phases
 from perseus.demo.workload import DEFAULT_TIME_SCALE, GPT3_A100_STAGES, default_time_scale, stage_works
 from perseus.devices.sim import SimGPU, predict
 from perseus.exceptions import ConfigError, PerseusError
@@ -180,6 +180,31 @@ def test_straggler_phases_split_intrinsic_from_straggler_aware_and_predict_at_it
     assert predicted[0]["predicted_saving"] == pytest.approx(1 - 500 / 620)
     assert predicted[1]["predicted_saving"] == pytest.approx(1 - 580 / 600)
     assert predict_at_pace(None, 2, 1) == {}
+
+
+def _hop_it(index, phase, hop):
+    """Two pipelines x 2 stages, one microbatch; pipeline k's hops take `hop * (k + 1)`, and
+    stage 1 waits 1 ms between its forward and its backward (host work)."""
+    def span(kind, start, end):
+        return {"kind": kind, "microbatch": 0, "start": start, "end": end, "frequency": 1410}
+
+    spans = []
+    for k in (1, 2):
+        h = hop * k
+        spans += [(span("forward", 0.0, 1.0), span("backward", 3.0 + 2 * h, 4.0)),
+                  (span("forward", 1.0 + h, 2.0), span("backward", 2.001, 3.0 + h))]
+    windows = ((4.0, 1.0),) * 4
+    return Iteration(index, (phase,) * 4, 4.0, 4.0, tuple(tuple(r) for r in spans), 0.0, (None,) * 4, (None,) * 4, windows)
+
+
+def test_model_overheads_are_the_baseline_medians_over_every_pipeline():
+    its = [_hop_it(0, "baseline", 0.1), _hop_it(1, "baseline", 0.001), _hop_it(2, "baseline", 0.001), _hop_it(3, "planned", 0.1)]
+    gap, hop = model_overheads(its, num_stages=2)
+    assert gap == pytest.approx(0.001)  # stage 1's forward -> backward; stage 0's backward waited on stage 1
+    # Hops: 1 ms in pipeline 0, 2 ms in pipeline 1 (the warm-up and planned ones left out), median
+    # 1.5 ms, of which the sender's 1 ms host gap is already counted.
+    assert hop == pytest.approx(0.0005)
+    assert model_overheads(its[:1], num_stages=2) == (0.0, 0.0)  # nothing measured: nothing added
 
 
 def test_default_time_scale_keeps_the_default_iteration_time_for_any_shape():
