@@ -14,7 +14,8 @@ EPILOG = """examples:
 
 Then: perseus serve --curve-keys keys --bind tcp://0.0.0.0:7787, and on each node
 PERSEUS_CURVE_KEYS=keys PERSEUS_CURVE_CLIENT=node1 (a copy of keys/server/server.key and that
-client's two files is all a node needs). Delete clients/NAME.key to revoke a client.
+client's two files is all a node needs). Delete clients/NAME.key to revoke a client: the
+service refuses its messages and ends its connections within a second (at once on SIGHUP).
 """
 
 

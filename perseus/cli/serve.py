@@ -9,9 +9,11 @@ import sys
 
 from perseus.exceptions import ConfigError
 from perseus.server.protocol import DEFAULT_ADDRESS
-from perseus.server.security import PLAINTEXT, CurveServer
+from perseus.server.security import PLAINTEXT, CurveServer, Security
 from perseus.server.service import PlannerService
 from perseus.server.state import default_state_dir
+
+log = logging.getLogger(__name__)
 
 EPILOG = f"""examples:
   perseus serve                                       listen on {DEFAULT_ADDRESS}
@@ -21,6 +23,9 @@ EPILOG = f"""examples:
   perseus serve --bind tcp://0.0.0.0:7787 --curve-keys keys
                                                       other machines, CURVE-authenticated: ranks
                                                       set PERSEUS_CURVE_KEYS=keys PERSEUS_CURVE_CLIENT=node1
+  rm keys/clients/node2.key; kill -HUP <pid>          revoke node2: its open connections are refused and
+                                                      closed at their next message (without SIGHUP, from
+                                                      about a second after the deletion)
 
 Start it beside torchrun; ranks reach it through perseus.instrument(..., address=...).
 """
@@ -61,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         endpoint = service.bind()
         previous = {sig: signal.signal(sig, lambda *_: service.stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if hasattr(signal, "SIGHUP"):  # not on Windows
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: _reload_keys(security, args.curve_keys))
         print(f"perseus serve: listening on {endpoint}", flush=True)
         try:
             service.serve_forever()
@@ -70,3 +77,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         service.close()
     return 0
+
+
+def _reload_keys(security: Security, keys_dir: str | None) -> None:
+    """SIGHUP: read the accepted client keys again, so a deleted key's open connections are
+    refused now rather than within the second the service takes to notice by itself."""
+    allowed = security.reload()
+    if allowed is None:
+        log.info("SIGHUP: no client keys to reload (the service runs without --curve-keys)")
+    else:
+        log.info("SIGHUP: reloaded the client keys in %s: %d allowed; connections with other keys are refused and closed", keys_dir, allowed)

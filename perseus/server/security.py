@@ -9,15 +9,22 @@ CURVE keys (`perseus keys --dir DIR`, written by `create_keys`):
     DIR/clients/<name>.key, <name>.key_secret     one pair per client (a node, a job, an operator)
 The service accepts exactly the clients whose public key (`<name>.key`) is in DIR/clients,
 read again at every handshake, so adding or deleting a file takes effect without a restart.
-Secret key files are mode 0600. Ranks find their keys through PERSEUS_CURVE_KEYS=DIR (and
-PERSEUS_CURVE_CLIENT=<name>, default "client") when no `security` is passed to PlannerClient.
+A handshake happens once per connection, so the service also asks `authorized(peer_key(frame))`
+for each message: a deleted key is refused within a second (DIR/clients' mtime, or at once
+after `reload()`, which `perseus serve` calls on SIGHUP), and `drop_connection` ends the
+connection it came on. Secret key files are mode 0600 (a wider one is warned about). Ranks find
+their keys through PERSEUS_CURVE_KEYS=DIR (and PERSEUS_CURVE_CLIENT=<name>, default "client")
+when no `security` is passed to PlannerClient.
 """
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import logging
 import os
+import socket
+import stat
 import threading
 import time
 from pathlib import Path
@@ -28,6 +35,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
+from perseus.atomic import write_text_atomic
 from perseus.exceptions import ConfigError
 
 log = logging.getLogger(__name__)
@@ -46,13 +54,15 @@ _REFUSALS = {
 
 
 REFUSAL_LOG_INTERVAL_S = 10.0  # a refused client retries every second: one line per reason per interval
+KEYS_CHECK_INTERVAL_S = 1.0  # how often an allowed client's message makes the service stat DIR/clients
+DROP_DELAY_S = 0.2  # drop_connection waits this long, for the error reply sent before it to go out
 
 
 class _Refusals:
     """Logs refusals at WARNING, at most once per reason per interval, counting the rest."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a SIGHUP reload may log while the loop it interrupted does
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
@@ -74,6 +84,10 @@ class Security(Protocol):
 
     def configure_client(self, socket: zmq.Socket) -> None: ...
 
+    def authorized(self, user_id: str | None) -> bool: ...
+
+    def reload(self) -> int | None: ...
+
     def close(self) -> None: ...
 
 
@@ -88,11 +102,79 @@ class Plaintext:
     def configure_client(self, socket: zmq.Socket) -> None:
         pass
 
+    def authorized(self, user_id: str | None) -> bool:
+        """Every message is: there are no keys to revoke."""
+        return True
+
+    def reload(self) -> None:
+        """Nothing to reload (None: no client keys)."""
+        return None
+
     def close(self) -> None:
         pass
 
 
 PLAINTEXT = Plaintext()
+
+
+def peer_key(frame: zmq.Frame) -> str | None:
+    """The z85 CURVE public key a message's sender authenticated with (the frame's "User-Id",
+    set by the handshake; recv with copy=False), or None on a socket without CURVE."""
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+
+
+_dropping: set[tuple[int, int]] = set()
+_dropping_lock = threading.Lock()
+
+
+def drop_connection(frame: zmq.Frame, delay_s: float = DROP_DELAY_S) -> bool:
+    """End the TCP or IPC connection `frame` arrived on, `delay_s` from now so that a reply
+    sent before this still goes out. ZeroMQ cannot close one peer of a ROUTER, so this shuts
+    down that connection's socket (the frame's source fd); libzmq sees the peer leave, and a
+    client that reconnects meets the handshake's key check again. The socket is told apart by
+    its inode, so an fd number reused by another connection meanwhile is left alone. False when
+    there is no socket to shut down (inproc, or the connection is already gone)."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+        st = os.fstat(fd)
+    except (zmq.ZMQError, OSError, AttributeError):
+        return False
+    if not stat.S_ISSOCK(st.st_mode):
+        return False
+    key = (fd, st.st_ino)
+    with _dropping_lock:
+        if key in _dropping:
+            return True  # already on its way out
+        _dropping.add(key)
+    timer = threading.Timer(delay_s, _shutdown, key)
+    timer.daemon = True
+    timer.start()
+    return True
+
+
+def _shutdown(fd: int, inode: int) -> None:
+    try:
+        dup = os.dup(fd)  # ours to close; libzmq closes its own fd when it sees the peer leave
+    except OSError:
+        dup = -1
+    try:
+        if dup >= 0 and os.fstat(dup).st_ino == inode:
+            sock = socket.socket(fileno=dup)
+            dup = -1
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already disconnected
+            finally:
+                sock.close()
+    finally:
+        if dup >= 0:
+            os.close(dup)
+        with _dropping_lock:
+            _dropping.discard((fd, inode))
 
 
 def _secret_pair(path: Path) -> tuple[bytes, bytes]:
@@ -102,7 +184,34 @@ def _secret_pair(path: Path) -> tuple[bytes, bytes]:
         raise ConfigError(f"cannot read the CURVE key pair {path}: {e}; create keys with `perseus keys --dir DIR`") from None
     if secret is None:
         raise ConfigError(f"{path} holds no secret key; pass the <name>.key_secret file `perseus keys` wrote")
+    _warn_if_shared(path)
     return public, secret
+
+
+def _warn_if_shared(path: Path) -> None:
+    """A secret key other users can read lets them pose as its owner: say so, and the fix."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return
+    if mode & 0o077:
+        log.warning("the secret key %s is mode %04o, open to other users (who could pose as its owner): run chmod 600 %s", path, mode, path)
+
+
+def _read_client_keys(folder: Path, refusals: _Refusals) -> frozenset[bytes]:
+    """The public keys of the `*.key` files in `folder`. A file that cannot be read allows no
+    one (and is logged); a folder that cannot be listed raises OSError."""
+    if not folder.is_dir():
+        raise OSError(f"{folder} is not a folder")
+    keys = set()
+    for path in sorted(folder.glob("*.key")):
+        try:
+            keys.add(zmq.auth.load_certificate(path)[0])
+        except FileNotFoundError:
+            continue  # deleted since the listing
+        except (OSError, ValueError) as e:
+            refusals.log(f"ignoring the client key file {path}: {e}")
+    return frozenset(keys)
 
 
 def _public_key(path: Path) -> bytes:
@@ -114,20 +223,16 @@ def _public_key(path: Path) -> bytes:
 
 
 class _AllowList:
-    """ZAP credentials provider: a client key is accepted iff its public key file is in `folder`."""
+    """ZAP credentials provider: a client key is accepted iff its public key file is in the
+    server's clients folder, read again at each handshake (which refreshes `authorized` too)."""
 
-    def __init__(self, folder: Path, refusals: _Refusals) -> None:
-        self.folder = folder
-        self.refusals = refusals
+    def __init__(self, server: CurveServer) -> None:
+        self.server = server
 
     def callback(self, domain: str, key: bytes) -> bool:
-        try:
-            allowed = key in zmq.auth.load_certificates(self.folder)
-        except (OSError, ValueError) as e:
-            log.error("cannot read the accepted client keys in %s: %s; refusing every client", self.folder, e)
-            return False
+        allowed = key in self.server._load()
         if not allowed:
-            self.refusals.log(f"refused a client: its CURVE public key {key.decode(errors='replace')} is not in {self.folder}")
+            self.server._refusals.log(f"refused a client: its CURVE public key {key.decode(errors='replace')} is not in {self.server.clients}")
         return allowed
 
 
@@ -147,11 +252,62 @@ class CurveServer:
         self._auth: ThreadAuthenticator | None = None
         self._monitor: threading.Thread | None = None
         self._socket: zmq.Socket | None = None
+        # (stamp of DIR/clients when read, the keys read): replaced whole, never changed, so the
+        # service loop, the ZAP thread and a SIGHUP handler can all reload without a lock (a
+        # lock taken in a signal handler could deadlock the loop it interrupted).
+        self._keys: tuple[tuple[int, int] | None, frozenset[bytes]] = (None, frozenset())
+        self._next_check = 0.0
+        self._load()
+
+    def reload(self) -> int:
+        """Read DIR/clients again now; returns how many client keys are allowed. Messages of a
+        key no longer there are refused from now on (`authorized`)."""
+        return len(self._load())
+
+    def authorized(self, user_id: str | None) -> bool:
+        """Whether a message's sender (`peer_key(frame)`) is still allowed. DIR/clients is read
+        again when it changed: checked at most once a second for allowed keys, at each refused
+        message (so a key just added, which the handshake accepted, is never refused)."""
+        if user_id is None:
+            return False
+        key = user_id.encode()
+        stamp, allowed = self._keys
+        now = time.monotonic()
+        if key in allowed and now < self._next_check:
+            return True
+        self._next_check = now + KEYS_CHECK_INTERVAL_S
+        if stamp is None or stamp != self._stamp():
+            allowed = self._load()
+        return key in allowed
+
+    def _stamp(self) -> tuple[int, int] | None:
+        """DIR/clients' (inode, mtime): it changes when a key file is added, deleted or renamed
+        (not when one is edited in place: reload() for that). None, so the next check reads the
+        folder, when it is missing or changed in the last 2 s: file times have coarse ticks
+        (milliseconds, or seconds on some file systems), and a second change within the tick of
+        a read would not change the stamp."""
+        try:
+            st = os.stat(self.clients)
+        except OSError:
+            return None
+        if time.time_ns() - st.st_mtime_ns < 2_000_000_000:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    def _load(self) -> frozenset[bytes]:
+        stamp = self._stamp()  # before reading: a change during the read shows as a new stamp
+        try:
+            allowed = _read_client_keys(self.clients, self._refusals)
+        except OSError as e:
+            log.error("cannot read the accepted client keys in %s: %s; refusing every client", self.clients, e)
+            allowed = frozenset()
+        self._keys = (stamp, allowed)
+        return allowed
 
     def configure_server(self, socket: zmq.Socket) -> None:
         self._auth = ThreadAuthenticator(socket.context, log=log.getChild("zap"))
         self._auth.start()
-        self._auth.configure_curve_callback(domain="*", credentials_provider=_AllowList(self.clients, self._refusals))
+        self._auth.configure_curve_callback(domain="*", credentials_provider=_AllowList(self))
         socket.curve_secretkey = self.secret
         socket.curve_publickey = self.public
         socket.curve_server = True
@@ -217,6 +373,13 @@ class CurveClient:
         socket.curve_publickey = self.public
         socket.curve_serverkey = self.server
 
+    def authorized(self, user_id: str | None) -> bool:
+        """A client checks its peer's key in the handshake (the service's public key)."""
+        return True
+
+    def reload(self) -> None:
+        return None
+
     def close(self) -> None:
         pass
 
@@ -231,8 +394,11 @@ def security_from_env() -> Security:
 
 def create_keys(keys_dir: str | os.PathLike, clients: list[str], *, force: bool = False) -> list[Path]:
     """Create the service key pair (unless present, or `force`) and one pair per client name
-    (an existing client is an error unless `force`). Secret keys are mode 0600. Returns the
-    files written."""
+    (an existing client is an error unless `force`). Returns the files written.
+
+    Each file is written atomically (the service, reading DIR/clients at each handshake, never
+    sees half a key) with its mode set from the start: 0600 for secrets, 0644 for public keys,
+    whatever the umask."""
     root = Path(keys_dir).expanduser()
     written: list[Path] = []
     for name in clients:
@@ -247,18 +413,33 @@ def create_keys(keys_dir: str | os.PathLike, clients: list[str], *, force: bool 
             if (root / "clients" / f"{name}.key").exists() and not force:
                 raise ConfigError(f"client {name!r} already has keys in {root / 'clients'}; pick another name or pass --force")
             todo.append((root / "clients", name))
-        old_umask = os.umask(0o077)  # the secret file never exists with wider permissions
-        try:
-            for folder, name in todo:
-                public, secret = zmq.auth.create_certificates(folder, name)
-                os.chmod(secret, 0o600)
-                os.chmod(public, 0o644)
-                written += [Path(public), Path(secret)]
-        finally:
-            os.umask(old_umask)
+        for folder, name in todo:
+            public, secret = zmq.curve_keypair()
+            # The secret first: a public key in clients/ admits its client, which needs the pair.
+            write_text_atomic(folder / f"{name}.key_secret", _certificate(public, secret), mode=0o600)
+            write_text_atomic(folder / f"{name}.key", _certificate(public), mode=0o644)
+            written += [folder / f"{name}.key", folder / f"{name}.key_secret"]
     except OSError as e:
         raise ConfigError(f"cannot write keys under {root}: {e.strerror or e}; pass a writable --dir") from None
     return written
+
+
+def _certificate(public: bytes, secret: bytes | None = None) -> str:
+    """A ZeroMQ certificate file, as zmq.auth.create_certificates writes it."""
+    kind = "**Secret**" if secret else "Public"
+    lines = [
+        f"#   ****  Generated on {datetime.datetime.now()} by perseus keys  ****",
+        f"#   ZeroMQ CURVE {kind} Certificate",
+        "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions." if secret else
+        "#   Exchange securely, or use a secure mechanism to verify the contents of this file after exchange.",
+        "",
+        "metadata",
+        "curve",
+        f'    public-key = "{public.decode()}"',
+    ]
+    if secret:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    return "\n".join(lines) + "\n"
 
 
 def is_local_endpoint(endpoint: str) -> bool:
