@@ -8,6 +8,7 @@ import signal
 import sys
 
 from perseus.exceptions import ConfigError
+from perseus.server.budget import Budget
 from perseus.server.protocol import DEFAULT_ADDRESS
 from perseus.server.security import PLAINTEXT, CurveServer, Security
 from perseus.server.service import PlannerService
@@ -52,6 +53,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--insecure", action="store_true",
         help="allow binding a non-loopback address without --curve-keys (anyone who can reach the port can change your GPUs' clocks)",
     )
+    limits = parser.add_argument_group("budgets", "what one service holds and does; a job over a budget is refused with over_budget")
+    default = Budget()
+    limits.add_argument("--max-jobs", type=int, default=default.max_jobs, metavar="N", help=f"jobs held at once (default {default.max_jobs})")
+    limits.add_argument(
+        "--memory-budget-mib", type=int, default=default.memory_bytes >> 20, metavar="MIB",
+        help=f"estimated service memory of all jobs together (default {default.memory_bytes >> 20})",
+    )
+    limits.add_argument("--max-job-ranks", type=int, default=default.max_job_ranks, metavar="N", help=f"ranks of one job (default {default.max_job_ranks})")
+    limits.add_argument(
+        "--max-job-pipelines", type=int, default=default.max_job_pipelines, metavar="N",
+        help=f"data-parallel pipelines of one job (default {default.max_job_pipelines})",
+    )
+    limits.add_argument(
+        "--max-plan-choices", type=int, default=default.max_plan_choices, metavar="N",
+        help=f"(instruction, frequency) choices of one pipeline's plan, which size its planning time (default {default.max_plan_choices})",
+    )
+    limits.add_argument("--planning-workers", type=int, default=default.planning_workers, metavar="N", help=f"plans solved at once (default {default.planning_workers})")
+    limits.add_argument(
+        "--job-ttl-hours", type=float, default=default.job_ttl_s / 3600, metavar="H",
+        help=f"a job with no request for this long is evicted; its cached profile stays (default {default.job_ttl_s / 3600:g})",
+    )
+    limits.add_argument(
+        "--evict-idle-minutes", type=float, default=default.evict_idle_s / 60, metavar="M",
+        help=f"when --max-jobs or the memory budget is full, the least recently active job idle this long makes room (default {default.evict_idle_s / 60:g})",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default info)")
     parser.add_argument("--log-every", type=int, default=10, metavar="N", help="log predicted against measured every N planned iterations (default 10)")
     parser.set_defaults(func=run)
@@ -61,8 +87,18 @@ def run(args: argparse.Namespace) -> int:
     if args.log_every < 1:
         raise ConfigError(f"--log-every must be 1 or more (log every N-th planned iteration), got {args.log_every}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    budget = Budget(
+        max_jobs=args.max_jobs,
+        memory_bytes=args.memory_budget_mib * (1 << 20),
+        max_job_ranks=args.max_job_ranks,
+        max_job_pipelines=args.max_job_pipelines,
+        max_plan_choices=args.max_plan_choices,
+        planning_workers=args.planning_workers,
+        job_ttl_s=args.job_ttl_hours * 3600,
+        evict_idle_s=args.evict_idle_minutes * 60,
+    )
     security = CurveServer(args.curve_keys) if args.curve_keys else PLAINTEXT
-    service = PlannerService(args.bind, args.state_dir, security=security, insecure=args.insecure, log_every=args.log_every)
+    service = PlannerService(args.bind, args.state_dir, security=security, insecure=args.insecure, log_every=args.log_every, budget=budget)
     try:
         endpoint = service.bind()
         previous = {sig: signal.signal(sig, lambda *_: service.stop()) for sig in (signal.SIGINT, signal.SIGTERM)}

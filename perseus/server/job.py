@@ -29,6 +29,7 @@ from perseus.server.planning import PlanResult, check_stage_profile, job_schedul
 from perseus.server.protocol import ErrorCode, JobPhase, JobSpec, JobStatus, PipelineStatus, RankInfo, ReportIteration, Table
 from perseus.server.straggler import StragglerDetector
 from perseus.server.tally import IterationTally, Mean, Measured
+from perseus.server.text import clip
 from perseus.server.topology import merge_tensor_parallel, rank_coordinates
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class Job:
         self.profiles: dict[str, dict[int, Profile]] = {}  # model -> stage -> merged over tensor parallel
         self.sweep: tuple[int, ...] | None = () if cached_profile is not None else spec.sweep_frequencies
         self.error = ""
+        self.warning = ""  # the job runs, but something is degraded (its state could not be saved)
         self.plans: dict[int, PublishedPlan] = {}
         self.results: dict[PlanKey, PlanResult | str] = {}  # solved plans; str: why the planner could not
         self.declared: dict[int, float] = {}
@@ -116,6 +118,7 @@ class Job:
         self.last_iteration = -1
         self._models: dict[int, Models] = {}
         self._phase: JobPhase | None = None  # cached: tables are asked for many times a second
+        self._frequency_lists: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple shared by ranks of one GPU
         self._reset_measurements()
 
     def _changed(self) -> None:
@@ -179,6 +182,7 @@ class Job:
                 f"rank {info.rank}'s GPU does not support sweep frequencies {missing[:8]} MHz; "
                 "set JobSpec.sweep_frequencies to frequencies every rank supports"
             )
+        object.__setattr__(info, "frequencies", self._frequency_lists.setdefault(info.frequencies, info.frequencies))
         old = self.ranks.get(info.rank)
         if old is not None:
             self._coords.pop((old.stage, old.dp_index, old.tp_index), None)
@@ -280,8 +284,14 @@ class Job:
             raise _bad_field(f"rank {rank} registered stage {info.stage} but uploaded a profile for stage {stage}")
         try:
             check_stage_profile(self.schedule, stage, profile)
-        except Exception as e:
+        except ConfigError as e:
             raise _bad_field(str(e)) from None
+        unsupported = sorted({p.frequency for pts in profile.points.values() for p in pts} - set(info.frequencies), reverse=True)
+        if unsupported:
+            raise _bad_field(
+                f"profile of stage {stage} has rows at {unsupported[:8]} MHz, which rank {rank}'s GPU does not support "
+                f"(it registered {len(info.frequencies)} frequencies); profile only frequencies the rank can run"
+            )
         model = info.gpu_model
         if stage in self.profiled_stages_of(model) or info.tp_index in self.uploads.get((model, stage), {}):
             return None
@@ -303,6 +313,18 @@ class Job:
                 raise _bad_field(str(e)) from None
             self.profiles.setdefault(model, {})[stage] = merged
             self._changed()
+
+    def drop_upload(self, rank: int, name: str) -> None:
+        """Forget the upload `add_profile` took under `name` (its state file could not be written:
+        the rank is told to retry, so nothing unsaved is acknowledged)."""
+        info = self.rank(rank)
+        model, stage, tp_index = info.gpu_model, info.stage, info.tp_index
+        if self.upload_names.get((model, stage, tp_index)) != name:
+            return
+        del self.upload_names[(model, stage, tp_index)]
+        self.uploads.get((model, stage), {}).pop(tp_index, None)
+        self.profiles.get(model, {}).pop(stage, None)
+        self._changed()
 
     def add_cached(self, model: str, profile: Profile) -> None:
         """A whole-pipeline profile of `model` from the signature cache: no profiling on it."""
@@ -427,8 +449,8 @@ class Job:
 
     def _lead(self) -> int:
         lead = PLAN_LEAD_ITERATIONS
-        if self.recent_time_s:
-            lead = max(lead, math.ceil(PLAN_LEAD_S / self.recent_time_s))
+        if self.recent_time_s:  # bounded below by the protocol; the min() keeps the ceil finite regardless
+            lead = max(lead, math.ceil(min(PLAN_LEAD_S / self.recent_time_s, MAX_PLAN_LEAD)))
         return min(lead, MAX_PLAN_LEAD)
 
     def declare_straggler(self, pipeline: int, factor: float | None) -> None:
@@ -440,8 +462,12 @@ class Job:
             self.declared[pipeline] = factor
 
     def fail(self, message: str) -> None:
-        self.error = message
+        self.error = clip(message)
         self._changed()
+
+    def degrade(self, message: str) -> None:
+        """Something went wrong that leaves the job running (its state not saved); "" when mended."""
+        self.warning = clip(message)
 
     # ---- predicted against measured ------------------------------------------------------------------
 
@@ -542,6 +568,7 @@ class Job:
             plan_version=max((p.version for p in self.plans.values()), default=0),
             last_iteration=self.last_iteration,
             error=self.error,
+            warning=self.warning,
             predicted_iteration_time_s=predicted["time"],
             predicted_energy_j=predicted["energy"],
             predicted_baseline_energy_j=predicted["baseline"],
@@ -606,7 +633,7 @@ class Job:
             job.plans[int(k)] = plan
             job.results[plan.key] = PlanResult(**{f.name: getattr(plan, f.name) for f in fields(PlanResult)})
         job.declared = {int(k): float(f) for k, f in doc.get("declared", {}).items()}
-        job.error = str(doc.get("error", "")) if doc.get("error") else ""
+        job.error = clip(str(doc["error"])) if doc.get("error") else ""
         job._reset_measurements()
         job._changed()
         return job

@@ -115,3 +115,11 @@ def plan_pipeline(planner: Any, deadline_s: float | None = None) -> tuple[PlanRe
     )
     return result, plan.to_json()
 
+
+
+def plan_choices(schedule: Schedule, profile: Profile) -> int:
+    """(instruction, frequency) pairs of a pipeline's planning problem: what its planning time and
+    memory grow with, and what the service's planning budget counts."""
+    counts = {key: len(points) for key, points in profile.points.items()}
+    virtual = schedule.num_chunks > 1 and set(range(schedule.num_virtual_stages)) <= {s for s, _ in counts}  # as Profile.stage_for
+    return sum(counts.get((schedule.virtual_stage(ins) if virtual else ins.stage, ins.kind.value), 0) for row in schedule.stages for ins in row)

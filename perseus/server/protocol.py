@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import reprlib
+import sys
 from dataclasses import KW_ONLY, MISSING, dataclass, fields
 from typing import Any, ClassVar
 
@@ -32,7 +33,14 @@ DEFAULT_ADDRESS = "tcp://127.0.0.1:7787"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # larger: a too_large error reply
 HARD_MESSAGE_BYTES = 4 * MAX_MESSAGE_BYTES  # zmq.MAXMSGSIZE: zmq drops a peer that sends more
 MAX_ID = 2**63 - 1
-MAX_ITERATION = 2**62
+MAX_ITERATION = 2**62  # what the service sends (a plan starts a bounded lead after a rank's iteration)
+MAX_RANK_ITERATION = 2**53  # what a rank may report: far past any real run, far below MAX_ITERATION
+# An iteration or instruction lasts at least a microsecond and at most a day; one rank's GPU
+# spends at most 10 MJ in one (10 kW for 1,000 s). Values outside are bugs or attacks, and
+# derived values (1 / time, sums over ranks) stay finite within them.
+MIN_TIME_S = 1e-6
+MAX_TIME_S = 86_400.0
+MAX_ENERGY_J = 1e7
 MAX_RANKS = 1 << 20
 MAX_FREQUENCY_MHZ = 100_000
 MAX_FREQUENCIES = 1024
@@ -58,7 +66,9 @@ class ErrorCode(_Name):
     UNKNOWN_JOB = "unknown_job"
     UNKNOWN_RANK = "unknown_rank"
     UNKNOWN_TYPE = "unknown_type"
-    NOT_READY = "not_ready"  # the job's schedule is still being built: retry shortly
+    NOT_READY = "not_ready"  # the job's schedule is still being built, or its state could not be saved: retry shortly
+    OVER_BUDGET = "over_budget"  # the service's job, memory or planning budget would be exceeded
+    UNAUTHORIZED = "unauthorized"  # the client's CURVE key was revoked
     INTERNAL = "internal"
 
 
@@ -108,9 +118,11 @@ def _float(value: Any, name: str, lo: float, hi: float, *, open_lo: bool = False
     return float(value)
 
 
-def _str(value: Any, name: str, max_len: int, *, min_len: int = 0, choices: tuple[str, ...] | None = None) -> str:
+def _str(value: Any, name: str, max_len: int, *, min_len: int = 0, choices: tuple[str, ...] | None = None, printable: bool = True) -> str:
     if not isinstance(value, str) or not min_len <= len(value) <= max_len:
         raise ConfigError(f"{name} must be a string of {min_len} to {max_len} characters, got {_show(value)}")
+    if printable and not value.isprintable():  # names reach log lines: no newlines or terminal escapes
+        raise ConfigError(f"{name} must be printable text (no control characters such as newlines or escapes), got {_show(value)}")
     if choices is not None and value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
     return value
@@ -174,9 +186,10 @@ def _fields_of(cls: type, doc: Any, where: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise ConfigError(f"{where} must be a map, got {_show(doc)}")
     known = {f.name: f for f in fields(cls)}
-    unknown = sorted(_show(k) for k in doc if k not in known)
+    unknown = [k for k in doc if k not in known]
     if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; protocol v{PROTOCOL_VERSION} fields are {', '.join(known)}")
+        named = ", ".join(_show(k) for k in unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
+        raise ConfigError(f"{where}: unknown field(s) {named}; protocol v{PROTOCOL_VERSION} fields are {', '.join(known)}")
     missing = [n for n, f in known.items() if n not in doc and f.default is MISSING and f.default_factory is MISSING]
     if missing:
         raise ConfigError(f"{where}: missing field(s) {', '.join(missing)}")
@@ -406,8 +419,8 @@ def profile_from_wire(doc: Any, name: str) -> Profile:
         key = (_int(row[0], f"{where}.stage", 0, 1 << 20), _str(row[1], f"{where}.kind", 32, choices=KINDS))
         point = ProfilePoint(
             _int(row[2], f"{where}.frequency", 1, MAX_FREQUENCY_MHZ),
-            _float(row[3], f"{where}.time", 0.0, 1e6, open_lo=True),
-            _float(row[4], f"{where}.energy", 0.0, 1e9, open_lo=True),
+            _float(row[3], f"{where}.time", MIN_TIME_S, MAX_TIME_S),
+            _float(row[4], f"{where}.energy", 0.0, MAX_ENERGY_J, open_lo=True),
         )
         points.setdefault(key, []).append(point)
     for pts in points.values():
@@ -488,7 +501,7 @@ class GetTable(Message):
     def __post_init__(self) -> None:
         _job_id(self.job_id, "get_table.job_id")
         _int(self.rank, "get_table.rank", 0, MAX_RANKS - 1)
-        _int(self.iteration, "get_table.iteration", -1, MAX_ITERATION)
+        _int(self.iteration, "get_table.iteration", -1, MAX_RANK_ITERATION)
         _int(self.plan_version, "get_table.plan_version", 0, MAX_ITERATION)
 
 
@@ -526,7 +539,7 @@ class Table(Message):
         _int(self.plan_start_iteration, "table.plan_start_iteration", 0, MAX_ITERATION)
         if self.frequencies is not None:
             _set(self, frequencies=_ints(self.frequencies, "table.frequencies", 1, MAX_FREQUENCY_MHZ, MAX_INSTRUCTIONS))
-        _str(self.error, "table.error", 4096)
+        _str(self.error, "table.error", 4096, printable=False)
         _bool(self.upload, "table.upload")
 
     def to_wire(self) -> dict[str, Any]:
@@ -583,14 +596,14 @@ class ReportIteration(Message):
     def __post_init__(self) -> None:
         _job_id(self.job_id, "report_iteration.job_id")
         _int(self.rank, "report_iteration.rank", 0, MAX_RANKS - 1)
-        _int(self.iteration, "report_iteration.iteration", 0, MAX_ITERATION)
+        _int(self.iteration, "report_iteration.iteration", 0, MAX_RANK_ITERATION)
         _set(
             self,
-            time_s=_float(self.time_s, "report_iteration.time_s", 0.0, 1e7, open_lo=True),
-            energy_j=_float(self.energy_j, "report_iteration.energy_j", 0.0, 1e12),
+            time_s=_float(self.time_s, "report_iteration.time_s", MIN_TIME_S, MAX_TIME_S),
+            energy_j=_float(self.energy_j, "report_iteration.energy_j", 0.0, MAX_ENERGY_J),
         )
         if self.compute_time_s is not None:
-            _set(self, compute_time_s=_float(self.compute_time_s, "report_iteration.compute_time_s", 0.0, 1e7, open_lo=True))
+            _set(self, compute_time_s=_float(self.compute_time_s, "report_iteration.compute_time_s", MIN_TIME_S, MAX_TIME_S))
 
     def to_wire(self) -> dict[str, Any]:
         doc = super().to_wire()
@@ -636,7 +649,9 @@ class GetStatus(Message):
 
 
 def _opt_float(value: Any, name: str) -> float | None:
-    return None if value is None else _float(value, name, 0.0, 1e15)
+    """A status figure: any finite non-negative number (a job's energy summed over many ranks and
+    iterations has no useful upper bound)."""
+    return None if value is None else _float(value, name, 0.0, sys.float_info.max)
 
 
 @dataclass(frozen=True)
@@ -677,6 +692,7 @@ class JobStatus(Message):
     plan_version: int
     last_iteration: int
     error: str = ""
+    warning: str = ""  # the job runs degraded, e.g. its state could not be saved (omitted on the wire when empty)
     predicted_iteration_time_s: float | None = None
     predicted_energy_j: float | None = None
     predicted_baseline_energy_j: float | None = None  # all ranks at max clocks, by the evaluator
@@ -696,7 +712,8 @@ class JobStatus(Message):
         _set(self, profiled_stages=_ints(self.profiled_stages, "job.profiled_stages", 0, 4095, 4096))
         _int(self.plan_version, "job.plan_version", 0, MAX_ITERATION)
         _int(self.last_iteration, "job.last_iteration", -1, MAX_ITERATION)
-        _str(self.error, "job.error", 4096)
+        _str(self.error, "job.error", 4096, printable=False)
+        _str(self.warning, "job.warning", 4096, printable=False)
         _int(self.baseline_iterations, "job.baseline_iterations", 0, MAX_ITERATION)
         _int(self.planned_iterations, "job.planned_iterations", 0, MAX_ITERATION)
         for name in (
@@ -715,6 +732,8 @@ class JobStatus(Message):
     def to_wire(self) -> dict[str, Any]:
         doc = {**super().to_wire(), "profiled_stages": list(self.profiled_stages)}
         doc["pipelines"] = [p.to_wire() for p in self.pipelines]
+        if not self.warning:
+            del doc["warning"]  # what earlier releases send and accept
         return doc
 
     @property

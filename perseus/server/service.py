@@ -9,6 +9,11 @@ report), plans are solved on worker threads, and rank registrations are saved in
 Every request gets exactly one reply; a request that cannot be read or acted on gets an error
 reply (protocol.ErrorCode plus a message saying what to fix), and the service keeps serving.
 Job state is written to the state directory on every change, so a restarted service resumes.
+
+Faults stay with the job they happen in: an exception in one job's code fails that job (its
+status and tables say why), a write error degrades it (retried; a profile that could not be
+saved is not acknowledged), and a state file that cannot be read at startup is quarantined.
+Jobs are admitted against the service's `Budget` and evicted when idle past its time-to-live.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ import zmq
 
 from perseus import __version__
 from perseus.exceptions import ConfigError, PerseusError, ProfileError, ScheduleError, ServiceError
+from perseus.server.budget import Budget, job_cost_bytes
 from perseus.server.job import Job, PlanKey, document_name
-from perseus.server.planning import PlanResult, job_schedule, make_planner, plan_pipeline
+from perseus.server.planning import PlanResult, job_schedule, make_planner, plan_choices, plan_pipeline
 from perseus.server.protocol import (
     DEFAULT_ADDRESS,
     HARD_MESSAGE_BYTES,
@@ -39,6 +45,7 @@ from perseus.server.protocol import (
     GetTable,
     JobRegistered,
     JobSpec,
+    JobStatus,
     Message,
     Ping,
     Pong,
@@ -53,8 +60,9 @@ from perseus.server.protocol import (
     encode_error,
     encode_reply,
 )
-from perseus.server.security import PLAINTEXT, Security, is_local_endpoint
+from perseus.server.security import PLAINTEXT, Security, drop_connection, is_local_endpoint, peer_key
 from perseus.server.state import StateDir, default_state_dir
+from perseus.server.text import clip
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +71,16 @@ MAX_PLANNERS = 16  # planners kept for re-planning (least recently used dropped)
 SAVE_INTERVAL_S = 0.5  # rank registrations are saved this often (ranks re-register after a crash)
 LOG_FIRST = 3  # log this many planned iterations of each plan, then every `log_every`-th
 GIL_SWITCH_S = 0.001  # see serve_forever
+EVICT_CHECK_S = 10.0  # how often idle jobs are looked for
+LOG_TEXT = 500  # characters of a refused request's message in the log
+# Peers: one that has not finished its handshake in HANDSHAKE_MS, or stops answering ZeroMQ
+# heartbeats for HEARTBEAT_TIMEOUT_MS, is dropped, so idle or half-open connections do not pile
+# up; replies queued to a peer that does not read them are bounded by REPLY_QUEUE.
+HANDSHAKE_MS = 5_000
+HEARTBEAT_MS = 10_000
+HEARTBEAT_TIMEOUT_MS = 30_000
+REPLY_QUEUE = 100
+FILE_LIMIT = 65_536  # open files wanted: each peer holds one; the soft limit is raised towards it
 
 
 class PlannerService:
@@ -76,21 +94,31 @@ class PlannerService:
         security: Security = PLAINTEXT,
         insecure: bool = False,
         log_every: int = 10,
+        budget: Budget | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.address = address
+        self.budget = budget or Budget()
+        self._clock = clock  # for jobs' idle time (tests pass a simulated one)
         self.security = security
         self.insecure = insecure
         self.log_every = max(1, log_every)
         self.state = StateDir(state_dir if state_dir is not None else default_state_dir())
         self.jobs: dict[str, Job] = {}
+        self._active: dict[str, float] = {}  # job id -> monotonic time of its latest request
+        self._costs: dict[str, int] = {}  # job id -> estimated memory (budget.job_cost_bytes)
         self.endpoint: str | None = None
-        self._planning: set[str] = set()
-        # (job, stage models) -> Planner, reused for later deadlines; used by worker threads only.
-        self._planners: OrderedDict[tuple[str, tuple[str, ...]], Any] = OrderedDict()
+        self._planning: set[str] = set()  # jobs with plans on the planning workers
+        self._building: set[str] = set()  # jobs whose schedule the builder thread has
+        self._to_plan: queue.SimpleQueue[tuple[str, Any, list[tuple[PlanKey, Any]]]] = queue.SimpleQueue()
+        self._planners_started = 0
+        # (job, stage models) -> (Planner, its choices), reused for later deadlines (see _planner).
+        self._planners: OrderedDict[tuple[str, tuple[str, ...]], tuple[Any, int]] = OrderedDict()
         self._planners_lock = threading.Lock()
         self._cache_saved: set[tuple[str, str]] = set()
-        self._unsaved: set[str] = set()  # jobs with rank registrations not yet written
+        self._unsaved: set[str] = set()  # jobs with rank registrations (or a failed write) not yet written
         self._saved_at = 0.0
+        self._evicted_at = clock()
         self._results: queue.SimpleQueue[tuple[str, list[tuple[PlanKey, tuple[PlanResult, dict] | BaseException, float]]]] = queue.SimpleQueue()
         # New jobs' schedules: built one at a time on one worker thread, handed back to the loop.
         self._to_build: queue.SimpleQueue[JobSpec] = queue.SimpleQueue()
@@ -118,6 +146,11 @@ class PlannerService:
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, HARD_MESSAGE_BYTES)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE)
+        _raise_file_limit()
         self.security.configure_server(sock)
         address = self.address
         if address.startswith("tcp://") and address.endswith(":0"):
@@ -178,17 +211,35 @@ class PlannerService:
             if poller.poll(POLL_MS):
                 for _ in range(1000):
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    if self.security.authorized(peer_key(frames[-1])):
+                        reply = self.handle([frame.bytes for frame in frames])
+                    else:
+                        reply = self._refuse_revoked(frames)
                     try:
-                        sock.send_multipart(self.handle(frames), zmq.NOBLOCK)
+                        sock.send_multipart(reply, zmq.NOBLOCK)
                     except zmq.Again:
                         log.warning("reply to a peer dropped: its queue is full")
-            self._finish_builds()
-            self._finish_plans()
-            if self._unsaved and time.monotonic() - self._saved_at >= SAVE_INTERVAL_S:
-                self._save_unsaved()
+            self.tend()
+
+    def tend(self) -> None:
+        """The loop's work between requests: take built schedules and solved plans, save what is
+        unsaved, evict jobs idle past their time-to-live."""
+        self._finish_builds()
+        self._finish_plans()
+        if self._unsaved and time.monotonic() - self._saved_at >= SAVE_INTERVAL_S:
+            self._save_unsaved()
+        now = self._clock()
+        if now - self._evicted_at >= EVICT_CHECK_S:
+            self._evicted_at = now
+            self._evict_idle(now)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a schedule is being built or a plan solved (their results not yet taken)."""
+        return bool(self._building or self._planning)
 
     def stop(self) -> None:
         self._stop.set()
@@ -209,7 +260,7 @@ class PlannerService:
         try:
             request_id, request = decode_request(payload[0])
         except RequestRejected as e:
-            log.info("rejected a request: %s", e)
+            log.info("rejected a request: %s", clip(str(e), LOG_TEXT))
             return [identity, encode_error(e.request_id, ErrorCode(e.code), e.message)]
         try:
             return [identity, encode_reply(request_id, self._handlers[type(request)](request))]
@@ -220,27 +271,42 @@ class PlannerService:
         except Exception as e:
             log.exception("internal error handling %s", request.TYPE)
             code, message = ErrorCode.INTERNAL, f"internal error ({type(e).__name__}: {e}); the service log has the traceback"
-        quiet = code in (ErrorCode.UNKNOWN_JOB, ErrorCode.UNKNOWN_RANK)  # ranks retry these until rank 0 registers
-        log.log(logging.DEBUG if quiet else logging.INFO, "%s refused: [%s] %s", request.TYPE, code.value, message)
+        quiet = code in (ErrorCode.UNKNOWN_JOB, ErrorCode.UNKNOWN_RANK, ErrorCode.NOT_READY)  # ranks retry these
+        log.log(logging.DEBUG if quiet else logging.INFO, "%s refused: [%s] %s", request.TYPE, code.value, clip(message, LOG_TEXT))
         return [identity, encode_error(request_id, code, message)]
+
+    def _refuse_revoked(self, frames: list[zmq.Frame]) -> list[bytes]:
+        """The reply to a client whose CURVE key was revoked after its handshake; its connection
+        is closed just after the reply goes out."""
+        log.warning("refused a request from client key %s: no longer in the accepted keys; closing its connection", peer_key(frames[-1]))
+        drop_connection(frames[-1])
+        try:
+            request_id, _ = decode_request(frames[-1].bytes)
+        except RequestRejected as e:
+            request_id = e.request_id
+        message = "this client's CURVE key is no longer accepted by the service (revoked); its connection is being closed"
+        return [frames[0].bytes, encode_error(request_id, ErrorCode.UNAUTHORIZED, message)]
 
     # ---- requests ------------------------------------------------------------------------------
 
     def _job(self, job_id: str) -> Job:
         if job_id not in self.jobs:
             raise ServiceError(ErrorCode.UNKNOWN_JOB.value, f"no job {job_id} on this service; rank 0 registers the job (register_job) first")
+        self._active[job_id] = self._clock()
         return self.jobs[job_id]
 
     def _register_job(self, msg: RegisterJob) -> JobRegistered:
         spec = msg.spec
         job = self.jobs.get(spec.job_id())
         if job is not None:
+            self._active[job.job_id] = self._clock()
             job.rerun()
             log.info("job %s registered again (phase %s)", job.job_id, job.phase.value)
         else:
+            cost = self._admit(spec)
             cached = self.state.load_cached_profile(spec.profile_key(), spec.signature())
             job = Job(spec, cached_profile=cached, build_schedule=False)
-            self.jobs[job.job_id] = job
+            self._add_job(job, cost)
             self._build_schedule(spec)
             log.info(
                 "job %s registered: %s, %d stages x %d microbatches, dp %d, tp %d (world size %d, %s rank mapping), GPU %s%s",
@@ -257,6 +323,59 @@ class PlannerService:
             )
         self._plan(job)
         return JobRegistered(job.job_id, job.phase.value, spec.gpu_model in job.cached)
+
+    def _admit(self, spec: JobSpec) -> int:
+        """The new job's estimated memory, once it fits the budget (evicting the least recently
+        active idle jobs to make room); `over_budget` with what to change otherwise."""
+        budget = self.budget
+        for value, limit, what, flag in (
+            (spec.world_size, budget.max_job_ranks, "ranks (world_size)", "--max-job-ranks"),
+            (spec.dp, budget.max_job_pipelines, "data-parallel pipelines (dp)", "--max-job-pipelines"),
+        ):
+            if value > limit:
+                raise ServiceError(ErrorCode.OVER_BUDGET.value, f"job has {value} {what}; this service admits at most {limit} per job (operator: {flag})")
+        cost = job_cost_bytes(spec)
+        if cost > budget.memory_bytes:
+            raise ServiceError(ErrorCode.OVER_BUDGET.value, f"job needs about {cost >> 20} MiB of service memory; the budget is {budget.memory_bytes >> 20} MiB (operator: --memory-budget-mib)")
+        now = self._clock()
+        while len(self.jobs) >= budget.max_jobs or sum(self._costs.values()) + cost > budget.memory_bytes:
+            idle = [(self._active.get(j, now), j) for j in self.jobs if j not in self._planning and j not in self._building]
+            oldest = min(idle, default=None)
+            if oldest is None or now - oldest[0] < budget.evict_idle_s:
+                full = f"{len(self.jobs)} jobs (limit {budget.max_jobs})" if len(self.jobs) >= budget.max_jobs else f"{sum(self._costs.values()) >> 20} MiB of jobs (budget {budget.memory_bytes >> 20} MiB)"
+                raise ServiceError(
+                    ErrorCode.OVER_BUDGET.value,
+                    f"the service holds {full} and none has been idle {budget.evict_idle_s:.0f} s; retry later or ask the operator "
+                    "to raise --max-jobs / --memory-budget-mib",
+                )
+            self._evict(oldest[1], f"making room for a new job (idle {now - oldest[0]:.0f} s)")
+        return cost
+
+    def _add_job(self, job: Job, cost: int) -> None:
+        self.jobs[job.job_id] = job
+        self._costs[job.job_id] = cost
+        self._active[job.job_id] = self._clock()
+
+    def _evict_idle(self, now: float) -> None:
+        ttl = self.budget.job_ttl_s
+        for job_id in [j for j, t in self._active.items() if now - t >= ttl and j not in self._planning and j not in self._building]:
+            self._evict(job_id, f"idle for {now - self._active[job_id]:.0f} s (time-to-live {ttl:.0f} s)")
+
+    def _evict(self, job_id: str, why: str) -> None:
+        """Forget a job and delete its state (its cached profiles stay: if it comes back, it
+        registers again and skips profiling)."""
+        self.jobs.pop(job_id, None)
+        self._active.pop(job_id, None)
+        self._costs.pop(job_id, None)
+        self._unsaved.discard(job_id)
+        with self._planners_lock:
+            for key in [k for k in self._planners if k[0] == job_id]:
+                del self._planners[key]
+        try:
+            self.state.remove_job(job_id)
+        except OSError as e:
+            log.warning("job %s evicted, but its state folder could not be removed: %s", job_id, e)
+        log.info("job %s evicted: %s", job_id, why)
 
     def _register_rank(self, msg: RegisterRank) -> RankRegistered:
         job = self._job(msg.job_id)
@@ -284,14 +403,23 @@ class PlannerService:
 
     def _upload_profile(self, msg: UploadProfile) -> Ack:
         job = self._job(msg.job_id)
-        if job.schedule is None and not job.error:
+        if job.schedule is None:
             # Not acknowledged: a profile is only taken once it can be checked and saved, so a
             # crash while the schedule builds never loses one the rank believes delivered.
             job.rank(msg.rank)
+            if job.error:
+                raise ServiceError(ErrorCode.BAD_FIELD.value, f"job {job.job_id} failed ({job.error}); fix it and register the job again")
             raise ServiceError(ErrorCode.NOT_READY.value, f"job {job.job_id}'s schedule is still being built; the client retries")
         name = job.add_profile(msg.rank, msg.stage, msg.profile)
         if name is not None:
-            self.state.save_stage_profile(job.job_id, name, msg.profile)
+            try:
+                self.state.save_stage_profile(job.job_id, name, msg.profile)
+            except OSError as e:
+                job.drop_upload(msg.rank, name)
+                reason = f"its state could not be saved: stage {msg.stage}'s profile ({e.strerror or e})"
+                job.degrade(reason)
+                log.error("job %s: %s; the rank is told to retry", job.job_id, reason)
+                raise ServiceError(ErrorCode.NOT_READY.value, f"{reason}; the client retries") from None
             model = job.ranks[msg.rank].gpu_model
             if msg.stage in job.profiled_stages_of(model):
                 log.info("job %s: stage %d profiled on %s (%d of %d)", job.job_id, msg.stage, model, len(job.profiled_stages_of(model)), job.spec.pp)
@@ -325,7 +453,36 @@ class PlannerService:
 
     def _status(self, msg: GetStatus) -> Status:
         jobs = [self._job(msg.job_id)] if msg.job_id is not None else [self.jobs[j] for j in sorted(self.jobs)]
-        return Status(tuple(job.status() for job in jobs))
+        return Status(tuple(self._job_status(job) for job in jobs))
+
+    def _job_status(self, job: Job) -> JobStatus:
+        """The job's status, or, if a bug keeps it from being told, a minimal one saying so: one
+        job never makes the status of all jobs fail."""
+        try:
+            return job.status()
+        except Exception as e:
+            log.exception("job %s: its status cannot be told", job.job_id)
+            return JobStatus(
+                job_id=job.job_id, phase="failed", world_size=job.spec.world_size, ranks_registered=len(job.ranks), profiled_stages=(),
+                plan_version=0, last_iteration=-1, error=clip(f"status unavailable: internal error ({type(e).__name__}: {e})"),
+            )
+
+    # ---- fault isolation -----------------------------------------------------------------------
+
+    def _guard(self, job: Job, what: str, action: Callable[[], None]) -> None:
+        """Run one job's `action` on the loop thread: a write error degrades the job (the write is
+        retried), any other exception fails that job alone, and the service keeps serving."""
+        try:
+            action()
+        except OSError as e:
+            reason = f"its state could not be saved while {what} ({e.strerror or e}); retrying"
+            if job.warning != clip(reason):
+                log.error("job %s: %s", job.job_id, reason)
+            job.degrade(reason)
+            self._unsaved.add(job.job_id)
+        except Exception as e:
+            log.exception("job %s: internal error while %s; the job is failed, its ranks run at maximum clocks", job.job_id, what)
+            job.fail(f"internal error while {what} ({type(e).__name__}: {e}); the service log has the traceback")
 
     # ---- schedules -----------------------------------------------------------------------------
 
@@ -333,6 +490,7 @@ class PlannerService:
         if self._builder is None:
             self._builder = threading.Thread(target=self._build_worker, name="build-schedules", daemon=True)
             self._builder.start()
+        self._building.add(spec.job_id())
         self._to_build.put(spec)
 
     def _build_worker(self) -> None:
@@ -351,29 +509,51 @@ class PlannerService:
                 spec, result, seconds = self._built.get_nowait()
             except queue.Empty:
                 return
-            job = self.jobs[spec.job_id()]
-            if isinstance(result, BaseException):
-                reason = str(result) if isinstance(result, PerseusError) else f"internal error ({type(result).__name__}: {result})"
-                job.fail(f"invalid job: {reason}")
-                log.error("job %s: %s; its ranks stay at maximum clocks", job.job_id, job.error)
-            else:
-                job.set_schedule(result)
-                log.info("job %s: schedule built in %.2f s (%d instructions)", job.job_id, seconds, sum(len(r) for r in result.stages))
-            self._plan(job)
+            self._building.discard(spec.job_id())
+            job = self.jobs.get(spec.job_id())
+            if job is None or job.spec != spec:
+                continue  # evicted meanwhile
+            self._guard(job, "building its schedule", lambda: self._take_schedule(job, result, seconds))
+
+    def _take_schedule(self, job: Job, result: Any, seconds: float) -> None:
+        if isinstance(result, BaseException):
+            reason = str(result) if isinstance(result, PerseusError) else f"internal error ({type(result).__name__}: {result})"
+            job.fail(f"invalid job: {reason}")
+            log.error("job %s: %s; its ranks stay at maximum clocks", job.job_id, job.error)
+        else:
+            job.set_schedule(result)
+            log.info("job %s: schedule built in %.2f s (%d instructions)", job.job_id, seconds, sum(len(r) for r in result.stages))
+        self._plan(job)
 
     # ---- planning ------------------------------------------------------------------------------
 
     def _plan(self, job: Job) -> None:
         """Publish what is solved, start solving what is missing, save the job."""
-        self._publish(job)
-        if job.job_id not in self._planning and not job.error:
-            missing = job.missing_plans()
-            if missing:
-                self._planning.add(job.job_id)
-                log.info("job %s: planning %s", job.job_id, ", ".join(_describe_key(key) for key, _ in missing))
-                worker = threading.Thread(target=self._plan_worker, args=(job.job_id, job.schedule, missing), name=f"plan-{job.job_id}", daemon=True)
-                worker.start()
-        self._save(job)
+        self._guard(job, "publishing its plans", lambda: self._publish(job))
+        self._guard(job, "starting its planning", lambda: self._start_planning(job))
+        self._guard(job, "saving its state", lambda: self._save(job))
+
+    def _start_planning(self, job: Job) -> None:
+        if job.job_id in self._planning or job.error:
+            return
+        tasks = []
+        for key, profile in job.missing_plans():
+            choices = plan_choices(job.schedule, profile)
+            if choices > self.budget.max_plan_choices:
+                job.add_result(key, f"the profile gives {choices} (instruction, frequency) choices, over the service's planning budget of "
+                                    f"{self.budget.max_plan_choices}; profile fewer frequencies (JobSpec.sweep_frequencies) or ask the "
+                                    "operator to raise --max-plan-choices")
+                log.error("job %s: %s (%s)", job.job_id, job.error or "a deadline is over the planning budget", _describe_key(key))
+            else:
+                tasks.append((key, profile))
+        if not tasks:
+            return
+        self._planning.add(job.job_id)
+        log.info("job %s: planning %s", job.job_id, ", ".join(_describe_key(key) for key, _ in tasks))
+        while self._planners_started < min(self.budget.planning_workers, len(self._planning)):
+            self._planners_started += 1
+            threading.Thread(target=self._plan_worker, name=f"planner-{self._planners_started}", daemon=True).start()
+        self._to_plan.put((job.job_id, job.schedule, tasks))
 
     def _publish(self, job: Job) -> None:
         changed = job.publish()
@@ -392,28 +572,35 @@ class PlannerService:
         if len(changed) > 8:
             log.info("job %s: plan v%d published for %d pipelines", job.job_id, job.last_version, len(changed))
 
-    def _plan_worker(self, job_id: str, schedule: Any, tasks: list[tuple[PlanKey, Any]]) -> None:
-        done: list[tuple[PlanKey, tuple[PlanResult, dict] | BaseException, float]] = []
-        for key, profile in tasks:
-            start = time.perf_counter()
-            try:
-                planner = self._planner(job_id, key[0], schedule, profile)
-                result: tuple[PlanResult, dict] | BaseException = plan_pipeline(planner, key[1])
-            except BaseException as e:  # reported to the loop thread, which records the failure
-                result = e
-            done.append((key, result, time.perf_counter() - start))
-        self._results.put((job_id, done))
+    def _plan_worker(self) -> None:
+        """One of `budget.planning_workers` threads: solves one job's missing plans at a time."""
+        while True:
+            job_id, schedule, tasks = self._to_plan.get()
+            done: list[tuple[PlanKey, tuple[PlanResult, dict] | BaseException, float]] = []
+            for key, profile in tasks:
+                start = time.perf_counter()
+                try:
+                    planner = self._planner(job_id, key[0], schedule, profile)
+                    result: tuple[PlanResult, dict] | BaseException = plan_pipeline(planner, key[1])
+                except BaseException as e:  # reported to the loop thread, which records the failure
+                    result = e
+                done.append((key, result, time.perf_counter() - start))
+            self._results.put((job_id, done))
 
     def _planner(self, job_id: str, models: tuple[str, ...], schedule: Any, profile: Any) -> Any:
+        """The pipeline's planner: kept for later deadlines while the kept ones' problems add up
+        to at most one planning budget of choices (a planner's memory grows with them)."""
         with self._planners_lock:
-            planner = self._planners.get((job_id, models))
-            if planner is not None:
+            kept = self._planners.get((job_id, models))
+            if kept is not None:
                 self._planners.move_to_end((job_id, models))
-                return planner
+                return kept[0]
         planner = make_planner(schedule, profile)
         with self._planners_lock:
-            self._planners[(job_id, models)] = planner
-            while len(self._planners) > MAX_PLANNERS:
+            self._planners[(job_id, models)] = (planner, plan_choices(schedule, profile))
+            while len(self._planners) > 1 and (
+                len(self._planners) > MAX_PLANNERS or sum(c for _, c in self._planners.values()) > self.budget.max_plan_choices
+            ):
                 self._planners.popitem(last=False)
         return planner
 
@@ -424,53 +611,93 @@ class PlannerService:
             except queue.Empty:
                 return
             self._planning.discard(job_id)
-            job = self.jobs[job_id]
-            for key, result, seconds in done:
-                if isinstance(result, BaseException):
-                    if isinstance(result, PerseusError):
-                        message = f"planning failed: {result}"
-                    else:
-                        log.error("job %s: planner crashed", job_id, exc_info=result)
-                        message = f"planning failed with an internal error ({type(result).__name__}: {result})"
-                    job.add_result(key, message)
-                    log.error("job %s: %s (%s); %s", job_id, message, _describe_key(key),
-                              "its ranks stay at maximum clocks" if key[1] is None else "those pipelines keep their no-slowdown plans")
-                    continue
-                result, document = result
-                job.add_result(key, result)
-                self.state.save_plan_document(job_id, document, document_name(job.spec, key))
-                log.info("job %s: solved %s in %.2f s: %.4f s, %.1f J per pipeline", job_id, _describe_key(key), seconds, result.iteration_time_s, result.energy_j)
-            for model in list(job.profiles):
-                profile = job.model_profile(model)
-                if profile is not None and model not in job.cached and (job_id, model) not in self._cache_saved:
-                    self.state.save_cached_profile(job.spec.profile_key(model), job.spec.signature(model), profile)
-                    self._cache_saved.add((job_id, model))
+            job = self.jobs.get(job_id)
+            if job is None:
+                continue  # evicted meanwhile
+            self._guard(job, "taking its solved plans", lambda: self._take_plans(job, done))
             self._plan(job)
+
+    def _take_plans(self, job: Job, done: list[tuple[PlanKey, tuple[PlanResult, dict] | BaseException, float]]) -> None:
+        job_id = job.job_id
+        for key, result, seconds in done:
+            if isinstance(result, BaseException):
+                if isinstance(result, PerseusError):
+                    message = f"planning failed: {result}"
+                else:
+                    log.error("job %s: planner crashed", job_id, exc_info=result)
+                    message = f"planning failed with an internal error ({type(result).__name__}: {result})"
+                job.add_result(key, message)
+                log.error("job %s: %s (%s); %s", job_id, clip(message), _describe_key(key),
+                          "its ranks stay at maximum clocks" if key[1] is None else "those pipelines keep their no-slowdown plans")
+                continue
+            result, document = result
+            job.add_result(key, result)
+            log.info("job %s: solved %s in %.2f s: %.4f s, %.1f J per pipeline", job_id, _describe_key(key), seconds, result.iteration_time_s, result.energy_j)
+            # The plan is in force once published; its full document is a record for the operator,
+            # so a write error here degrades the job (see _guard) and loses nothing the ranks need.
+            self.state.save_plan_document(job_id, document, document_name(job.spec, key))
+        for model in list(job.profiles):
+            profile = job.model_profile(model)
+            if profile is not None and model not in job.cached and (job_id, model) not in self._cache_saved:
+                self.state.save_cached_profile(job.spec.profile_key(model), job.spec.signature(model), profile)
+                self._cache_saved.add((job_id, model))
 
     # ---- state ---------------------------------------------------------------------------------
 
     def _save(self, job: Job) -> None:
         self.state.save_job(job.to_record())
         self._unsaved.discard(job.job_id)
+        if job.warning:
+            log.info("job %s: its state is saved again", job.job_id)
+            job.degrade("")
 
     def _save_unsaved(self) -> None:
         for job_id in sorted(self._unsaved):
-            self._save(self.jobs[job_id])
+            job = self.jobs.get(job_id)
+            if job is None:
+                self._unsaved.discard(job_id)
+            else:
+                self._guard(job, "saving its state", lambda: self._save(job))
         self._saved_at = time.monotonic()
 
     def _load_jobs(self) -> None:
-        for record in self.state.load_jobs():
+        """Resume every job of the state directory; a record that cannot be resumed is moved to
+        the quarantine folder (one log line) and the others load."""
+        for folder, record in self.state.load_jobs():
             try:
                 spec = JobSpec.from_wire(record["spec"])
                 models = ([spec.gpu_model] if record.get("cached") else []) + list(record.get("cached_models", []))
                 cached = {m: p for m in models if (p := self.state.load_cached_profile(spec.profile_key(m), spec.signature(m))) is not None}
-                job = Job.from_record(record, self.state.load_stage_profiles(record["job_id"]), cached)
-            except (PerseusError, KeyError, TypeError, ValueError) as e:
-                log.warning("cannot resume job %s from %s: %s", record.get("job_id"), self.state.root, e)
+                job = Job.from_record(record, self.state.load_stage_profiles(folder), cached)
+                if job.job_id != folder.name:
+                    raise ValueError(f"the folder of job {folder.name} holds the record of {job.job_id}")
+                cost = job_cost_bytes(spec)
+            except Exception as e:  # whatever a damaged file holds, the other jobs resume
+                self.state.quarantine(folder, f"{type(e).__name__}: {e}")
                 continue
-            self.jobs[job.job_id] = job
+            self._add_job(job, cost)
             log.info("resumed job %s (phase %s, plan v%d)", job.job_id, job.phase.value, job.last_version)
             self._plan(job)
+
+
+def _raise_file_limit() -> None:
+    """Raise the soft limit on open files towards FILE_LIMIT (as far as the hard limit allows):
+    with the usual 1,024, a thousand idle connections would leave no descriptor for new peers
+    or for the state files."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = FILE_LIMIT if hard == resource.RLIM_INFINITY else min(FILE_LIMIT, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (OSError, ValueError) as e:
+            log.warning("cannot raise the open-file limit from %d to %d (%s)", soft, wanted, e)
+    if soft != resource.RLIM_INFINITY and soft < 4096:
+        log.warning("the open-file limit is %d: each connected rank holds one; raise it (ulimit -n) for large jobs", soft)
 
 
 def _describe_key(key: PlanKey) -> str:

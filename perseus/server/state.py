@@ -9,6 +9,8 @@ Layout (every file written atomically, see perseus.atomic):
     jobs/<job_id>/plan.json           the planner's full plan document (plan-<hash>.json: other GPU
                                       models or a straggler's deadline)
     profiles/<profile_key>.json       merged profile of a job signature: later jobs skip profiling
+    quarantine/<name>.<time>          files and job folders that could not be read at startup,
+                                      moved aside (one WARNING line each) so the rest resumes
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 from perseus.atomic import write_json_atomic
 from perseus.exceptions import ConfigError, ProfileError
 from perseus.profiler.profile import Profile, load_profile, save_profile
+from perseus.server.text import clip
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,23 @@ class StateDir:
         path.mkdir(exist_ok=True)
         return path
 
+    def quarantine(self, path: Path, reason: str) -> None:
+        """Move an unreadable file or job folder to quarantine/, with one WARNING line naming it."""
+        target = self.root / "quarantine" / f"{path.name}.{time.strftime('%Y%m%dT%H%M%S')}.{time.monotonic_ns() % 1_000_000:06d}"
+        try:
+            target.parent.mkdir(exist_ok=True)
+            os.replace(path, target)
+        except OSError as e:
+            log.warning("cannot read %s (%s); it could not be moved to quarantine either (%s): delete it", path, clip(reason, 500), e.strerror or e)
+            return
+        log.warning("quarantined %s: %s; moved to %s", path, clip(reason, 500), target)
+
+    def remove_job(self, job_id: str) -> None:
+        """Delete a job's folder (an evicted job). OSError if it cannot."""
+        folder = self.root / "jobs" / job_id
+        if folder.exists():
+            shutil.rmtree(folder)
+
     def save_job(self, record: dict[str, Any]) -> None:
         """Write a job record (Job.to_record): its "spec" to spec.json the first time, the rest to job.json."""
         folder = self._job_dir(record["job_id"])
@@ -62,33 +84,34 @@ class StateDir:
         # Compact: the C encoder is many times faster than an indented dump for a 1,000-rank job.
         write_json_atomic(folder / "job.json", {"format": JOB_FORMAT, "version": 1, **rest}, indent=None)
 
-    def load_jobs(self) -> list[dict[str, Any]]:
-        """Every readable job record (with its spec); unreadable ones are logged and skipped."""
+    def load_jobs(self) -> list[tuple[Path, dict[str, Any]]]:
+        """(job folder, record with its spec) of every job folder; one that cannot be read is quarantined."""
         records = []
-        for path in sorted((self.root / "jobs").glob("*/job.json")):
+        for folder in sorted((self.root / "jobs").iterdir()):
             try:
-                doc = json.loads(path.read_text())
-                if doc.get("format") != JOB_FORMAT:
-                    raise ValueError(f"format is {doc.get('format')!r}, not {JOB_FORMAT!r}")
+                doc = json.loads((folder / "job.json").read_bytes())
+                if not isinstance(doc, dict) or doc.get("format") != JOB_FORMAT:
+                    raise ValueError(f"job.json is not a {JOB_FORMAT} record")
                 if "spec" not in doc:
-                    doc["spec"] = json.loads((path.parent / "spec.json").read_text())
-            except (OSError, ValueError) as e:
-                log.warning("skipping job record %s: %s (delete it to silence this)", path, e)
+                    doc["spec"] = json.loads((folder / "spec.json").read_bytes())
+            except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                self.quarantine(folder, f"{type(e).__name__}: {e}")
                 continue
-            records.append(doc)
+            records.append((folder, doc))
         return records
 
     def save_stage_profile(self, job_id: str, name: str, profile: Profile) -> None:
         save_profile(profile, self._job_dir(job_id) / f"{name}.json")
 
-    def load_stage_profiles(self, job_id: str) -> dict[str, Profile]:
-        """Every readable uploaded profile of the job, by file name (without .json)."""
+    def load_stage_profiles(self, folder: Path) -> dict[str, Profile]:
+        """Every readable uploaded profile in a job folder, by file name (without .json); an
+        unreadable one is quarantined, and its stage profiled again."""
         profiles = {}
-        for path in sorted((self.root / "jobs" / job_id).glob("stage-*.json")):
+        for path in sorted(folder.glob("stage-*.json")):
             try:
                 profiles[path.stem] = load_profile(path)
-            except (ProfileError, ValueError) as e:
-                log.warning("ignoring stage profile %s: %s; that stage will be profiled again", path, e)
+            except (ProfileError, OSError) as e:
+                self.quarantine(path, f"{e}; that stage will be profiled again")
         return profiles
 
     def save_plan_document(self, job_id: str, document: Any, name: str = "plan") -> None:
@@ -105,8 +128,8 @@ class StateDir:
             return None
         try:
             profile = load_profile(path)
-        except ProfileError as e:
-            log.warning("ignoring cached profile %s: %s; the job will be profiled", path, e)
+        except (ProfileError, OSError) as e:
+            self.quarantine(path, f"{e}; the job will be profiled")
             return None
         if profile.meta.get(SIGNATURE_META) != json.dumps(signature, sort_keys=True):
             log.warning("cached profile %s belongs to another job signature; the job will be profiled", path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PENDING_LIMIT = 256  # iterations awaiting reports; older ones are dropped (a rank stopped reporting)
+PENDING_REPORTS = 1 << 18  # reports held awaiting their iteration's last rank: bounds a large job's memory
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class Measured:
 class IterationTally:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
+        self._limit = max(2, min(PENDING_LIMIT, PENDING_REPORTS // world_size))
         self._pending: dict[int, dict[int, tuple[float, float]]] = {}
 
     def add(self, rank: int, iteration: int, time_s: float, energy_j: float) -> Measured | None:
@@ -28,7 +30,7 @@ class IterationTally:
         if len(ranks) == self.world_size:
             del self._pending[iteration]
             return Measured(iteration, max(t for t, _ in ranks.values()), sum(e for _, e in ranks.values()))
-        if len(self._pending) > PENDING_LIMIT:
+        if len(self._pending) > self._limit:
             del self._pending[min(self._pending)]
         return None
 

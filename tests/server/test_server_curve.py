@@ -5,10 +5,14 @@ answer, the service logs the refusal). About 4 s: each refused client waits out 
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import time
 
+import msgpack
 import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from perseus.cli.main import main
 from perseus.exceptions import ConfigError
@@ -21,7 +25,7 @@ def _answers(endpoint: str, security, timeout_s: float = 0.8) -> bool:
         return client.status() is not None
 
 
-def _wait_for_log(served, text: str, timeout_s: float = 5.0) -> None:
+def _wait_for_log(served, text: str, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while text not in served.log():
         assert time.monotonic() < deadline, f"{text!r} not in the service log:\n{served.log()}"
@@ -88,3 +92,42 @@ def test_serve_refuses_a_keys_folder_without_clients(serve, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RuntimeError, match="clients/"):
         serve(extra=("--curve-keys", str(tmp_path / "empty")))
+
+
+def test_a_revoked_key_is_refused_and_disconnected_on_its_open_connection(serve, tmp_path):
+    keys = tmp_path / "keys"
+    create_keys(keys, ["rank", "other"])
+    served = serve(extra=("--curve-keys", str(keys)))
+    ctx = zmq.Context.instance()
+    sockets = []
+
+    def dealer(name: str):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        CurveClient.from_dir(keys, name).configure_client(sock)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(served.endpoint)
+        sockets.extend((monitor, sock))
+        return sock, monitor
+
+    def ping(sock, request_id: int, timeout_s: float = 5.0):
+        sock.send(msgpack.packb({"v": 1, "id": request_id, "type": "ping"}))
+        return msgpack.unpackb(sock.recv(), raw=False) if sock.poll(int(timeout_s * 1000)) else None
+
+    (rank, rank_monitor), (other, other_monitor) = dealer("rank"), dealer("other")
+    try:
+        assert ping(rank, 1)["ok"] and ping(other, 2)["ok"]
+        (keys / "clients" / "rank.key").unlink()
+        served.proc.send_signal(signal.SIGHUP)
+        _wait_for_log(served, f"reloaded the client keys in {keys}: 1 allowed")
+        reply = ping(rank, 3)  # the open connection is refused, with the request's id so the client sees why
+        assert reply is not None and not reply["ok"] and reply["id"] == 3 and reply["error"]["code"] == "unauthorized"
+        _wait_for_log(served, "no longer in the accepted keys")
+        # ...then closed; reconnecting, the handshake refuses the key.
+        assert rank_monitor.poll(10_000) and recv_monitor_message(rank_monitor)["event"] == zmq.EVENT_DISCONNECTED
+        assert ping(rank, 4, timeout_s=1.0) is None
+        assert ping(other, 5)["ok"] and not other_monitor.poll(0)  # the other client keeps its connection
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+    assert served.stop() == 0

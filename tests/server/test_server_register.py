@@ -145,12 +145,12 @@ def test_the_spec_is_saved_once_beside_the_job_and_earlier_records_load(tmp_path
     state.save_job(job.to_record())
     assert (folder / "spec.json").stat().st_mtime_ns == spec_stat.st_mtime_ns  # written once
     assert "spec" not in json.loads((folder / "job.json").read_text())
-    (record,) = state.load_jobs()
+    ((_, record),) = state.load_jobs()
     again = Job.from_record(record, {}, {})
     assert again.spec == job.spec and again.to_record() == job.to_record()
     # An earlier release kept the spec inside job.json.
     legacy = {"format": "perseus.server.job", "version": 1, **job.to_record()}
     (folder / "spec.json").unlink()
     (folder / "job.json").write_text(json.dumps(legacy))
-    (record,) = state.load_jobs()
+    ((_, record),) = state.load_jobs()
     assert Job.from_record(record, {}, {}).spec == job.spec
