@@ -1,7 +1,7 @@
 """What the service benchmarks share: a real `perseus serve` process on loopback (with its
 memory and CPU figures), and stage profiles of the simulated A100-SXM.
 
-Used by benchmarks/service_load.py and benchmarks/service_fuzz.py (and the CI fuzz test). The
+Used by benchmarks/service_load.py, service_fuzz.py and service_stateful_fuzz.py (and the CI fuzz tests). The
 service runs exactly as an operator starts it (`python -m perseus.cli.main serve`), on a free
 loopback port and a throw-away state directory.
 """
@@ -15,30 +15,30 @@ import subprocess
 import sys
 from pathlib import Path
 
-from perseus.devices.sim import Work, get_preset, predict
+from perseus.devices.sim import SimPreset, Work, get_preset, predict
 from perseus.profiler.profile import Profile, ProfilePoint
 
 START_TIMEOUT_S = 60.0  # the full CLI imports every command; on a loaded 2-core machine that takes seconds
 PRESET = get_preset("a100-sxm")
 
 
-def stage_profile(stage: int, pp: int) -> Profile:
-    """What the rank-side profiler would measure on a simulated A100-SXM: every frequency from the
-    highest down to three past the minimum-energy one. Later stages do a little more work, and the
-    last stage (the loss) more still, so the planner finds slack to slow the others into."""
+def stage_profile(stage: int, pp: int, preset: SimPreset = PRESET) -> Profile:
+    """What the rank-side profiler would measure on a simulated A100-SXM (or `preset`): every
+    frequency from the highest down to three past the minimum-energy one. Later stages do a little
+    more work, and the last stage (the loss) more still, so the planner finds slack to slow the others into."""
     points = {}
     for kind, base_s, intensity in (("forward", 0.010, 1.0), ("backward", 0.020, 0.9)):
         work = Work(base_s * (1.0 + 0.02 * stage + (0.15 if stage == pp - 1 else 0.0)), intensity=intensity)
         rows: list[ProfilePoint] = []
         best, rising = float("inf"), 0
-        for f in PRESET.frequencies:
-            time_s, energy_j = predict(PRESET, work, f)
+        for f in preset.frequencies:
+            time_s, energy_j = predict(preset, work, f)
             rows.append(ProfilePoint(f, time_s, energy_j))
             best, rising = (energy_j, 0) if energy_j < best else (best, rising + 1)
             if rising == 3:
                 break
         points[(stage, kind)] = rows
-    return Profile(points, PRESET.idle_w)
+    return Profile(points, preset.idle_w)
 
 
 class ServeProcess:
@@ -68,7 +68,8 @@ class ServeProcess:
         return self.proc.poll() is None
 
     def log_tail(self, lines: int = 20) -> str:
-        self._log.flush()
+        if not self._log.closed:  # stop() closes it (a start that failed, too)
+            self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def memory_mb(self) -> tuple[float, float]:
