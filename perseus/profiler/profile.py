@@ -17,16 +17,23 @@ splits each backward point's time and energy into I and W parts by a fraction yo
 
 `with_overheads(instruction_s, hop_s)` adds per-instruction host work and stage-to-stage hops,
 which a profile of GPU work alone leaves out, before planning.
+
+A file may hold at most MAX_ROWS rows in MAX_BYTES, each value within LIMITS (a time from a
+microsecond to a day, a whole number of MHz up to 100000, ...). `load_profile` refuses anything
+else -- and any file content at all that is not a profile -- with a ProfileError, never another
+exception: the planner service reads its state files with it.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
 import math
+import operator
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,8 +49,20 @@ CSV_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
 JSON_FORMAT = "perseus.profile"
 KINDS = tuple(k.value for k in Kind)
 
+# Limits on what a profile file may hold: anything beyond them is a corrupt or hostile file,
+# refused with a ProfileError before it costs much time or memory, or skews a plan.
+MAX_ROWS = 100_000  # 100x the largest real profile (8 stages x 2 kinds x 60 clocks); the wire's cap too
+MAX_BYTES = 16 << 20  # room for MAX_ROWS rows as save_profile writes them (JSON: 12-15 MB); bounds memory too
+LIMITS = {  # name: (lowest, highest, unit), both inclusive
+    "stage": (0, (1 << 20) - 1, ""),
+    "frequency": (1, 100_000, " MHz"),
+    "time": (1e-6, 86_400.0, " s"),  # one microbatch of one instruction: a microsecond to a day
+    "energy": (1e-6, 1e9, " J"),  # a microsecond at 1 W to a day at over 10 kW
+    "blocking power": (0.0, 100_000.0, " W"),
+}
 
-@dataclass(frozen=True, order=True)
+
+@dataclass(frozen=True, order=True, slots=True)
 class ProfilePoint:
     """One microbatch of one instruction kind at one SM frequency."""
 
@@ -101,11 +120,10 @@ class Profile:
         return self._points(self.stage_for(instruction, schedule), instruction.kind)
 
     def validate(self, schedule: Schedule | None = None) -> None:
-        """Raise ProfileError naming the first bad row: a non-finite, zero or negative time or
-        energy, a repeated frequency, or (given a schedule) a stage or kind the schedule needs.
-        Without a schedule a partial profile (say, one rank's stage) is valid."""
-        if not (isinstance(self.blocking_power_w, (int, float)) and math.isfinite(self.blocking_power_w) and self.blocking_power_w >= 0):
-            raise ProfileError(f"blocking power must be a finite number of watts >= 0, got {self.blocking_power_w!r}")
+        """Raise ProfileError naming the first bad row: a value outside LIMITS, a repeated
+        frequency, or (given a schedule) a stage or kind the schedule needs. Without a schedule
+        a partial profile (say, one rank's stage) is valid."""
+        _value(self.blocking_power_w, "blocking power")
         for (stage, kind), pts in sorted(self.points.items()):
             if kind not in KINDS:
                 raise ProfileError(f"stage {stage}: unknown instruction {kind!r}; use one of {', '.join(KINDS)}")
@@ -114,7 +132,10 @@ class Profile:
             seen: set[int] = set()
             for p in pts:
                 where = f"row stage={stage},instruction={kind},frequency={p.frequency}"
-                _check_point(p, where)
+                try:
+                    _checked(stage, kind, p.frequency, p.time, p.energy)
+                except ProfileError as e:
+                    raise ProfileError(f"{where}: {e}") from None
                 if p.frequency in seen:
                     raise ProfileError(f"{where} appears twice; keep one measurement per frequency")
                 seen.add(p.frequency)
@@ -186,130 +207,169 @@ class Profile:
         return Profile(points, self.blocking_power_w, dict(self.meta))
 
 
-def _check_point(p: ProfilePoint, where: str) -> None:
-    for name in ("time", "energy"):
-        value = getattr(p, name)
-        if not math.isfinite(value):
-            raise ProfileError(f"{where}: {name} is {value}; re-measure it or drop the row")
-        if value <= 0:
-            raise ProfileError(f"{where}: {name} is {value}, but it must be positive (seconds / joules per microbatch); re-measure it or drop the row")
-    if p.frequency <= 0:
-        raise ProfileError(f"{where}: frequency must be a positive number of MHz")
+def _show(value: object) -> str:
+    """A value for an error message, short whatever the file holds."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, (str, int, float)):
+        text = repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    return {list: "[...]", dict: "{...}"}.get(type(value), f"<{type(value).__name__}>")  # no repr: it could be huge or too deep
 
 
-def _parse_int(text: str, what: str, where: str) -> int:
+def _value(raw: object, name: str) -> float:
+    """`raw` (a CSV cell's text or a JSON value) as a number within LIMITS[name]."""
     try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise ProfileError(f"{where}: {what} {text!r} is not a number") from None
-    if not math.isfinite(value) or value != int(value):
-        raise ProfileError(f"{where}: {what} {text!r} must be a whole number")
+        value = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        value = None
+    if value is None or isinstance(raw, bool):  # JSON true is no number of anything
+        raise ProfileError(f"{name} {_show(raw)} is not a number")
+    low, high, unit = LIMITS[name]
+    if not low <= value <= high:  # nan fails too
+        positive = "positive, " if low > 0 else ""
+        raise ProfileError(f"{name} is {value}, but it must be {positive}between {low:.10g} and {high:.10g}{unit}; fix or re-measure it")
+    return value
+
+
+def _whole(raw: object, name: str) -> int:
+    value = _value(raw, name)
+    if not value.is_integer():
+        raise ProfileError(f"{name} {_show(raw)} must be a whole number")
     return int(value)
 
 
-def _parse_float(text: str, what: str, where: str) -> float:
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        raise ProfileError(f"{where}: {what} {text!r} is not a number") from None
-
-
-def _from_rows(rows: Iterable[tuple[str, dict]], blocking_power_w: float, meta: dict[str, str]) -> Profile:
-    """Build a Profile from (location, row) pairs, checking each row where it was read."""
-    points: dict[tuple[int, str], list[ProfilePoint]] = {}
-    first_seen: dict[tuple[int, str, int], str] = {}
-    for where, row in rows:
-        stage = _parse_int(row["stage"], "stage", where)
-        if stage < 0:
-            raise ProfileError(f"{where}: stage {stage} must be >= 0")
-        kind = str(row["instruction"]).strip()
+def _checked(stage: object, kind: object, frequency: object, time: object, energy: object) -> tuple[int, str, ProfilePoint]:
+    """One row parsed and range-checked: the single check of every point, read from a file or
+    validated in memory. Errors carry no location; the caller prefixes it."""
+    if kind not in KINDS:
+        kind = kind.strip() if isinstance(kind, str) else kind
         if kind not in KINDS:
-            raise ProfileError(f"{where}: unknown instruction {kind!r}; use one of {', '.join(KINDS)}")
-        point = ProfilePoint(
-            _parse_int(row["frequency"], "frequency", where),
-            _parse_float(row["time"], "time", where),
-            _parse_float(row["energy"], "energy", where),
-        )
-        _check_point(point, where)
-        key = (stage, kind, point.frequency)
-        if key in first_seen:
+            raise ProfileError(f"unknown instruction {_show(kind)}; use one of {', '.join(KINDS)}")
+    point = ProfilePoint(_whole(frequency, "frequency"), _value(time, "time"), _value(energy, "energy"))
+    return _whole(stage, "stage"), kind, point  # type: ignore[return-value]
+
+
+def _from_rows(path: Path, rows: Callable[[], Iterator[tuple[int, tuple]]], where: Callable[[int], str], power: object, meta: dict[str, str]) -> Profile:
+    """A Profile from the (location, row values) pairs `rows()` yields, each checked as it is
+    read. `where` formats a location only for an error, and `rows()` runs again only to find
+    where a duplicate first appeared: a valid file pays for neither."""
+    try:
+        blocking_power_w = _value(power, "blocking power")
+    except ProfileError as e:
+        raise ProfileError(f"{path}: {e}") from None
+    points: dict[tuple[int, str], list[ProfilePoint]] = {}
+    frequencies: dict[tuple[int, str], set[int]] = {}
+
+    def identity(values: tuple) -> tuple[int, str, int]:
+        stage, kind, point = _checked(*values)
+        return stage, kind, point.frequency
+
+    for count, (loc, values) in enumerate(rows(), 1):
+        try:
+            if count > MAX_ROWS:
+                raise ProfileError(f"more than {MAX_ROWS} rows, the limit for a profile; keep one row per stage, instruction and frequency")
+            stage, kind, point = _checked(*values)
+        except ProfileError as e:
+            raise ProfileError(f"{where(loc)}: {e}") from None
+        key = (stage, kind)
+        if key not in points:
+            points[key], frequencies[key] = [], set()
+        if point.frequency in frequencies[key]:
+            first = next(line for line, other in rows() if identity(other) == (stage, kind, point.frequency))
             raise ProfileError(
-                f"{where}: duplicate row for stage {stage} instruction {kind} frequency {point.frequency} "
-                f"(first at {first_seen[key]}); keep one measurement per frequency"
+                f"{where(loc)}: duplicate row for stage {stage} instruction {kind} frequency {point.frequency} "
+                f"(first at {where(first)}); keep one measurement per frequency"
             )
-        first_seen[key] = where
-        points.setdefault((stage, kind), []).append(point)
+        frequencies[key].add(point.frequency)
+        points[key].append(point)
     if not points:
-        raise ProfileError("profile has no rows")
+        raise ProfileError(f"{path}: profile has no rows")
     for pts in points.values():
-        pts.sort(key=lambda p: p.frequency, reverse=True)
-    profile = Profile(points, blocking_power_w, meta)
-    profile.validate()
-    return profile
+        pts.sort(key=operator.attrgetter("frequency"), reverse=True)
+    return Profile(points, blocking_power_w, meta)
 
 
-def _read_csv(path: Path, text: str, blocking_power_w: float | None) -> Profile:
+def _read_csv(path: Path, data: bytes, blocking_power_w: float | None) -> Profile:
     if blocking_power_w is None:
         raise ProfileError(
             f"{path}: a CSV profile carries no blocking power; pass blocking_power_w (watts a GPU draws "
             "while waiting on a peer, e.g. 83.64 for A100-SXM, 70.38 for A40)"
         )
-    reader = csv.DictReader(io.StringIO(text))
-    header = [h.strip() for h in (reader.fieldnames or [])]
-    missing = [c for c in CSV_COLUMNS if c not in header]
-    if missing:
-        raise ProfileError(f"{path}:1: header lacks columns {missing}; expected {','.join(CSV_COLUMNS)}")
-    reader.fieldnames = header
 
-    def rows():
-        for row in reader:
-            if not any((v or "").strip() for v in row.values() if isinstance(v, str)):
-                continue
-            if None in row:
-                raise ProfileError(f"{path}:{reader.line_num}: row has more fields than the header; expected {','.join(CSV_COLUMNS)}")
-            if any(row.get(c) is None for c in CSV_COLUMNS):
-                raise ProfileError(f"{path}:{reader.line_num}: row has too few fields; expected {','.join(CSV_COLUMNS)}")
-            yield f"{path}:{reader.line_num}", row
+    def lines() -> Iterator[str]:
+        """The file's lines (ended by LF, CRLF or CR), each decoded alone: a bad byte is named by
+        its line, and the file never sits in memory as one text (io.StringIO takes 4 bytes a
+        character)."""
+        for number, line in enumerate(data.removeprefix(codecs.BOM_UTF8).splitlines(keepends=True), 1):
+            try:
+                yield line.decode()
+            except UnicodeDecodeError as e:
+                raise ProfileError(f"{path}:{number}: byte {line[e.start]:#04x} is not UTF-8 text; save the profile as UTF-8") from None
 
-    return _from_rows(rows(), float(blocking_power_w), {})
+    def rows() -> Iterator[tuple[int, tuple]]:
+        reader = csv.reader(lines())
+        try:
+            header = [h.strip() for h in next(reader, [])]
+            missing = [c for c in CSV_COLUMNS if c not in header]
+            if missing:
+                raise ProfileError(f"{path}:1: header lacks columns {missing}; expected {','.join(CSV_COLUMNS)}")
+            pick = operator.itemgetter(*(header.index(c) for c in CSV_COLUMNS))
+            width = len(header)
+            for row in reader:
+                if len(row) != width or not all(row):  # the common row skips these checks
+                    if not "".join(row).strip():
+                        continue  # a blank line
+                    if len(row) != width:
+                        problem = "more fields than the header" if len(row) > width else "too few fields for the header"
+                        raise ProfileError(f"{path}:{reader.line_num}: row has {problem}; expected {','.join(CSV_COLUMNS)}")
+                yield reader.line_num, pick(row)
+        except csv.Error as e:
+            raise ProfileError(f"{path}:{reader.line_num}: not valid CSV ({e}); expected {','.join(CSV_COLUMNS)}") from None
+
+    return _from_rows(path, rows, lambda line: f"{path}:{line}", blocking_power_w, {})
 
 
-def _read_json(path: Path, text: str, blocking_power_w: float | None) -> Profile:
+def _read_json(path: Path, data: bytes, blocking_power_w: float | None) -> Profile:
     try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"{path}: not valid JSON ({exc})") from None
+        doc = json.loads(data)  # bytes: UTF-8 with or without a byte-order mark, or UTF-16/32
+    except (ValueError, RecursionError) as e:  # ValueError: also bad UTF-8; RecursionError: nested too deep
+        raise ProfileError(f"{path}: not valid JSON ({type(e).__name__}: {e}); write it with perseus.profiler.save_profile") from None
     if not isinstance(doc, dict) or doc.get("format") != JSON_FORMAT or not isinstance(doc.get("points"), list):
         raise ProfileError(f"{path}: not a Perseus profile (expected an object with format {JSON_FORMAT!r} and a 'points' list)")
     power = blocking_power_w if blocking_power_w is not None else doc.get("blocking_power_w")
     if power is None:
         raise ProfileError(f"{path}: no blocking_power_w in the file; pass blocking_power_w")
+    meta = doc.get("meta", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ProfileError(f"{path}: meta must be an object mapping strings to strings, got {_show(meta)}; fix or remove it")
 
-    def rows():
+    def rows() -> Iterator[tuple[int, tuple]]:
         for i, row in enumerate(doc["points"]):
-            where = f"{path}: points[{i}]"
             if not isinstance(row, dict) or any(c not in row for c in CSV_COLUMNS):
-                raise ProfileError(f"{where}: each point needs keys {', '.join(CSV_COLUMNS)}")
-            yield where, {k: str(v) for k, v in row.items()}
+                raise ProfileError(f"{path}: points[{i}]: each point needs keys {', '.join(CSV_COLUMNS)}")
+            yield i, tuple(row[c] for c in CSV_COLUMNS)
 
-    meta = {str(k): str(v) for k, v in (doc.get("meta") or {}).items()}
-    return _from_rows(rows(), _parse_float(str(power), "blocking_power_w", str(path)), meta)
+    return _from_rows(path, rows, lambda i: f"{path}: points[{i}]", power, meta)
 
 
 def load_profile(path: str | os.PathLike, blocking_power_w: float | None = None) -> Profile:
     """Read a profile from CSV or JSON (by extension). `blocking_power_w` is required for CSV
-    and overrides the file's value for JSON. Raises ProfileError naming the bad line or row."""
+    and overrides the file's value for JSON. Any bad content, hostile or not, raises a
+    ProfileError naming the file, line or row, and what to fix; nothing else escapes."""
     path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".csv", ".json"):
+        raise ProfileError(f"{path}: unknown profile format {suffix!r}; use a .csv or .json file")
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)  # bounded: a huge file costs no more than the limit
     except OSError as exc:
         raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
-    suffix = path.suffix.lower()
-    if suffix == ".csv":
-        return _read_csv(path, text, blocking_power_w)
-    if suffix == ".json":
-        return _read_json(path, text, blocking_power_w)
-    raise ProfileError(f"{path}: unknown profile format {suffix!r}; use a .csv or .json file")
+    if len(data) > MAX_BYTES:
+        raise ProfileError(f"{path}: larger than {MAX_BYTES >> 20} MiB, the limit for a profile; keep one row per stage, instruction and frequency")
+    reader = _read_csv if suffix == ".csv" else _read_json
+    return reader(path, data, blocking_power_w)
 
 
 def _rows(profile: Profile) -> list[dict]:
