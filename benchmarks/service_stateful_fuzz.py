@@ -685,6 +685,10 @@ class StatefulFuzz:
         elif code != "ok" and req.valid and code not in STRICT_ALLOWED[req.kind] | req.allow:
             invariant = "d:status-all" if req.kind == "status" and "job_id" not in req.fields else "e:refused"
             r.violation(invariant, self.step, f"{req.label} {short(req.fields)} -> [{code}] {reply['error']['message'][:300]}")
+        if code == "ok" and req.kind in WRITES and self.last_refused:
+            r.observe(f"acknowledged while the disk refused writes: {req.kind}", f"step {self.step}: {req.label} {short(req.fields)}")
+        elif code not in ("ok", "internal") and req.kind in WRITES and self.last_refused:
+            r.observe(f"[{code}] while the disk refused writes: {req.kind}", f"step {self.step}: {reply['error']['message'][:200]}")
         if code == "ok" and req.nearly:
             r.observe(f"nearly-valid request accepted: {req.label}", f"step {self.step}: {short(req.fields)}")
         if req.on_reply is not None:
@@ -1010,10 +1014,22 @@ class StatefulFuzz:
     def check_durable(self) -> None:
         """(c) and (d) right after a restart: every acknowledged job and stage profile is still there."""
         reply = self.exchange(self.ping_sock, Req("check/status_all", "status", {}))
-        if reply is None or not reply["ok"]:
-            return  # a violation was recorded (status of every job must succeed)
-        status = {j["job_id"]: j for j in reply["jobs"]}
+        if reply is None:
+            return
+        status: dict[str, dict | None] = {}  # job id -> its status; absent: unknown to the service; None: status refused
+        if reply["ok"]:
+            status = {j["job_id"]: j for j in reply["jobs"]}
+        else:  # a violation was recorded (status of every job must succeed): ask job by job
+            for job in self.jobs + [self.sentinel]:
+                one = self.exchange(self.ping_sock, Req("check/status_one", "status", {"job_id": job.job_id}, job))
+                if one is None or not one["ok"]:
+                    if one is None or one["error"]["code"] != "unknown_job":
+                        status[job.job_id] = None
+                else:
+                    status[job.job_id] = one["jobs"][0]
         for job in self.jobs + [self.sentinel]:
+            if job.job_id in status and status[job.job_id] is None:
+                continue  # cannot tell
             got = status.get(job.job_id)
             if got is None:
                 if job.registered is not None:
