@@ -607,9 +607,19 @@ class Job:
         spec = JobSpec.from_wire(doc["spec"])
         if spec.job_id() != doc["job_id"]:
             raise ValueError(f"record of {doc['job_id']} holds the spec of {spec.job_id()}")
-        job = cls(spec)
+        job = cls(spec, build_schedule=False)
+        try:
+            job.set_schedule(job_schedule(spec))
+        except ConfigError as e:
+            job.fail(f"invalid job: {e}")  # as when it registered: it stays failed, and says why
+        saved_sweep = doc.get("sweep")
+        if saved_sweep is not None:  # before the ranks: they were checked against it in their order
+            job.sweep = tuple(int(f) for f in saved_sweep)
         for info in doc.get("ranks", []):
-            job.add_rank(RankInfo.from_wire(info))
+            try:
+                job.add_rank(RankInfo.from_wire(info))
+            except ServiceError as e:  # the rank registers again when it next reaches the service
+                log.warning("job %s: rank record not resumed: %s", job.job_id, e.message)
         for model in ([spec.gpu_model] if doc.get("cached") else []) + list(doc.get("cached_models", [])):
             if model in cached:
                 job.add_cached(model, cached[model])
@@ -619,10 +629,9 @@ class Job:
         for model, stage, tp_index, name in uploads:
             if name in stage_profiles and 0 <= stage < spec.pp and 0 <= tp_index < spec.tp and stage not in job.profiled_stages_of(model):
                 job._take_upload(model, stage, tp_index, stage_profiles[name], name)
-        job.sweep = () if spec.gpu_model in job.cached else None
-        if doc.get("sweep") is not None:
-            job.sweep = tuple(int(f) for f in doc["sweep"])
-        elif job.sweep is None:
+        if spec.gpu_model in job.cached:
+            job.sweep = ()
+        elif saved_sweep is None:
             job.sweep = spec.sweep_frequencies or (job.ranks[min(job.ranks)].frequencies if job.ranks else None)
         job.last_version = int(doc.get("last_version", 0))
         plans = doc.get("plans")

@@ -15,7 +15,7 @@ import time
 
 import msgpack
 import pytest
-from server_helpers import job_spec, rank_info, request, stage_profile, wait_until
+from server_helpers import FREQUENCIES, job_spec, rank_info, request, stage_profile, wait_until
 
 from perseus.server.budget import Budget, job_cost_bytes
 from perseus.server.protocol import MAX_RANK_ITERATION, JobSpec, profile_to_wire
@@ -403,3 +403,30 @@ def test_finding_7_idle_connections_do_not_lock_out_new_peers(serve):
     finally:
         for s in idle:
             s.close()
+
+
+# ---- found by the stateful fuzzer ----------------------------------------------------------------
+
+
+def test_a_job_resumes_when_its_first_rank_supports_fewer_frequencies_than_a_lower_one(serve, tmp_path):
+    state = tmp_path / "state"
+    served = serve(state)
+    job_id = _ok(request(served.endpoint, "register_job", spec=job_spec().to_wire()))["job_id"]
+    _ok(request(served.endpoint, "register_rank", job_id=job_id, info=rank_info(1, frequencies=FREQUENCIES[1:]).to_wire()))
+    _ok(request(served.endpoint, "register_rank", job_id=job_id, info=rank_info(0).to_wire()))
+    served.stop()
+    served = serve(state)
+    status = _job_status(served.endpoint, job_id)
+    assert status["ranks_registered"] == 2 and status["phase"] == "profiling"
+
+
+def test_a_failed_job_stays_failed_across_a_restart(serve, tmp_path):
+    state = tmp_path / "state"
+    served = serve(state)
+    spec = JobSpec(1, 1, schedule_name="custom", num_microbatches=1, gpu_model="sim-a100", stage_orders=(((("forward", 0, 0),),)))
+    job_id = _ok(request(served.endpoint, "register_job", spec=spec.to_wire()))["job_id"]
+    wait_until(lambda: _job_status(served.endpoint, job_id)["phase"] == "failed")
+    served.stop()
+    served = serve(state)
+    status = _job_status(served.endpoint, job_id)
+    assert status["phase"] == "failed" and "invalid job" in status["error"]
