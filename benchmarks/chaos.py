@@ -46,7 +46,7 @@ from perseus.demo.launcher import (
 )
 from perseus.demo.results import read_rank_record
 from perseus.devices.sim import SimGPU
-from perseus.server.client import PlannerClient
+from perseus.client.planner_client import PlannerClient
 
 RANKS = 2
 #: How long a rank may block on the planner per call: the client's timeout.

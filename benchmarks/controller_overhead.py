@@ -44,7 +44,8 @@ class _Planned:
     """A planner client stand-in that hands out one fixed plan (no service needed here)."""
 
     def __init__(self, frequencies: list[int]) -> None:
-        from perseus.server import Assignment, Phase
+        from perseus.client import Assignment
+        from perseus.wire import Phase
 
         self._assignment = Assignment(Phase.PLANNED, frequencies, None, 1)
 

@@ -5,7 +5,7 @@
 For jobs of several shapes (stages, data-parallel pipelines, microbatches), builds the job as
 the service holds it -- schedule built, every rank registered, every stage profiled, 300
 measured iterations reported by every rank, its record and status made -- and prints
-tracemalloc's peak next to `perseus.server.budget.job_cost_bytes`. The estimate should stay
+tracemalloc's peak next to `perseus.service.budget.job_cost_bytes`. The estimate should stay
 above the measurement (ratio >= 1) so that the memory budget is an upper bound.
 """
 
@@ -19,9 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from service_support import PRESET, stage_profile  # noqa: E402
 
-from perseus.server.budget import job_cost_bytes  # noqa: E402
-from perseus.server.job import Job  # noqa: E402
-from perseus.server.protocol import JobSpec, RankInfo, ReportIteration  # noqa: E402
+from perseus.service.budget import job_cost_bytes  # noqa: E402
+from perseus.service.job import Job  # noqa: E402
+from perseus.wire.protocol import JobSpec, RankInfo, ReportIteration  # noqa: E402
 
 SHAPES = [(1, 1, 1), (4, 1, 8), (8, 1, 96), (4, 64, 8), (4, 512, 8), (64, 1, 8), (1, 1, 4096), (16, 1, 256)]
 ITERATIONS = 300

@@ -50,8 +50,8 @@ from zmq.utils.monitor import recv_monitor_message
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from service_support import PRESET, ServeProcess, stage_profile  # noqa: E402
 
-from perseus.server.client import PlannerClient  # noqa: E402
-from perseus.server.protocol import (  # noqa: E402
+from perseus.client.planner_client import PlannerClient  # noqa: E402
+from perseus.wire.protocol import (  # noqa: E402
     HARD_MESSAGE_BYTES,
     MAX_FREQUENCIES,
     MAX_MESSAGE_BYTES,

@@ -75,9 +75,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from perseus.schedules import build_schedule
-    from perseus.server import JobSpec
-    from perseus.server.planning import job_schedule
-    from perseus.server.protocol import MAX_INSTRUCTIONS, RegisterJob, encode_request
+    from perseus.wire import JobSpec
+    from perseus.service.planning import job_schedule
+    from perseus.wire.protocol import MAX_INSTRUCTIONS, RegisterJob, encode_request
 
     pp = args.stages
     microbatches = MAX_INSTRUCTIONS // (2 * pp)

@@ -97,9 +97,9 @@ from service_fuzz import Fuzzer, pack  # noqa: E402  (the raw DEALER socket: loc
 from service_support import PRESET, ServeProcess, stage_profile  # noqa: E402
 
 from perseus.devices.sim import SimPreset, get_preset  # noqa: E402
-from perseus.server import protocol  # noqa: E402
-from perseus.server.protocol import MAX_INSTRUCTIONS, MAX_ITERATION, MAX_RANKS, JobSpec, RequestRejected, decode_request, profile_to_wire  # noqa: E402
-from perseus.server.topology import rank_coordinates  # noqa: E402
+from perseus.wire import protocol  # noqa: E402
+from perseus.wire.protocol import MAX_INSTRUCTIONS, MAX_ITERATION, MAX_RANKS, JobSpec, RequestRejected, decode_request, profile_to_wire  # noqa: E402
+from perseus.wire.topology import rank_coordinates  # noqa: E402
 
 # The protocol's limits (later releases name them; these defaults are the earlier literals). Which
 # requests are valid is not decided here: every request is checked with the protocol's own

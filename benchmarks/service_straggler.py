@@ -74,8 +74,10 @@ def main() -> int:
 
     from perseus.planner import Planner
     from perseus.schedules import build_schedule
-    from perseus.server import JobSpec, PlannerClient, PlannerService, RankInfo
-    from perseus.server.planning import merge_profiles
+    from perseus.client import PlannerClient
+    from perseus.service import PlannerService
+    from perseus.wire import JobSpec, RankInfo
+    from perseus.service.planning import merge_profiles
 
     pp, dp = args.stages, args.dp
     profiles = stage_profiles(pp)

@@ -43,7 +43,7 @@ def main() -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     client = None
     if args.planner:
-        from perseus.server.client import PlannerClient
+        from perseus.client.planner_client import PlannerClient
 
         client = PlannerClient(args.planner)
     schedule = build_schedule("1f1b", 1, args.microbatches)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from perseus.server.security import DEFAULT_CLIENT, create_keys
+from perseus.wire.security import DEFAULT_CLIENT, create_keys
 
 EPILOG = """examples:
   perseus keys                                   ./perseus-keys: the service's pair and one client, "client"

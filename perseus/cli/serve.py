@@ -8,11 +8,11 @@ import signal
 import sys
 
 from perseus.exceptions import ConfigError
-from perseus.server.budget import Budget
-from perseus.server.protocol import DEFAULT_ADDRESS
-from perseus.server.security import PLAINTEXT, CurveServer, Security
-from perseus.server.service import PlannerService
-from perseus.server.state import default_state_dir
+from perseus.service.budget import Budget
+from perseus.wire.protocol import DEFAULT_ADDRESS
+from perseus.wire.security import PLAINTEXT, CurveServer, Security
+from perseus.service.service import PlannerService
+from perseus.service.state import default_state_dir
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ import argparse
 import logging
 
 from perseus.exceptions import ConfigError, ServiceError
-from perseus.server.client import PlannerClient
-from perseus.server.protocol import DEFAULT_ADDRESS, MAX_STRAGGLER_FACTOR, ErrorCode, GetStatus, JobStatus
-from perseus.server.security import DEFAULT_CLIENT, CurveClient
+from perseus.client.planner_client import PlannerClient
+from perseus.wire.protocol import DEFAULT_ADDRESS, MAX_STRAGGLER_FACTOR, ErrorCode, GetStatus, JobStatus
+from perseus.wire.security import DEFAULT_CLIENT, CurveClient
 
 EPILOG = f"""examples:
   perseus straggler --job job-1a2b3c4d5e6f7a8b --pipeline 1 --factor 1.2

@@ -227,8 +227,8 @@ def throttle(gpus: list[int], factor: float, sim_dir: str) -> None:
 
 
 def fetch_status(address: str, job_id: str | None) -> Any:
-    """The service's status of `job_id` (a `perseus.server.protocol.JobStatus`), or None."""
-    from perseus.server.client import PlannerClient
+    """The service's status of `job_id` (a `perseus.wire.protocol.JobStatus`), or None."""
+    from perseus.client.planner_client import PlannerClient
 
     if job_id is None:
         return None

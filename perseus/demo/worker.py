@@ -64,7 +64,7 @@ def run_rank(config: DemoConfig) -> None:
         trainer.gloo_latency_s = gloo_latency(config, stage_index, rank)
         trainer.run(config.baseline_iterations)  # the baseline: no Perseus, maximum clocks
         if config.server is not None:
-            from perseus.server.client import PlannerClient
+            from perseus.client.planner_client import PlannerClient
 
             overheads = measured_overheads(config, rank)
             client = PlannerClient(config.server)

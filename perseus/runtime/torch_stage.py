@@ -107,7 +107,7 @@ def instrument(
         stage-to-stage activation (gradient) hop takes beyond it, in seconds, as you measured
         them; the planner counts them so a plan does not spend slack they use (default 0).
     security: for the client `instrument` creates (client None or an address): e.g.
-        `perseus.server.CurveClient.from_dir(DIR, NAME)` for a service started with
+        `perseus.wire.CurveClient.from_dir(DIR, NAME)` for a service started with
         --curve-keys; default from $PERSEUS_CURVE_KEYS, else plaintext. Pass it to your own
         `PlannerClient` instead when you give one.
     options: passed to `PerseusRank` (progress, wait_for_clock, handle_signals, watchdog, ...).
@@ -266,7 +266,7 @@ def _resolve_client(client: Any, security: Any = None) -> Any:
     if client is False:
         return None
     if client is None or isinstance(client, str):
-        from perseus.server.client import PlannerClient
+        from perseus.client.planner_client import PlannerClient
 
         address = client or os.environ.get(PLANNER_ENV) or None
         return PlannerClient(address, security=security) if address else PlannerClient(security=security)

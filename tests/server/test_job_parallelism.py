@@ -11,10 +11,10 @@ from server_helpers import job_spec, rank_info, stage_profile
 
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.profiler.profile import Profile, ProfilePoint
-from perseus.server.job import Job
-from perseus.server.planning import PlanResult
-from perseus.server.protocol import JobPhase, ReportIteration
-from perseus.server.topology import merge_tensor_parallel, rank_coordinates, rank_of
+from perseus.service.job import Job
+from perseus.service.planning import PlanResult
+from perseus.wire.protocol import JobPhase, ReportIteration
+from perseus.wire.topology import merge_tensor_parallel, rank_coordinates, rank_of
 
 A100, A40 = "sim-a100", "sim-a40"
 
@@ -237,9 +237,9 @@ def test_stragglers_are_seen_through_the_gradient_sync_by_compute_time():
 
 
 def test_a_gpu_model_profiled_before_is_taken_from_the_signature_cache(tmp_path):
-    from perseus.server.planning import merge_profiles
-    from perseus.server.protocol import RegisterJob, RegisterRank
-    from perseus.server.service import PlannerService
+    from perseus.service.planning import merge_profiles
+    from perseus.wire.protocol import RegisterJob, RegisterRank
+    from perseus.service.service import PlannerService
 
     service = PlannerService("tcp://127.0.0.1:0", str(tmp_path))  # handlers only: no socket, no planning thread
     spec = job_spec(world_size=4, dp=2, rank_mapping="torch")
@@ -258,7 +258,7 @@ def test_a_gpu_model_profiled_before_is_taken_from_the_signature_cache(tmp_path)
 
 
 def test_solved_deadlines_are_bounded_but_base_and_in_force_plans_kept():
-    from perseus.server.job import MAX_RESULTS
+    from perseus.service.job import MAX_RESULTS
 
     job = _dp_job()
     base_key = job.plans[0].key

@@ -19,8 +19,8 @@ import zmq
 from server_helpers import request, wait_until
 from zmq.utils.monitor import recv_monitor_message
 
-from perseus.server import security as security_module
-from perseus.server.security import PLAINTEXT, CurveClient, CurveServer, create_keys, drop_connection, peer_key
+from perseus.wire import security as security_module
+from perseus.wire.security import PLAINTEXT, CurveClient, CurveServer, create_keys, drop_connection, peer_key
 
 
 class _Router:
@@ -160,13 +160,13 @@ def test_drop_connection_without_a_socket_is_a_no_op():
 def test_secret_keys_open_to_other_users_are_warned_about(tmp_path, caplog):
     create_keys(tmp_path, ["rank"])
     server_secret, client_secret = tmp_path / "server" / "server.key_secret", tmp_path / "clients" / "rank.key_secret"
-    with caplog.at_level(logging.WARNING, logger="perseus.server.security"):
+    with caplog.at_level(logging.WARNING, logger="perseus.wire.security"):
         CurveServer(tmp_path).close()
         CurveClient.from_dir(tmp_path, "rank")
     assert not caplog.records  # 0600: nothing to say
     os.chmod(server_secret, 0o640)
     os.chmod(client_secret, 0o604)
-    with caplog.at_level(logging.WARNING, logger="perseus.server.security"):
+    with caplog.at_level(logging.WARNING, logger="perseus.wire.security"):
         CurveServer(tmp_path).close()
         CurveClient.from_dir(tmp_path, "rank")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -10,14 +10,14 @@ import pytest
 from server_helpers import FREQUENCIES, free_port, job_spec, rank_info, request
 
 from perseus.exceptions import ConfigError, ServiceError
-from perseus.server.client import UNPLANNED, PlannerClient
-from perseus.server.protocol import Phase
+from perseus.client.planner_client import UNPLANNED, PlannerClient
+from perseus.wire.protocol import Phase
 
 
 def test_client_without_service_runs_unplanned_then_connects_when_it_starts(serve, tmp_path, caplog):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     spec = job_spec()
-    caplog.set_level(logging.INFO, logger="perseus.server.client")
+    caplog.set_level(logging.INFO, logger="perseus.client.planner_client")
     with PlannerClient(endpoint, timeout_s=0.3, poll_interval_s=0.05) as c0, PlannerClient(endpoint, timeout_s=0.3, poll_interval_s=0.05) as c1:
         start = time.monotonic()
         job_id = c0.register_job(spec)  # nobody answers: returns after the timeout, retried later

@@ -16,8 +16,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from perseus.cli.main import main
 from perseus.exceptions import ConfigError
-from perseus.server.client import PlannerClient
-from perseus.server.security import PLAINTEXT, CurveClient, create_keys, security_from_env
+from perseus.client.planner_client import PlannerClient
+from perseus.wire.security import PLAINTEXT, CurveClient, create_keys, security_from_env
 
 
 def _answers(endpoint: str, security, timeout_s: float = 0.8) -> bool:

@@ -13,9 +13,9 @@ from server_helpers import job_spec, rank_info, stage_profile, wait_until
 from perseus.planner import Planner
 from perseus.profiler.profile import Profile, ProfilePoint
 from perseus.schedules import build_schedule
-from perseus.server.client import PlannerClient
-from perseus.server.planning import merge_profiles
-from perseus.server.topology import merge_tensor_parallel, rank_coordinates
+from perseus.client.planner_client import PlannerClient
+from perseus.service.planning import merge_profiles
+from perseus.wire.topology import merge_tensor_parallel, rank_coordinates
 
 
 def _slower(profile: Profile) -> Profile:

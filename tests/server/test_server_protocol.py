@@ -10,9 +10,9 @@ from server_helpers import FREQUENCIES, job_spec, rank_info, stage_profile
 
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.profiler.profile import Profile, ProfilePoint
-from perseus.server.job import PLAN_LEAD_ITERATIONS, Job
-from perseus.server.planning import PlanResult, merge_profiles
-from perseus.server.protocol import (
+from perseus.service.job import PLAN_LEAD_ITERATIONS, Job
+from perseus.service.planning import PlanResult, merge_profiles
+from perseus.wire.protocol import (
     MAX_MESSAGE_BYTES,
     ErrorCode,
     GetTable,

@@ -16,11 +16,11 @@ from server_helpers import job_spec, rank_info, stage_profile, wait_until
 from perseus.exceptions import ServiceError
 from perseus.profiler.profile import Profile, ProfilePoint, load_profile
 from perseus.schedules import build_schedule
-from perseus.server.client import PlannerClient
-from perseus.server.job import Job
-from perseus.server.protocol import MAX_INSTRUCTIONS, Phase, RegisterJob, RegisterRank, Table, UploadProfile
-from perseus.server.service import PlannerService
-from perseus.server.state import StateDir
+from perseus.client.planner_client import PlannerClient
+from perseus.service.job import Job
+from perseus.wire.protocol import MAX_INSTRUCTIONS, Phase, RegisterJob, RegisterRank, Table, UploadProfile
+from perseus.service.service import PlannerService
+from perseus.service.state import StateDir
 
 A100, A40 = "sim-a100", "sim-a40"
 
@@ -102,7 +102,7 @@ def test_an_invalid_order_fails_the_job_and_every_rank_hears_why(serve, caplog):
     served = serve()
     order = [[("forward", 0, 0), ("forward", 0, 0)], [("forward", 0, 0), ("backward", 0, 0)]]
     spec = job_spec(num_microbatches=1, stage_orders=order)  # well-formed, but stage 0 repeats F0 and lacks B0
-    with caplog.at_level(logging.WARNING, logger="perseus.server.client"), PlannerClient(served.endpoint, poll_interval_s=0.05) as client:
+    with caplog.at_level(logging.WARNING, logger="perseus.client.planner_client"), PlannerClient(served.endpoint, poll_interval_s=0.05) as client:
         job_id = client.register_job(spec)  # accepted at once: the schedule is checked off the loop
         client.register_rank(job_id, rank_info(0))
         failed = wait_until(lambda: [j for j in client.status(job_id).jobs if j.phase == "failed"])[0]
@@ -149,7 +149,7 @@ def test_the_spec_is_saved_once_beside_the_job_and_earlier_records_load(tmp_path
     again = Job.from_record(record, {}, {})
     assert again.spec == job.spec and again.to_record() == job.to_record()
     # An earlier release kept the spec inside job.json.
-    legacy = {"format": "perseus.server.job", "version": 1, **job.to_record()}
+    legacy = {"format": "perseus.service.job", "version": 1, **job.to_record()}
     (folder / "spec.json").unlink()
     (folder / "job.json").write_text(json.dumps(legacy))
     ((_, record),) = state.load_jobs()

@@ -16,9 +16,9 @@ from server_helpers import FREQUENCIES, job_spec, rank_info, raw_request, reques
 from perseus.planner import Planner
 from perseus.profiler.profile import Profile
 from perseus.schedules import build_schedule
-from perseus.server.client import PlannerClient
-from perseus.server.planning import merge_profiles
-from perseus.server.protocol import HARD_MESSAGE_BYTES, MAX_MESSAGE_BYTES, Phase, profile_to_wire
+from perseus.client.planner_client import PlannerClient
+from perseus.service.planning import merge_profiles
+from perseus.wire.protocol import HARD_MESSAGE_BYTES, MAX_MESSAGE_BYTES, Phase, profile_to_wire
 
 
 
@@ -206,13 +206,18 @@ def test_profile_upload_of_another_stage_is_refused(serve):
     assert request(served.endpoint, "register_job", spec=spec.to_wire())["ok"]
     assert request(served.endpoint, "register_rank", job_id=spec.job_id(), info=rank_info(0).to_wire())["ok"]
     wrong = Profile({(1, k): v for (_, k), v in stage_profile(0).points.items()}, 80.0)
-    reply = request(served.endpoint, "upload_profile", job_id=spec.job_id(), rank=0, stage=0, profile=profile_to_wire(wrong))
+
+    def upload():  # not_ready while the service still builds the job's schedule
+        reply = request(served.endpoint, "upload_profile", job_id=spec.job_id(), rank=0, stage=0, profile=profile_to_wire(wrong))
+        return None if _error(reply) == "not_ready" else reply
+
+    reply = wait_until(upload)
     assert _error(reply) == "bad_field" and "stages [1]" in reply["error"]["message"]
 
 
 def test_bind_errors_say_what_to_change(serve, tmp_path):
     from perseus.exceptions import ConfigError
-    from perseus.server.service import PlannerService
+    from perseus.service.service import PlannerService
 
     busy = serve()
     for address, hint in ((busy.endpoint, "another perseus serve"), ("tcp://127.0.0.1:notaport", "--bind takes a ZeroMQ endpoint")):

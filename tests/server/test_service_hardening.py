@@ -17,10 +17,10 @@ import msgpack
 import pytest
 from server_helpers import FREQUENCIES, job_spec, rank_info, request, stage_profile, wait_until
 
-from perseus.server.budget import Budget, job_cost_bytes
-from perseus.server.protocol import MAX_RANK_ITERATION, JobSpec, profile_to_wire
-from perseus.server.service import PlannerService
-from perseus.server.state import StateDir
+from perseus.service.budget import Budget, job_cost_bytes
+from perseus.wire.protocol import MAX_RANK_ITERATION, JobSpec, profile_to_wire
+from perseus.service.service import PlannerService
+from perseus.service.state import StateDir
 
 
 def _ok(reply: dict | None) -> dict:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from perseus.exceptions import ConfigError
-from perseus.server.straggler import Straggler, StragglerDetector
+from perseus.service.straggler import Straggler, StragglerDetector
 
 
 def _feed(detector: StragglerDetector, rng: random.Random, means: list[float], iterations: int, noise: float = 0.02) -> list[Straggler | None]:

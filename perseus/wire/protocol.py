@@ -26,7 +26,7 @@ from perseus.exceptions import ConfigError, ProfileError, ServiceError
 from perseus.profiler.profile import KINDS, Profile, ProfilePoint
 from perseus.schedules.builders import SCHEDULES
 from perseus.schedules.instruction import STYLES
-from perseus.server.topology import RANK_MAPPINGS
+from perseus.wire.topology import RANK_MAPPINGS
 
 PROTOCOL_VERSION = 1
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7787"
@@ -209,7 +209,7 @@ class JobSpec(Message):
     `sweep_frequencies` (MHz) defaults to every frequency the first registered rank supports.
     `blocking_power_w` overrides the blocking power the ranks' profiles carry (per GPU).
     `rank_mapping` says how ranks map to (stage, dp_index, tp_index): "explicit" (each rank
-    states its own), "megatron" or "torch" (see perseus.server.topology); with a named mapping
+    states its own), "megatron" or "torch" (see perseus.wire.topology); with a named mapping
     the service checks every rank's stated coordinates against it.
     `instruction_overhead_s` (host work between a stage's instructions) and `hop_latency_s` (what
     a stage-to-stage hop takes beyond that host work) are added to the profile at planning time (`Profile.with_overheads`);

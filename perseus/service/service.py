@@ -31,10 +31,10 @@ import zmq
 
 from perseus import __version__
 from perseus.exceptions import ConfigError, PerseusError, ProfileError, ScheduleError, ServiceError
-from perseus.server.budget import Budget, job_cost_bytes
-from perseus.server.job import Job, PlanKey, document_name
-from perseus.server.planning import PlanResult, job_schedule, make_planner, plan_choices, plan_pipeline
-from perseus.server.protocol import (
+from perseus.service.budget import Budget, job_cost_bytes
+from perseus.service.job import Job, PlanKey, document_name
+from perseus.service.planning import PlanResult, job_schedule, make_planner, plan_choices, plan_pipeline
+from perseus.wire.protocol import (
     DEFAULT_ADDRESS,
     HARD_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -60,9 +60,9 @@ from perseus.server.protocol import (
     encode_error,
     encode_reply,
 )
-from perseus.server.security import PLAINTEXT, Security, drop_connection, is_local_endpoint, peer_key
-from perseus.server.state import StateDir, default_state_dir
-from perseus.server.text import clip
+from perseus.wire.security import PLAINTEXT, Security, drop_connection, is_local_endpoint, peer_key
+from perseus.service.state import StateDir, default_state_dir
+from perseus.service.text import clip
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import zmq
 
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.profiler.profile import Profile
-from perseus.server.protocol import (
+from perseus.wire.protocol import (
     DEFAULT_ADDRESS,
     HARD_MESSAGE_BYTES,
     MAX_MESSAGE_BYTES,
@@ -49,7 +49,7 @@ from perseus.server.protocol import (
     decode_reply,
     encode_request,
 )
-from perseus.server.security import Security, security_from_env
+from perseus.wire.security import Security, security_from_env
 
 log = logging.getLogger(__name__)
 

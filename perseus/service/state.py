@@ -26,11 +26,11 @@ from typing import Any
 from perseus.atomic import write_json_atomic
 from perseus.exceptions import ConfigError, ProfileError
 from perseus.profiler.profile import Profile, load_profile, save_profile
-from perseus.server.text import clip
+from perseus.service.text import clip
 
 log = logging.getLogger(__name__)
 
-JOB_FORMAT = "perseus.server.job"
+JOB_FORMAT = "perseus.service.job"
 SIGNATURE_META = "perseus.signature"
 
 

@@ -25,12 +25,12 @@ from typing import Any
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.profiler.profile import Profile
 from perseus.schedules import Schedule
-from perseus.server.planning import PlanResult, check_stage_profile, job_schedule, merge_profiles, stage_rows
-from perseus.server.protocol import ErrorCode, JobPhase, JobSpec, JobStatus, PipelineStatus, RankInfo, ReportIteration, Table
-from perseus.server.straggler import StragglerDetector
-from perseus.server.tally import IterationTally, Mean, Measured
-from perseus.server.text import clip
-from perseus.server.topology import merge_tensor_parallel, rank_coordinates
+from perseus.service.planning import PlanResult, check_stage_profile, job_schedule, merge_profiles, stage_rows
+from perseus.wire.protocol import ErrorCode, JobPhase, JobSpec, JobStatus, PipelineStatus, RankInfo, ReportIteration, Table
+from perseus.service.straggler import StragglerDetector
+from perseus.service.tally import IterationTally, Mean, Measured
+from perseus.service.text import clip
+from perseus.wire.topology import merge_tensor_parallel, rank_coordinates
 
 log = logging.getLogger(__name__)
 
