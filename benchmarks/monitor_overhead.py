@@ -2,7 +2,7 @@
 
 Prints the median over N windows (default 10,000) of:
   1. Perseus on simulated GPUs (target: under 50 us),
-  2. Perseus on the NVML backend over the fake `pynvml` (perseus.devices.fake_nvml),
+  2. Perseus on the NVML backend over the fake `pynvml` (perseus.testing.fake_nvml),
   3. zeus' ZeusMonitor over the same fake NVML, in the same run, and the ratio Perseus/zeus.
 The NVML rows run with sync off on both sides: zeus' torch sync raises on a CPU-only torch,
 and NVML GPUs have nothing else to wait for. zeus is optional (`pip install zeus`).
@@ -51,7 +51,7 @@ def median_windows_us(contenders: dict[str, Window], windows: int, rounds: int =
 
 def measure(gpus: int, windows: int) -> tuple[dict[str, float], str | None]:
     from perseus.devices import nvml
-    from perseus.devices.fake_nvml import FakeGPU, installed
+    from perseus.testing.fake_nvml import FakeGPU, installed
 
     sim = Monitor(gpus=sim_gpus("a100-sxm", gpus), cpus=[])
     contenders: dict[str, Window] = {"sim": (sim.begin_window, sim.end_window)}

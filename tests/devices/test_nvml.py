@@ -11,8 +11,6 @@ import types
 import pytest
 
 from perseus.clock import VirtualClock
-from perseus.devices import fake_nvml as fake
-from perseus.devices.fake_nvml import FakeGPU, installed
 from perseus.devices.nvml import nvml_gpus, process_is_privileged
 from perseus.devices.select import get_gpus
 from perseus.exceptions import (
@@ -22,6 +20,8 @@ from perseus.exceptions import (
     DeviceNotSupportedError,
     DevicePermissionError,
 )
+from perseus.testing import nvml_codes as fake
+from perseus.testing.fake_nvml import FakeGPU, installed
 
 
 @pytest.fixture(autouse=True)
@@ -351,7 +351,7 @@ def test_fake_restores_the_previous_module_and_requires_init():
 ZEUS_ON_FAKE = """
 import logging, os
 from perseus.clock import VirtualClock
-from perseus.devices.fake_nvml import FakeGPU, installed
+from perseus.testing.fake_nvml import FakeGPU, installed
 clock = VirtualClock()
 with installed([FakeGPU(), FakeGPU(power_mw=200_000)], clock=clock):
     from zeus.monitor import ZeusMonitor  # binds `pynvml` at import: inside the block

@@ -194,8 +194,9 @@ def test_works_with_torch_loaded_without_cuda(gpus):
 
 def test_nvml_backend_counter_and_sampled_gpus(monkeypatch):
     """Over the fake pynvml: an Ampere GPU read from its counter, a Pascal one from power samples."""
-    from perseus.devices.fake_nvml import NVML_DEVICE_ARCH_PASCAL, FakeGPU, installed
     from perseus.devices.nvml import nvml_gpus
+    from perseus.testing.fake_nvml import FakeGPU, installed
+    from perseus.testing.nvml_codes import NVML_DEVICE_ARCH_PASCAL
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     clock = VirtualClock()

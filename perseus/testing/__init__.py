@@ -1,0 +1,5 @@
+"""Test doubles for Perseus' own tests and benchmarks: not used by the product.
+
+`perseus.testing.fake_nvml` installs a fake `pynvml` (NVML without an NVIDIA GPU);
+`perseus.testing.nvml_codes` holds the names the real binding exports.
+"""
