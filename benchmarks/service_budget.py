@@ -21,7 +21,8 @@ from service_support import PRESET, stage_profile  # noqa: E402
 
 from perseus.service.budget import job_cost_bytes  # noqa: E402
 from perseus.service.job import Job  # noqa: E402
-from perseus.wire.protocol import JobSpec, RankInfo, ReportIteration  # noqa: E402
+from perseus.wire.messages import ReportIteration  # noqa: E402
+from perseus.wire.spec import JobSpec, RankInfo  # noqa: E402
 
 SHAPES = [(1, 1, 1), (4, 1, 8), (8, 1, 96), (4, 64, 8), (4, 512, 8), (64, 1, 8), (1, 1, 4096), (16, 1, 256)]
 ITERATIONS = 300

@@ -51,17 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from service_support import PRESET, ServeProcess, stage_profile  # noqa: E402
 
 from perseus.client.planner_client import PlannerClient  # noqa: E402
-from perseus.wire.protocol import (  # noqa: E402
-    HARD_MESSAGE_BYTES,
-    MAX_FREQUENCIES,
-    MAX_MESSAGE_BYTES,
-    MAX_PROFILE_ROWS,
-    MAX_RANKS,
-    REQUESTS,
-    JobSpec,
-    RankInfo,
-    profile_to_wire,
-)
+from perseus.wire.limits import HARD_MESSAGE_BYTES, MAX_FREQUENCIES, MAX_MESSAGE_BYTES, MAX_PROFILE_ROWS, MAX_RANKS  # noqa: E402
+from perseus.wire.messages import REQUESTS  # noqa: E402
+from perseus.wire.profiles import profile_to_wire  # noqa: E402
+from perseus.wire.spec import JobSpec, RankInfo  # noqa: E402
 
 FREQUENCIES = PRESET.frequencies
 GPU = PRESET.product

@@ -3,7 +3,7 @@
     python benchmarks/service_load.py [--ranks 1024] [--processes 4] [--pp 8] [--dp 8]
                                       [--microbatches 16] [--poll-interval 0.25] [--timeout 120]
 
-Each rank is one DEALER socket speaking the wire protocol (perseus.wire.protocol messages)
+Each rank is one DEALER socket speaking the wire protocol (perseus.wire.messages)
 directly; the ranks are spread over --processes worker processes, each with one zmq context and
 one poller (not a PlannerClient, which costs a thread per rank). The ranks form ranks/(pp*dp)
 jobs of pp stages x dp replicas (Megatron order: rank = stage * dp + dp_index; a job's ranks are
@@ -46,20 +46,10 @@ from service_support import PRESET, ServeProcess, stage_profile  # noqa: E402
 
 from perseus.schedules import build_schedule  # noqa: E402
 from perseus.exceptions import ServiceError  # noqa: E402
-from perseus.wire.protocol import (  # noqa: E402
-    ErrorCode,
-    GetStatus,
-    GetTable,
-    JobSpec,
-    Message,
-    Ping,
-    RankInfo,
-    RegisterJob,
-    RegisterRank,
-    UploadProfile,
-    decode_reply,
-    encode_request,
-)
+from perseus.wire.envelope import ErrorCode, decode_reply, encode_request  # noqa: E402
+from perseus.wire.fields import Message  # noqa: E402
+from perseus.wire.messages import GetStatus, GetTable, Ping, RegisterJob, RegisterRank, UploadProfile  # noqa: E402
+from perseus.wire.spec import JobSpec, RankInfo  # noqa: E402
 
 SCHEDULE = "1f1b"
 TARGET_PLANNED_S = 20.0

@@ -77,7 +77,9 @@ def main() -> None:
     from perseus.schedules import build_schedule
     from perseus.wire import JobSpec
     from perseus.service.planning import job_schedule
-    from perseus.wire.protocol import MAX_INSTRUCTIONS, RegisterJob, encode_request
+    from perseus.wire.envelope import encode_request
+    from perseus.wire.limits import MAX_INSTRUCTIONS
+    from perseus.wire.messages import RegisterJob
 
     pp = args.stages
     microbatches = MAX_INSTRUCTIONS // (2 * pp)

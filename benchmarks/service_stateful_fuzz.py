@@ -97,17 +97,20 @@ from service_fuzz import Fuzzer, pack  # noqa: E402  (the raw DEALER socket: loc
 from service_support import PRESET, ServeProcess, stage_profile  # noqa: E402
 
 from perseus.devices.sim import SimPreset, get_preset  # noqa: E402
-from perseus.wire import protocol  # noqa: E402
-from perseus.wire.protocol import MAX_INSTRUCTIONS, MAX_ITERATION, MAX_RANKS, JobSpec, RequestRejected, decode_request, profile_to_wire  # noqa: E402
-from perseus.wire.topology import rank_coordinates  # noqa: E402
+from perseus.wire.envelope import RequestRejected, decode_request  # noqa: E402
+from perseus.wire import limits  # noqa: E402
+from perseus.wire.limits import MAX_INSTRUCTIONS, MAX_ITERATION, MAX_RANKS  # noqa: E402
+from perseus.wire.profiles import profile_to_wire  # noqa: E402
+from perseus.wire.parallelism import rank_coordinates  # noqa: E402
+from perseus.wire.spec import JobSpec  # noqa: E402
 
 # The protocol's limits (later releases name them; these defaults are the earlier literals). Which
 # requests are valid is not decided here: every request is checked with the protocol's own
 # decode_request, as the service checks it (see `wire_valid`).
-MAX_RANK_ITERATION = getattr(protocol, "MAX_RANK_ITERATION", MAX_ITERATION)  # what a rank may send
-MIN_TIME_S = getattr(protocol, "MIN_TIME_S", 5e-324)
-MAX_TIME_S = getattr(protocol, "MAX_TIME_S", 1e7)
-MAX_ENERGY_J = getattr(protocol, "MAX_ENERGY_J", 1e12)
+MAX_RANK_ITERATION = getattr(limits, "MAX_RANK_ITERATION", MAX_ITERATION)  # what a rank may send
+MIN_TIME_S = getattr(limits, "MIN_TIME_S", 5e-324)
+MAX_TIME_S = getattr(limits, "MAX_TIME_S", 1e7)
+MAX_ENERGY_J = getattr(limits, "MAX_ENERGY_J", 1e12)
 
 PRESETS: tuple[SimPreset, ...] = (PRESET, get_preset("a40"))
 INITIAL_JOBS = 10  # the chaos job pool; "new job" actions grow it up to MAX_JOBS

@@ -9,7 +9,7 @@ import sys
 
 from perseus.exceptions import ConfigError
 from perseus.service.budget import Budget
-from perseus.wire.protocol import DEFAULT_ADDRESS
+from perseus.wire.limits import DEFAULT_ADDRESS
 from perseus.wire.security import PLAINTEXT, CurveServer, Security
 from perseus.service.service import PlannerService
 from perseus.service.state import default_state_dir

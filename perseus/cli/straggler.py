@@ -8,7 +8,9 @@ import logging
 
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.client.planner_client import PlannerClient
-from perseus.wire.protocol import DEFAULT_ADDRESS, MAX_STRAGGLER_FACTOR, ErrorCode, GetStatus, JobStatus
+from perseus.wire.envelope import ErrorCode
+from perseus.wire.limits import DEFAULT_ADDRESS, MAX_STRAGGLER_FACTOR
+from perseus.wire.messages import GetStatus, JobStatus
 from perseus.wire.security import DEFAULT_CLIENT, CurveClient
 
 EPILOG = f"""examples:

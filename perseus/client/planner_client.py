@@ -25,31 +25,25 @@ import zmq
 
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.profiler.profile import Profile
-from perseus.wire.protocol import (
-    DEFAULT_ADDRESS,
-    HARD_MESSAGE_BYTES,
-    MAX_MESSAGE_BYTES,
+from perseus.wire.envelope import ErrorCode, decode_reply, encode_request
+from perseus.wire.fields import Message
+from perseus.wire.limits import DEFAULT_ADDRESS, HARD_MESSAGE_BYTES, MAX_MESSAGE_BYTES
+from perseus.wire.messages import (
     REQUESTS,
     Ack,
     DeclareStraggler,
-    ErrorCode,
     GetStatus,
     GetTable,
-    JobPhase,
-    JobSpec,
-    Message,
-    Phase,
-    RankInfo,
     RegisterJob,
     RegisterRank,
     ReportIteration,
     Status,
     Table,
     UploadProfile,
-    decode_reply,
-    encode_request,
 )
+from perseus.wire.phases import JobPhase, Phase
 from perseus.wire.security import Security, security_from_env
+from perseus.wire.spec import JobSpec, RankInfo
 
 log = logging.getLogger(__name__)
 

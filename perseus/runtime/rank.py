@@ -76,7 +76,7 @@ class PerseusRank:
     `schedule.stages[stage]`. In a job with `dp` data-parallel pipelines and `tp`
     tensor-parallel ranks per stage, this rank is (`stage`, `dp_index`, `tp_index`) and `rank`
     its global rank; `rank_mapping` ("explicit", "megatron" or "torch", see
-    perseus.wire.topology) tells the planner how global ranks map to those coordinates, and a
+    perseus.wire.parallelism) tells the planner how global ranks map to those coordinates, and a
     named mapping is checked here. `rank` defaults to `stage` when dp = tp = 1, else to what
     a named mapping gives. Every rank uploads its stage profile; the planner takes one per GPU
     model, stage and tensor-parallel index (from the lowest data-parallel index on that model).
@@ -375,7 +375,7 @@ class PerseusRank:
 
     # Registration (background: the planner may be late or down)
     def job_spec(self) -> Any:
-        from perseus.wire.protocol import JobSpec
+        from perseus.wire.spec import JobSpec
 
         s = self.schedule
         return JobSpec(
@@ -399,7 +399,7 @@ class PerseusRank:
         )
 
     def rank_info(self) -> Any:
-        from perseus.wire.protocol import RankInfo
+        from perseus.wire.spec import RankInfo
 
         return RankInfo(
             self.rank, self.stage, dp_index=self.dp_index, tp_index=self.tp_index, gpu_model=self.gpu.name(),
@@ -440,7 +440,7 @@ def _check_coordinates(
 ) -> int:
     """This rank's global rank, after checking its (stage, dp_index, tp_index) against the job
     and the rank mapping. ConfigError naming what to fix."""
-    from perseus.wire.topology import RANK_MAPPINGS, rank_coordinates, rank_of
+    from perseus.wire.parallelism import RANK_MAPPINGS, rank_coordinates, rank_of
 
     for name, value in (("dp", dp), ("tp", tp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from perseus.exceptions import ConfigError
-from perseus.wire.protocol import JobSpec
+from perseus.wire.spec import JobSpec
 
 # Bytes of service memory per unit of a job, from tracemalloc's peak while a job registers every
 # rank, reports iterations and is saved (benchmarks/service_budget.py prints measured against

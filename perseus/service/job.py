@@ -26,11 +26,14 @@ from perseus.exceptions import ConfigError, ServiceError
 from perseus.profiler.profile import Profile
 from perseus.schedules import Schedule
 from perseus.service.planning import PlanResult, check_stage_profile, job_schedule, merge_profiles, stage_rows
-from perseus.wire.protocol import ErrorCode, JobPhase, JobSpec, JobStatus, PipelineStatus, RankInfo, ReportIteration, Table
+from perseus.wire.envelope import ErrorCode
+from perseus.wire.messages import JobStatus, PipelineStatus, ReportIteration, Table
+from perseus.wire.phases import JobPhase
+from perseus.wire.spec import JobSpec, RankInfo
 from perseus.service.straggler import StragglerDetector
 from perseus.service.tally import IterationTally, Mean, Measured
 from perseus.service.text import clip
-from perseus.wire.topology import merge_tensor_parallel, rank_coordinates
+from perseus.wire.parallelism import merge_tensor_parallel, rank_coordinates
 
 log = logging.getLogger(__name__)
 

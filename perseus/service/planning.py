@@ -12,7 +12,7 @@ from typing import Any
 from perseus.exceptions import ConfigError, PlanError, ScheduleError
 from perseus.profiler.profile import Profile
 from perseus.schedules import Instruction, Kind, Schedule, build_schedule
-from perseus.wire.protocol import JobSpec
+from perseus.wire.spec import JobSpec
 
 
 def job_schedule(spec: JobSpec) -> Schedule:

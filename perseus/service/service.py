@@ -34,33 +34,27 @@ from perseus.exceptions import ConfigError, PerseusError, ProfileError, Schedule
 from perseus.service.budget import Budget, job_cost_bytes
 from perseus.service.job import Job, PlanKey, document_name
 from perseus.service.planning import PlanResult, job_schedule, make_planner, plan_choices, plan_pipeline
-from perseus.wire.protocol import (
-    DEFAULT_ADDRESS,
-    HARD_MESSAGE_BYTES,
-    PROTOCOL_VERSION,
+from perseus.wire.envelope import ErrorCode, RequestRejected, decode_request, encode_error, encode_reply
+from perseus.wire.fields import Message
+from perseus.wire.limits import DEFAULT_ADDRESS, HARD_MESSAGE_BYTES, PROTOCOL_VERSION
+from perseus.wire.messages import (
     Ack,
     DeclareStraggler,
-    ErrorCode,
     GetStatus,
     GetTable,
     JobRegistered,
-    JobSpec,
     JobStatus,
-    Message,
     Ping,
     Pong,
     RankRegistered,
     RegisterJob,
     RegisterRank,
     ReportIteration,
-    RequestRejected,
     Status,
     UploadProfile,
-    decode_request,
-    encode_error,
-    encode_reply,
 )
 from perseus.wire.security import PLAINTEXT, Security, drop_connection, is_local_endpoint, peer_key
+from perseus.wire.spec import JobSpec
 from perseus.service.state import StateDir, default_state_dir
 from perseus.service.text import clip
 

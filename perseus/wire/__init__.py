@@ -1,7 +1,36 @@
-"""What the rank side and the planner service share: the wire protocol's messages, the
-parallel layout of a job's ranks, and the transport's security."""
+"""What the rank side and the planner service share: the wire protocol and the parallel layout
+of a job's ranks.
 
-from perseus.wire.protocol import DEFAULT_ADDRESS, JobPhase, JobSpec, JobStatus, Phase, PipelineStatus, RankInfo, Status
+  limits       the protocol version, default address and every field bound
+  phases       Phase (a rank's iteration) and JobPhase (a job at the service)
+  fields       the field checks every message runs (Message, check_*)
+  spec         JobSpec and RankInfo, what ranks register
+  messages     requests, replies and statuses (REQUESTS: request type -> classes)
+  profiles     a stage profile's wire form
+  envelope     framing: encode/decode of frames, ErrorCode, RequestRejected
+  parallelism  rank mappings (stage, dp_index, tp_index) and tensor-parallel profile merging
+  security     the transport's CURVE security
+"""
+
+from perseus.wire.envelope import ErrorCode, RequestRejected
+from perseus.wire.limits import DEFAULT_ADDRESS, PROTOCOL_VERSION
+from perseus.wire.messages import JobStatus, PipelineStatus, Status
+from perseus.wire.phases import JobPhase, Phase
 from perseus.wire.security import CurveClient, CurveServer
+from perseus.wire.spec import JobSpec, RankInfo
 
-__all__ = ["DEFAULT_ADDRESS", "CurveClient", "CurveServer", "JobPhase", "JobSpec", "JobStatus", "Phase", "PipelineStatus", "RankInfo", "Status"]
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "PROTOCOL_VERSION",
+    "CurveClient",
+    "CurveServer",
+    "ErrorCode",
+    "JobPhase",
+    "JobSpec",
+    "JobStatus",
+    "Phase",
+    "PipelineStatus",
+    "RankInfo",
+    "RequestRejected",
+    "Status",
+]

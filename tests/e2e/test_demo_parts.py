@@ -20,7 +20,7 @@ from perseus.demo.workload import DEFAULT_TIME_SCALE, GPT3_A100_STAGES, default_
 from perseus.devices.sim import SimGPU, predict
 from perseus.exceptions import ConfigError, PerseusError
 from perseus.schedules.instruction import Kind
-from perseus.wire.protocol import JobStatus
+from perseus.wire.messages import JobStatus
 
 
 def test_stage_works_merge_the_measured_stages_and_keep_the_last_heaviest():

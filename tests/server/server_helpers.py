@@ -16,7 +16,7 @@ import msgpack
 import zmq
 
 from perseus.profiler.profile import Profile, ProfilePoint
-from perseus.wire.protocol import JobSpec, RankInfo
+from perseus.wire.spec import JobSpec, RankInfo
 
 FREQUENCIES = (1410, 1260, 1110, 960, 810)
 BLOCKING_W = 83.64

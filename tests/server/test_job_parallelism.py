@@ -13,8 +13,9 @@ from perseus.exceptions import ConfigError, ServiceError
 from perseus.profiler.profile import Profile, ProfilePoint
 from perseus.service.job import Job
 from perseus.service.planning import PlanResult
-from perseus.wire.protocol import JobPhase, ReportIteration
-from perseus.wire.topology import merge_tensor_parallel, rank_coordinates, rank_of
+from perseus.wire.messages import ReportIteration
+from perseus.wire.parallelism import merge_tensor_parallel, rank_coordinates, rank_of
+from perseus.wire.phases import JobPhase
 
 A100, A40 = "sim-a100", "sim-a40"
 
@@ -238,7 +239,7 @@ def test_stragglers_are_seen_through_the_gradient_sync_by_compute_time():
 
 def test_a_gpu_model_profiled_before_is_taken_from_the_signature_cache(tmp_path):
     from perseus.service.planning import merge_profiles
-    from perseus.wire.protocol import RegisterJob, RegisterRank
+    from perseus.wire.messages import RegisterJob, RegisterRank
     from perseus.service.service import PlannerService
 
     service = PlannerService("tcp://127.0.0.1:0", str(tmp_path))  # handlers only: no socket, no planning thread

@@ -11,7 +11,7 @@ from server_helpers import FREQUENCIES, free_port, job_spec, rank_info, request
 
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.client.planner_client import UNPLANNED, PlannerClient
-from perseus.wire.protocol import Phase
+from perseus.wire.phases import Phase
 
 
 def test_client_without_service_runs_unplanned_then_connects_when_it_starts(serve, tmp_path, caplog):

@@ -15,7 +15,7 @@ from perseus.profiler.profile import Profile, ProfilePoint
 from perseus.schedules import build_schedule
 from perseus.client.planner_client import PlannerClient
 from perseus.service.planning import merge_profiles
-from perseus.wire.topology import merge_tensor_parallel, rank_coordinates
+from perseus.wire.parallelism import merge_tensor_parallel, rank_coordinates
 
 
 def _slower(profile: Profile) -> Profile:

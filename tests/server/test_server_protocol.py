@@ -12,25 +12,20 @@ from perseus.exceptions import ConfigError, ServiceError
 from perseus.profiler.profile import Profile, ProfilePoint
 from perseus.service.job import PLAN_LEAD_ITERATIONS, Job
 from perseus.service.planning import PlanResult, merge_profiles
-from perseus.wire.protocol import (
-    MAX_MESSAGE_BYTES,
+from perseus.wire.envelope import (
     ErrorCode,
-    GetTable,
-    JobPhase,
-    JobSpec,
-    RankInfo,
-    RegisterJob,
-    ReportIteration,
     RequestRejected,
-    UploadProfile,
     decode_reply,
     decode_request,
     encode_error,
     encode_reply,
     encode_request,
-    profile_from_wire,
-    profile_to_wire,
 )
+from perseus.wire.limits import MAX_MESSAGE_BYTES
+from perseus.wire.messages import GetTable, RegisterJob, ReportIteration, UploadProfile
+from perseus.wire.phases import JobPhase
+from perseus.wire.profiles import profile_from_wire, profile_to_wire
+from perseus.wire.spec import JobSpec, RankInfo
 
 
 def test_job_spec_round_trips_and_its_id_is_deterministic():

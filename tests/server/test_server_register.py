@@ -18,7 +18,9 @@ from perseus.profiler.profile import Profile, ProfilePoint, load_profile
 from perseus.schedules import build_schedule
 from perseus.client.planner_client import PlannerClient
 from perseus.service.job import Job
-from perseus.wire.protocol import MAX_INSTRUCTIONS, Phase, RegisterJob, RegisterRank, Table, UploadProfile
+from perseus.wire.limits import MAX_INSTRUCTIONS
+from perseus.wire.messages import RegisterJob, RegisterRank, Table, UploadProfile
+from perseus.wire.phases import Phase
 from perseus.service.service import PlannerService
 from perseus.service.state import StateDir
 

@@ -18,7 +18,9 @@ from perseus.profiler.profile import Profile
 from perseus.schedules import build_schedule
 from perseus.client.planner_client import PlannerClient
 from perseus.service.planning import merge_profiles
-from perseus.wire.protocol import HARD_MESSAGE_BYTES, MAX_MESSAGE_BYTES, Phase, profile_to_wire
+from perseus.wire.limits import HARD_MESSAGE_BYTES, MAX_MESSAGE_BYTES
+from perseus.wire.phases import Phase
+from perseus.wire.profiles import profile_to_wire
 
 
 

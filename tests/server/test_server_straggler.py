@@ -13,7 +13,7 @@ from server_helpers import job_spec, rank_info, stage_profile, wait_until
 from perseus.cli.main import main
 from perseus.exceptions import ServiceError
 from perseus.client.planner_client import PlannerClient
-from perseus.wire.protocol import Phase
+from perseus.wire.phases import Phase
 
 
 class Ranks:

@@ -18,7 +18,9 @@ import pytest
 from server_helpers import FREQUENCIES, job_spec, rank_info, request, stage_profile, wait_until
 
 from perseus.service.budget import Budget, job_cost_bytes
-from perseus.wire.protocol import MAX_RANK_ITERATION, JobSpec, profile_to_wire
+from perseus.wire.limits import MAX_RANK_ITERATION
+from perseus.wire.profiles import profile_to_wire
+from perseus.wire.spec import JobSpec
 from perseus.service.service import PlannerService
 from perseus.service.state import StateDir
 

@@ -1,0 +1,27 @@
+"""The wire protocol's version, default address and limits: what protocol v1 accepts.
+
+Every bound a message field is checked against lives here, so the service, the client and the
+tools that probe the service (benchmarks/service_*fuzz.py) read the same numbers.
+"""
+
+PROTOCOL_VERSION = 1
+DEFAULT_ADDRESS = "tcp://127.0.0.1:7787"
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # larger: a too_large error reply
+HARD_MESSAGE_BYTES = 4 * MAX_MESSAGE_BYTES  # zmq.MAXMSGSIZE: zmq drops a peer that sends more
+MAX_ID = 2**63 - 1
+MAX_ITERATION = 2**62  # what the service sends (a plan starts a bounded lead after a rank's iteration)
+MAX_RANK_ITERATION = 2**53  # what a rank may report: far past any real run, far below MAX_ITERATION
+# An iteration or instruction lasts at least a microsecond and at most a day; one rank's GPU
+# spends at most 10 MJ in one (10 kW for 1,000 s). Values outside are bugs or attacks, and
+# derived values (1 / time, sums over ranks) stay finite within them.
+MIN_TIME_S = 1e-6
+MAX_TIME_S = 86_400.0
+MAX_ENERGY_J = 1e7
+MAX_RANKS = 1 << 20
+MAX_FREQUENCY_MHZ = 100_000
+MAX_FREQUENCIES = 1024
+# Per job. The service decodes, hashes and saves a job's stage orders on its loop thread (the
+# schedule is built on a worker): 32,768 instructions keep that near 0.1 s (benchmarks/service_register.py).
+MAX_INSTRUCTIONS = 1 << 15
+MAX_PROFILE_ROWS = 100_000
+MAX_STRAGGLER_FACTOR = 10.0
