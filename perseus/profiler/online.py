@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from perseus.devices.gpu import GPU
 from perseus.exceptions import ConfigError
 from perseus.profiler.profile import Profile, ProfilePoint
+from perseus.wire.phases import Phase
 
 #: Gaps shorter than this between instructions are too noisy to estimate blocking power from.
 MIN_BLOCKING_GAP_S = 1e-3
@@ -29,9 +30,10 @@ MIN_BLOCKING_GAP_S = 1e-3
 
 @dataclass(frozen=True)
 class SweepStep:
-    """What one iteration is for: phase "warmup" | "profiling" | "done"."""
+    """What one iteration is for: `Phase.WARMUP`, `Phase.PROFILING` (at `frequency`), or
+    `Phase.PLANNING` once the sweep is over (default clocks until a plan arrives)."""
 
-    phase: str
+    phase: Phase
     frequency: int | None  # None: default clocks
     measured: bool  # whether its instruction measurements count
     index: int = -1  # position of `frequency` in the sweep
@@ -79,12 +81,12 @@ class Sweep:
     def step_at(self, iteration: int) -> SweepStep:
         """What iteration `iteration` (0-based, counted from the job's first) runs and measures."""
         if iteration < self.warmup_iterations:
-            return SweepStep("warmup", None, False)
+            return SweepStep(Phase.WARMUP, None, False)
         k, j = divmod(iteration - self.warmup_iterations, self.iterations_per_frequency)
         end = len(self.frequencies) if self._stopped_at is None else self._stopped_at
         if k >= end:
-            return SweepStep("done", None, False)
-        return SweepStep("profiling", self.frequencies[k], j >= self._dropped, k)
+            return SweepStep(Phase.PLANNING, None, False)
+        return SweepStep(Phase.PROFILING, self.frequencies[k], j >= self._dropped, k)
 
     @property
     def done(self) -> bool:
@@ -100,7 +102,7 @@ class Sweep:
     def begin_iteration(self, iteration: int, frequency: int | None = None) -> SweepStep:
         """Start `iteration`. `frequency`: the clock it really runs at, when a service decides."""
         step = self.step_at(iteration)
-        if frequency is not None and step.phase == "profiling" and frequency != step.frequency:
+        if frequency is not None and step.phase is Phase.PROFILING and frequency != step.frequency:
             raise ConfigError(
                 f"stage {self.stage}: iteration {iteration} runs at {frequency} MHz but this rank's "
                 f"sweep expects {step.frequency} MHz; rank and service disagree on the sweep settings"
@@ -127,7 +129,7 @@ class Sweep:
     def end_iteration(self) -> bool:
         """Finish the current iteration. Returns True when this finished the sweep."""
         step, self._current = self._current, None
-        if step is None or step.phase != "profiling" or self.done:
+        if step is None or step.phase is not Phase.PROFILING or self.done:
             return False
         if step.measured:
             self._measured_iterations[step.frequency] += 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from perseus.wire.phases import Phase
+
 BAR_WIDTH = 24
 
 
@@ -14,10 +16,10 @@ class Progress:
     def __init__(self, stream: TextIO | None = None, tty: bool | None = None) -> None:
         self._stream = stream if stream is not None else sys.stderr
         self._tty = self._stream.isatty() if tty is None else tty
-        self._last: tuple[str, int | None] | None = None
+        self._last: tuple[Phase, int | None] | None = None
         self._open_line = False
 
-    def update(self, iteration: int, phase: str, frequency: int | None = None,
+    def update(self, iteration: int, phase: Phase, frequency: int | None = None,
                done: int | None = None, total: int | None = None) -> None:
         """`done`/`total`: progress through the profiling sweep (frequencies finished / planned)."""
         clock = "default clocks" if frequency is None else f"{frequency} MHz"

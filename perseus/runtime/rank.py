@@ -38,12 +38,9 @@ from perseus.exceptions import ConfigError, PlanError, ServiceError
 from perseus.profiler.online import OnlineProfiler, Sweep, SweepStep
 from perseus.runtime.progress import Progress
 from perseus.schedules.instruction import Schedule
+from perseus.wire.phases import Phase
 
 logger = logging.getLogger(__name__)
-
-UNPLANNED = "unplanned"
-PROFILING = "profiling"
-PLANNED = "planned"
 
 
 @dataclass(frozen=True)
@@ -51,7 +48,7 @@ class IterationRecord:
     """What one finished iteration measured on this rank."""
 
     iteration: int
-    phase: str
+    phase: Phase
     frequency: int | None  # the uniform clock (profiling), else None
     plan_version: int
     time_s: float
@@ -148,7 +145,7 @@ class PerseusRank:
         self.controller = FrequencyController(gpu, handle_signals=handle_signals, watchdog=watchdog)
 
         self.iteration = -1
-        self.phase = UNPLANNED
+        self.phase = Phase.UNPLANNED
         self.plan_version = 0
         self.last_iteration: IterationRecord | None = None
         self._in_step = False
@@ -270,21 +267,21 @@ class PerseusRank:
     # Iteration logic
     def _begin_iteration(self) -> None:
         assignment = self._assignment() if self.controller.enabled else None  # else: measure only
-        phase = _phase(assignment)
+        phase = Phase.UNPLANNED if assignment is None else Phase(assignment.phase)
         frequency = None
         self._profiling = False
-        if phase == PROFILING and not self.sweep.done:
+        if phase is Phase.PROFILING and not self.sweep.done:
             try:
                 step = self.profiler.begin_iteration(self.job_iteration, assignment.profiling_frequency)
             except ConfigError as e:
                 self._warn_once("sweep", f"{e}; not profiling this iteration")
-                step = SweepStep("unplanned", None, False)
+                step = SweepStep(Phase.UNPLANNED, None, False)
             frequency = step.frequency
             self._profiling = step.measured
             self.controller.set_uniform(frequency)
             self.controller.apply_now(frequency)  # measured clocks must be exact from instruction one
             self._holds_plan = False
-        elif phase == PLANNED and assignment.frequencies is not None:
+        elif phase is Phase.PLANNED and assignment.frequencies is not None:
             if assignment.plan_version != self.plan_version or not self._holds_plan:
                 self._apply_plan(assignment.frequencies, assignment.plan_version)
         else:
@@ -296,7 +293,7 @@ class PerseusRank:
         if self._progress is not None:
             step = self.sweep.step_at(self.job_iteration or 0)
             total = len(self.sweep.frequencies)
-            done = step.index if phase == PROFILING and step.index >= 0 else None
+            done = step.index if phase is Phase.PROFILING and step.index >= 0 else None
             self._progress.update(self.iteration, phase, frequency, done, total if done is not None else None)
 
     def _apply_plan(self, frequencies: Any, version: int) -> None:
@@ -321,7 +318,7 @@ class PerseusRank:
             compute if compute is not None and compute > 0 else None,
         )
         self.last_iteration = record
-        if self.phase == PROFILING and not self.sweep.done and self.profiler.end_iteration():
+        if self.phase is Phase.PROFILING and not self.sweep.done and self.profiler.end_iteration():
             self._upload_profile()
         self._profiling = False
         if self._client is not None and self._job_id is not None and self._offset is not None:
@@ -354,7 +351,7 @@ class PerseusRank:
         try:
             if self._offset is None:
                 first = self._client.assignment(0)
-                if _phase(first) == UNPLANNED:
+                if first.phase == Phase.UNPLANNED:
                     return first
                 self._offset = self.iteration
             return self._client.assignment(self.job_iteration)
@@ -369,7 +366,7 @@ class PerseusRank:
         if self._registrar is not None:
             self._registrar.join(max(0.0, deadline - time.monotonic()))
         while self._job_id is not None and time.monotonic() < deadline:
-            if _phase(self._client.assignment(0)) != UNPLANNED:
+            if self._client.assignment(0).phase != Phase.UNPLANNED:
                 return
             self._stop.wait(0.01)
 
@@ -467,9 +464,3 @@ def _check_coordinates(
                 "rank_mapping='explicit'"
             )
     return rank
-
-
-def _phase(assignment: Any) -> str:
-    """An assignment's phase as a plain string (UNPLANNED for no assignment)."""
-    phase = getattr(assignment, "phase", UNPLANNED)
-    return getattr(phase, "value", phase)

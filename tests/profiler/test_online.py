@@ -9,6 +9,7 @@ from perseus.clock import VirtualClock
 from perseus.devices.sim import PRESETS, SimGPU, Work, predict
 from perseus.exceptions import ConfigError
 from perseus.profiler.online import OnlineProfiler, Sweep, SweepStep
+from perseus.wire.phases import Phase
 
 PRESET = PRESETS["a100-sxm"]
 WORKS = {"forward": Work(0.010, alpha=0.8), "backward": Work(0.020, alpha=0.75, intensity=1.1)}
@@ -30,15 +31,15 @@ def feed(sweep: Sweep, iteration: int, microbatches: int = 4, noise=lambda it, m
 def test_sweep_table():
     sweep = Sweep(0, [1410, 1200, 990], warmup_iterations=2, iterations_per_frequency=3)
     steps = [sweep.step_at(i) for i in range(13)]
-    assert steps[:2] == [SweepStep("warmup", None, False)] * 2
+    assert steps[:2] == [SweepStep(Phase.WARMUP, None, False)] * 2
     assert [(s.frequency, s.measured) for s in steps[2:11]] == [
         (1410, False), (1410, True), (1410, True),
         (1200, False), (1200, True), (1200, True),
         (990, False), (990, True), (990, True),
     ]
-    assert steps[11].phase == steps[12].phase == "done"
+    assert steps[11].phase is steps[12].phase is Phase.PLANNING  # the sweep is over
     single = Sweep(0, [1410, 1200], warmup_iterations=0, iterations_per_frequency=1)
-    assert single.step_at(0) == SweepStep("profiling", 1410, True, 0)  # nothing to drop with one
+    assert single.step_at(0) == SweepStep(Phase.PROFILING, 1410, True, 0)  # nothing to drop with one
 
 
 def test_bad_settings_are_refused():
@@ -83,7 +84,7 @@ def test_early_stop_after_energy_rises_past_its_minimum():
         it += 1
     # Energy is lowest at 960 MHz; 870, 780 and 690 are three rises in a row: stop there.
     assert sweep.profiled_frequencies == [1410, 1320, 1230, 1140, 1050, 960, 870, 780, 690]
-    assert sweep.done and sweep.step_at(it + 1).phase == "done"
+    assert sweep.done and sweep.step_at(it + 1).phase is Phase.PLANNING
     energy = sweep.iteration_energy()
     assert min(energy, key=energy.get) == 960
     assert it == 1 + 2 * 9 - 1  # no iteration after the last profiled clock
