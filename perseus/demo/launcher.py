@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from perseus.atomic import write_json_atomic
+from perseus.atomic import write_bytes_atomic, write_json_atomic
 from perseus.demo.config import DemoConfig
 from perseus.demo.results import (
     Iteration,
@@ -42,6 +42,7 @@ from perseus.demo.results import (
 from perseus.demo.workload import default_time_scale
 from perseus.devices.sim import SimGPU, get_preset
 from perseus.exceptions import ConfigError, PerseusError
+from perseus.schedules.instruction import KIND_LETTERS
 
 PRESET = "a100-sxm"
 SERVICE_START_TIMEOUT_S = 60.0
@@ -242,9 +243,9 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
     say = progress or (lambda _: None)
     began = time.monotonic()
     if options.plot_dir:
-        from perseus.demo.plot import require_matplotlib
+        from perseus.planner.plot import pyplot  # deliberately lazy: only --plot needs the planner (scipy, HiGHS)
 
-        require_matplotlib()  # before the run, not after it
+        pyplot()  # fails now if matplotlib is missing, not after the run
     work = tempfile.mkdtemp(prefix="perseus-demo-")
     try:
         out_dir, sim_dir = os.path.join(work, "ranks"), os.path.join(work, "sim")
@@ -305,18 +306,42 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             wall_time_s=time.monotonic() - began,
         )
         if options.plot_dir:
-            from perseus.demo.plot import plot_timelines
-
             phases = split_phases(iterations, slow_ranks)
             panels = [(name, median_iteration(phases[name])) for name in ("baseline", "intrinsic", "planned") if phases.get(name)]
             if panels:
-                result["plots"] = plot_timelines(panels, options.plot_dir)
+                result["plots"] = write_timeline(panels, options.plot_dir)
         if options.keep_dir:
             result["work_dir"] = work
         return result
     finally:
         if not options.keep_dir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def write_timeline(panels: list[tuple[str, Iteration]], out_dir: str) -> list[str]:
+    """Write `timeline.png` (a Gantt panel per (title, iteration): a box per instruction on its
+    rank's row, coloured by the SM clock it ran at) and `timeline.json` (the spans plotted) to
+    `out_dir`; returns the paths written."""
+    from perseus.planner.plot import Bar, Panel, plot_gantt  # deliberately lazy, as in run_demo
+
+    gantt = [
+        Panel(
+            f"{title}: iteration {it.index}, {it.time_s:.3f} s, {it.energy_j:.0f} J (all GPUs)",
+            [Bar(rank, s["start"], s["end"], f"{KIND_LETTERS.get(s['kind'], '?')}{s['microbatch']}", s["frequency"])
+             for rank, spans in enumerate(it.spans) for s in spans],
+        )
+        for title, it in panels
+    ]
+    rows = [f"rank {r}" for r in range(len(panels[0][1].spans))]
+    os.makedirs(out_dir, exist_ok=True)
+    png, data = os.path.join(out_dir, "timeline.png"), os.path.join(out_dir, "timeline.json")
+    write_bytes_atomic(png, plot_gantt(gantt, rows, "SM clock (MHz)", "seconds since the iteration started"))
+    write_json_atomic(
+        data,
+        [{"panel": title, "iteration": it.index, "time_s": it.time_s, "energy_j": it.energy_j, "ranks": [list(r) for r in it.spans]}
+         for title, it in panels],
+    )
+    return [png, data]
 
 
 def summarize(iterations: list[Iteration], status: Any, phases: dict[str, list[Iteration]] | None = None) -> dict:

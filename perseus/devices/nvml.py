@@ -327,7 +327,18 @@ class NVMLGPU(GPU):
         return arch >= self._nvml.NVML_DEVICE_ARCH_VOLTA
 
     def synchronize(self) -> None:
-        """Wait for this GPU's queued CUDA work when torch already drives it (never imports torch)."""
+        """Wait for this GPU's queued CUDA work when torch drives it: Perseus' one CUDA sync.
+
+        Looks only at an already-imported torch (a program launching CUDA work has imported it;
+        importing torch to find out costs seconds) that has initialised CUDA (else nothing is
+        queued). A broken CUDA setup has nothing to wait for.
+        """
         torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch is None:
+            return
+        try:
+            driven = torch.cuda.is_initialized() and self.index < torch.cuda.device_count()
+        except Exception:
+            return
+        if driven:
             torch.cuda.synchronize(self.index)

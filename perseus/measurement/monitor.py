@@ -15,8 +15,7 @@ are sampled by a PowerMonitor and integrated.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -82,35 +81,15 @@ class Window:
         self.measurement: Measurement | None = None
 
 
-def _torch_cuda_sync() -> Callable[[int], None] | None:
-    """torch.cuda.synchronize when torch is loaded and sees CUDA; None otherwise.
-
-    Looks only at an already-imported torch: a program launching CUDA work has imported it,
-    and importing torch just to find out costs seconds.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    try:
-        if not torch.cuda.is_available():
-            return None
-        count = torch.cuda.device_count()
-    except Exception:  # a broken CUDA setup: nothing to wait for
-        return None
-    return lambda index: torch.cuda.synchronize(index) if index < count else None
-
-
-_UNRESOLVED: Any = object()
-
-
 class Monitor:
     """Measures named windows on `gpus` (default `get_gpus()`) and on CPU packages.
 
     gpu_indices: the `GPU.index` values to measure (default all). cpu_indices: CPU packages to
     measure (default: all RAPL packages when RAPL is readable, else none); naming them when RAPL
     is unreadable is an error. cpus: CPU objects to use instead of RAPL (see `CPUEnergy`).
-    sync: wait for each GPU (and CUDA through torch, when loaded) before reading counters, so
-    asynchronously issued work is counted; `begin_window`/`end_window` can override it.
+    sync: wait for each GPU (`GPU.synchronize`: CUDA through torch, when it drives an NVML GPU)
+    before reading counters, so asynchronously issued work is counted; `begin_window` and
+    `end_window` can override it.
     clock: the wall clock of windows (default: the GPUs' clock, virtual for simulated GPUs).
     power_interval_s: sampling interval for GPUs without an energy counter.
     """
@@ -155,7 +134,6 @@ class Monitor:
         self._dram_reads = tuple(c.dram_energy_j for c in self.cpus)
         self._has_dram = any(c.dram_energy_j() is not None for c in self.cpus)
 
-        self._cuda_sync: Callable[[int], None] | None = _UNRESOLVED
         # name -> (start time, GPU counters in mJ, CPU counters in J, DRAM counters in J)
         self._open: dict[str, tuple[float, list[float], list[float], list[float | None]]] = {}
 
@@ -175,16 +153,8 @@ class Monitor:
         self.close()
 
     def _synchronize(self) -> None:
-        for sync in self._syncs:
+        for sync in self._syncs:  # GPU.synchronize: on NVML GPUs, CUDA's through torch when it drives them
             sync()
-        cuda_sync = self._cuda_sync
-        if cuda_sync is _UNRESOLVED:
-            if "torch" not in sys.modules:  # look again next time: torch may be imported later
-                return
-            cuda_sync = self._cuda_sync = _torch_cuda_sync()
-        if cuda_sync is not None:
-            for index in self._gpu_indices:
-                cuda_sync(index)
 
     def _snapshot(self) -> tuple[float, list[float], list[float], list[float | None]]:
         if self.power_monitor is not None:

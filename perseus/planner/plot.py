@@ -1,4 +1,10 @@
-"""Pictures of plans: a per-stage Gantt chart of one iteration, and the time-energy frontier.
+"""Pictures of iterations and plans, one style for `perseus plan --plot` and `perseus demo --plot`.
+
+`plot_gantt` draws one Gantt chart per panel, stacked on a shared time axis: a row per stage
+(or rank), a box per instruction coloured by a value on one scale for all panels (its average
+power, its SM clock), and optionally the critical path. `plot_timeline` draws planner
+evaluations that way; the demo draws its measured spans (perseus.demo.report). `plot_frontier`
+draws the time-energy frontier.
 
 matplotlib is an optional extra (`pip install 'perseus[plot]'`); it is imported only here.
 Each function returns the picture as PNG bytes; the caller decides where it goes.
@@ -8,16 +14,41 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from perseus.exceptions import ConfigError
 from perseus.planner.evaluator import Evaluation
 from perseus.profiler.profile import Profile
 from perseus.schedules.instruction import KIND_LETTERS, Schedule
 
+#: Above this many boxes in a panel, boxes go unlabelled (the text would be unreadable).
+MAX_LABELLED = 400
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One instruction's box: on row `row` from `start` to `end` (s), coloured by `value`."""
+
+    row: int
+    start: float
+    end: float
+    label: str
+    value: float
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One Gantt chart: its title, its boxes, and the boxes a path line runs through (in order)."""
+
+    title: str
+    bars: Sequence[Bar]
+    path: Sequence[Bar] = ()
+
 
 def pyplot():
+    """matplotlib.pyplot on the Agg backend; ConfigError if matplotlib is not installed."""
     try:
-        import matplotlib
+        import matplotlib  # optional dependency (perseus[plot])
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -36,45 +67,54 @@ def _png(plt, fig) -> bytes:
     return buf.getvalue()
 
 
-def plot_timeline(panels: Sequence[tuple[str, Evaluation]], schedule: Schedule, profile: Profile) -> bytes:
-    """One Gantt chart per (title, evaluation), stacked with a shared time axis: a box per
-    instruction on its stage's row, coloured by its average power, the critical path drawn."""
+def plot_gantt(panels: Sequence[Panel], rows: Sequence[str], value_label: str, time_label: str = "time (s)") -> bytes:
+    """The panels stacked with a shared time axis; `rows` names the rows (top to bottom) and
+    `value_label` the colour scale's quantity."""
     plt = pyplot()
-    from matplotlib import cm, colors
+    from matplotlib import cm, colors  # optional dependency, as in pyplot()
 
-    def power(ins, frequency: int) -> float:
-        point = profile.lookup(profile.stage_for(ins, schedule), ins.kind, frequency)
-        return point.energy / point.time
-
-    powers = [power(ins, f) for _, ev in panels for ins, f in ev.frequencies.items()]
-    norm = colors.Normalize(vmin=min(powers), vmax=max(powers))
+    values = [b.value for p in panels for b in p.bars]
+    norm = colors.Normalize(vmin=min(values, default=0.0), vmax=max(values, default=1.0))
     cmap = plt.get_cmap("RdYlBu_r")
-    num_stages = len(panels[0][1].stages)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(14, 1.0 + 0.45 * num_stages * len(panels)), sharex=True, squeeze=False)
-    horizon = max(ev.iteration_time_s for _, ev in panels)
-    for ax, (title, ev) in zip(axes[:, 0], panels):
-        label = len(ev.timeline) <= 400
-        for ins, (start, end) in ev.timeline.items():
-            color = cmap(norm(power(ins, ev.frequencies[ins])))
-            ax.barh(ins.stage, end - start, left=start, height=0.8, color=color, edgecolor="black", linewidth=0.3)
-            if label:
-                ax.text((start + end) / 2, ins.stage, f"{KIND_LETTERS[ins.kind]}{ins.microbatch}", ha="center", va="center", fontsize=6)
-        path_nodes = ev.critical_path()
-        xs, ys = [], []
-        for ins in path_nodes:
-            start, end = ev.timeline[ins]
-            xs += [start, end]
-            ys += [ins.stage, ins.stage]
-        ax.plot(xs, ys, color="black", linewidth=1.5, label="critical path")
-        ax.set_ylim(num_stages - 0.5, -0.5)
-        ax.set_yticks(range(num_stages))
-        ax.set_ylabel("stage")
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(14, 1.2 + 0.45 * len(rows) * len(panels)), sharex=True, squeeze=False, layout="constrained"
+    )
+    horizon = max((b.end for p in panels for b in p.bars), default=1.0)
+    for ax, panel in zip(axes[:, 0], panels):
+        labelled = len(panel.bars) <= MAX_LABELLED
+        for b in panel.bars:
+            ax.barh(b.row, b.end - b.start, left=b.start, height=0.8, color=cmap(norm(b.value)), edgecolor="black", linewidth=0.3)
+            if labelled:
+                ax.text((b.start + b.end) / 2, b.row, b.label, ha="center", va="center", fontsize=6)
+        if panel.path:
+            xs = [t for b in panel.path for t in (b.start, b.end)]
+            ys = [b.row for b in panel.path for _ in range(2)]
+            ax.plot(xs, ys, color="black", linewidth=1.5, label="critical path")
+            ax.legend(loc="upper right", fontsize=7)
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        ax.set_yticks(range(len(rows)), list(rows))
         ax.set_xlim(0, horizon * 1.01)
-        ax.set_title(f"{title}: {ev.iteration_time_s:.4g} s, {ev.energy_j:.6g} J")
-        ax.legend(loc="upper right", fontsize=7)
-    axes[-1, 0].set_xlabel("time (s)")
-    fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[:, 0].tolist(), label="power (W)", fraction=0.02, pad=0.01)
+        ax.set_title(panel.title, fontsize=9)
+    axes[-1, 0].set_xlabel(time_label)
+    fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[:, 0].tolist(), label=value_label, fraction=0.02, pad=0.01, aspect=30)
     return _png(plt, fig)
+
+
+def plot_timeline(panels: Sequence[tuple[str, Evaluation]], schedule: Schedule, profile: Profile) -> bytes:
+    """One Gantt chart per (title, evaluation): a box per instruction on its stage's row,
+    coloured by its average power, the critical path drawn."""
+
+    def bar(ins, start: float, end: float, frequency: int) -> Bar:
+        point = profile.lookup(profile.stage_for(ins, schedule), ins.kind, frequency)
+        return Bar(ins.stage, start, end, f"{KIND_LETTERS[ins.kind]}{ins.microbatch}", point.energy / point.time)
+
+    gantt = []
+    for title, ev in panels:
+        bars = {ins: bar(ins, start, end, ev.frequencies[ins]) for ins, (start, end) in ev.timeline.items()}
+        title = f"{title}: {ev.iteration_time_s:.4g} s, {ev.energy_j:.6g} J"
+        gantt.append(Panel(title, list(bars.values()), [bars[ins] for ins in ev.critical_path()]))
+    rows = [f"stage {s}" for s in range(len(panels[0][1].stages))]
+    return plot_gantt(gantt, rows, "power (W)")
 
 
 def plot_frontier(frontier: Sequence, baselines: Mapping[str, tuple[float, float]]) -> bytes:

@@ -230,6 +230,37 @@ def test_can_change_clocks_is_a_read_only_privilege_check(tmp_path):
     assert not [c for c in nvml.calls if "Set" in c or "Reset" in c]
 
 
+def test_synchronize_waits_for_cuda_only_where_torch_drives_the_gpu(monkeypatch):
+    """Perseus' one CUDA sync (the Monitor's too): never imports torch, skips a process that has
+    not initialised CUDA, GPUs CUDA does not see, and a broken CUDA setup."""
+    synced = []
+
+    def fake_torch(initialized=True, count=1, broken=False):
+        def is_initialized():
+            if broken:
+                raise RuntimeError("CUDA driver initialization failed")
+            return initialized
+
+        cuda = types.SimpleNamespace(is_initialized=is_initialized, device_count=lambda: count, synchronize=synced.append)
+        return types.SimpleNamespace(cuda=cuda)
+
+    with installed([FakeGPU(), FakeGPU()]):
+        first, second = nvml_gpus()
+        monkeypatch.delitem(sys.modules, "torch", raising=False)
+        first.synchronize()
+        assert "torch" not in sys.modules
+        for torch, want in [
+            (fake_torch(), [0]),
+            (fake_torch(initialized=False), []),
+            (fake_torch(broken=True), []),
+        ]:
+            synced.clear()
+            monkeypatch.setitem(sys.modules, "torch", torch)
+            first.synchronize()
+            second.synchronize()  # CUDA sees one GPU here
+            assert synced == want
+
+
 # --- Errors -------------------------------------------------------------------------------
 
 
