@@ -32,8 +32,11 @@ import zmq
 from perseus import __version__
 from perseus.exceptions import ConfigError, PerseusError, ProfileError, ScheduleError, ServiceError
 from perseus.service.budget import Budget, job_cost_bytes
-from perseus.service.job import Job, PlanKey, document_name
+from perseus.service.job import Job
 from perseus.service.planning import PlanResult, job_schedule, make_planner, plan_choices, plan_pipeline
+from perseus.service.plans import PlanKey, document_name
+from perseus.service.state import StateDir, default_state_dir
+from perseus.service.text import clip
 from perseus.wire.envelope import ErrorCode, RequestRejected, decode_request, encode_error, encode_reply
 from perseus.wire.fields import Message
 from perseus.wire.limits import DEFAULT_ADDRESS, HARD_MESSAGE_BYTES, PROTOCOL_VERSION
@@ -55,8 +58,6 @@ from perseus.wire.messages import (
 )
 from perseus.wire.security import PLAINTEXT, Security, drop_connection, is_local_endpoint, peer_key
 from perseus.wire.spec import JobSpec
-from perseus.service.state import StateDir, default_state_dir
-from perseus.service.text import clip
 
 log = logging.getLogger(__name__)
 
@@ -418,7 +419,7 @@ class PlannerService:
             if msg.stage in job.profiled_stages_of(model):
                 log.info("job %s: stage %d profiled on %s (%d of %d)", job.job_id, msg.stage, model, len(job.profiled_stages_of(model)), job.spec.pp)
             else:
-                log.info("job %s: stage %d tensor-parallel share %d of %d in", job.job_id, msg.stage, len(job.uploads[(model, msg.stage)]), job.spec.tp)
+                log.info("job %s: stage %d tensor-parallel share %d of %d in", job.job_id, msg.stage, len(job.profiling.uploads[(model, msg.stage)]), job.spec.tp)
             self._plan(job)
         return Ack(job.phase.value)
 
@@ -427,7 +428,7 @@ class PlannerService:
         done = job.record(msg)
         if done is not None:
             measured, planned = done
-            if planned and (job.planned.count <= LOG_FIRST or job.planned.count % self.log_every == 0):
+            if planned and (job.measurements.planned.count <= LOG_FIRST or job.measurements.planned.count % self.log_every == 0):
                 log.info("%s", job.describe(measured))
             else:
                 log.debug("job %s iteration %d: %.4f s, %.1f J", job.job_id, measured.iteration, measured.time_s, measured.energy_j)
@@ -564,7 +565,7 @@ class PlannerService:
                     plan.baseline_iteration_time_s, plan.energy_j, plan.baseline_energy_j, 100 * saving, plan.lower_bound_j,
                 )
         if len(changed) > 8:
-            log.info("job %s: plan v%d published for %d pipelines", job.job_id, job.last_version, len(changed))
+            log.info("job %s: plan v%d published for %d pipelines", job.job_id, job.plan_book.last_version, len(changed))
 
     def _plan_worker(self) -> None:
         """One of `budget.planning_workers` threads: solves one job's missing plans at a time."""
@@ -670,7 +671,7 @@ class PlannerService:
                 self.state.quarantine(folder, f"{type(e).__name__}: {e}")
                 continue
             self._add_job(job, cost)
-            log.info("resumed job %s (phase %s, plan v%d)", job.job_id, job.phase.value, job.last_version)
+            log.info("resumed job %s (phase %s, plan v%d)", job.job_id, job.phase.value, job.plan_book.last_version)
             self._plan(job)
 
 

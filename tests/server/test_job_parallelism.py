@@ -259,7 +259,7 @@ def test_a_gpu_model_profiled_before_is_taken_from_the_signature_cache(tmp_path)
 
 
 def test_solved_deadlines_are_bounded_but_base_and_in_force_plans_kept():
-    from perseus.service.job import MAX_RESULTS
+    from perseus.service.plans import MAX_RESULTS
 
     job = _dp_job()
     base_key = job.plans[0].key

@@ -10,8 +10,9 @@ from server_helpers import FREQUENCIES, job_spec, rank_info, stage_profile
 
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.profiler.profile import Profile, ProfilePoint
-from perseus.service.job import PLAN_LEAD_ITERATIONS, Job
+from perseus.service.job import Job
 from perseus.service.planning import PlanResult, merge_profiles
+from perseus.service.plans import PLAN_LEAD_ITERATIONS
 from perseus.wire.envelope import (
     ErrorCode,
     RequestRejected,

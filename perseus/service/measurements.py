@@ -1,0 +1,138 @@
+"""What a job's ranks measure, and the stragglers it reveals: iterations summed over every rank
+(baseline and planned means, against the plans' predictions), each pipeline's iterations
+against the plan it ran (fed to the straggler detector), and the stragglers an operator declared.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from collections.abc import Callable
+
+from perseus.service.plans import PublishedPlan, Straggling
+from perseus.service.ranks import bad_field
+from perseus.service.straggler import StragglerDetector
+from perseus.service.tally import IterationTally, Mean, Measured
+from perseus.wire.messages import ReportIteration
+from perseus.wire.spec import JobSpec, RankInfo
+
+log = logging.getLogger(__name__)
+
+HISTORY = 8  # plan changes per pipeline kept to read measured iterations against their plan
+RECENT = 8  # iterations per pipeline whose median its status reports
+
+
+class Measurements:
+    """The measurements of one job since its ranks (re)started; `declared` outlives restarts."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.job_id = spec.job_id()
+        self.declared: dict[int, float] = {}  # pipeline -> factor an operator declared
+        self.restart({})
+
+    def restart(self, plans: dict[int, PublishedPlan]) -> None:
+        """Forget every measurement (the ranks start from iteration 0 under `plans`)."""
+        spec = self.spec
+        self.tally = IterationTally(spec.world_size)
+        self.pipeline_tally = [IterationTally(spec.pp * spec.tp) for _ in range(spec.dp)]
+        self.history: list[deque[tuple[int, float]]] = [deque(maxlen=HISTORY) for _ in range(spec.dp)]  # (start, planned time)
+        for k, plan in plans.items():
+            self.history[k].append((plan.start_iteration, plan.iteration_time_s))
+        self.measured_time: list[deque[float]] = [deque(maxlen=RECENT) for _ in range(spec.dp)]
+        self.detector = StragglerDetector(spec.dp)
+        self._fed = False  # the detector has values it has not decided on
+        self.baseline = Mean()
+        self.planned = Mean()
+        self.recent_time_s: float | None = None
+
+    def published(self, plans: dict[int, PublishedPlan], changed: list[int], last_iteration: int) -> None:
+        """New plans for the pipelines `changed`: measured iterations are read against them from
+        their start, and the planned mean starts over."""
+        for k in changed:
+            plan = plans[k]
+            history = self.history[k]
+            while history and history[-1][0] > last_iteration:
+                history.pop()  # superseded before its start: the ranks never run it (see PlannerClient)
+            history.append((plan.start_iteration, plan.iteration_time_s))
+        self.planned = Mean()
+
+    def record(
+        self, info: RankInfo, report: ReportIteration, plans: dict[int, PublishedPlan], base_time_s: Callable[[int], float | None]
+    ) -> tuple[Measured, bool] | None:
+        """Add one rank's report; (the iteration's total, whether it ran a plan) once complete.
+        Each pipeline's iterations also feed the straggler detector, at the scale of its
+        no-slowdown plan (`base_time_s`; see `update_stragglers`)."""
+        self._record_pipeline(info, report, base_time_s)
+        measured = self.tally.add(report.rank, report.iteration, report.time_s, report.energy_j)
+        if measured is None:
+            return None
+        self.recent_time_s = measured.time_s
+        if plans and measured.iteration >= max(p.start_iteration for p in plans.values()):
+            self.planned.add(measured)
+            return measured, True
+        if measured.iteration < self.spec.warmup_iterations:
+            self.baseline.add(measured)
+        return measured, False
+
+    def _record_pipeline(self, info: RankInfo, report: ReportIteration, base_time_s: Callable[[int], float | None]) -> None:
+        k = info.dp_index
+        time_s = report.time_s if report.compute_time_s is None else report.compute_time_s
+        measured = self.pipeline_tally[k].add(report.rank, report.iteration, time_s, report.energy_j)
+        if measured is None:
+            return
+        self.measured_time[k].append(measured.time_s)
+        planned = self._planned_time_at(k, measured.iteration)
+        base = base_time_s(k)
+        if planned is not None and base is not None:
+            # At its no-slowdown plan's time scale: a pipeline slowed on purpose is not slow.
+            self.detector.add(k, measured.time_s / planned * base)
+            self._fed = True
+
+    def _planned_time_at(self, pipeline: int, iteration: int) -> float | None:
+        times = [t for start, t in self.history[pipeline] if start <= iteration]
+        return times[-1] if times else None
+
+    def measured_time_s(self, pipeline: int) -> float | None:
+        """The median of the pipeline's recent iteration times, if any."""
+        recent = self.measured_time[pipeline]
+        return statistics.median(recent) if recent else None
+
+    # ---- stragglers --------------------------------------------------------------------------------
+
+    def update_stragglers(self) -> bool:
+        """Re-decide the detected straggler after new pipeline iterations; True if it changed."""
+        if not self._fed:
+            return False
+        self._fed = False
+        previous = self.detector.current
+        current = self.detector.update()
+        if current == previous:
+            return False
+        if current is None:
+            log.info("job %s: pipeline %d recovered; back to the no-slowdown plans", self.job_id, previous.pipeline)
+        else:
+            log.info("job %s: pipeline %d straggles (%.3fx the others' iteration time)", self.job_id, current.pipeline, current.factor)
+        return True
+
+    def declare(self, pipeline: int, factor: float | None) -> None:
+        """An operator's word that `pipeline` runs `factor` x its planned time (None: it no longer does)."""
+        dp = self.spec.dp
+        if pipeline >= dp:
+            raise bad_field(f"pipeline {pipeline} does not exist: job {self.job_id} has dp={dp} (pipelines 0..{dp - 1})")
+        if factor is None:
+            self.declared.pop(pipeline, None)
+        else:
+            self.declared[pipeline] = factor
+
+    def straggler(self) -> Straggling | None:
+        """(pipeline, factor, "declared" or "detected") of the slowest straggler, if any."""
+        candidates = [(f, k, "declared") for k, f in self.declared.items() if k < self.spec.dp]
+        detected = self.detector.current
+        if detected is not None:
+            candidates.append((detected.factor, detected.pipeline, "detected"))
+        if not candidates:
+            return None
+        factor, pipeline, source = max(candidates)
+        return pipeline, factor, source

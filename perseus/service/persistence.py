@@ -1,0 +1,83 @@
+"""A job as its job.json record holds it (see perseus.service.state), and back.
+
+`to_record` is everything a restarted service needs besides the uploaded profiles (saved beside
+it) and the signature cache; measurements are not kept (the ranks report again).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from perseus.exceptions import ConfigError, ServiceError
+from perseus.profiler.profile import Profile
+from perseus.service.planning import job_schedule
+from perseus.service.plans import PublishedPlan
+from perseus.service.text import clip
+from perseus.wire.spec import RankInfo
+
+if TYPE_CHECKING:  # annotations only: job.py imports this module
+    from perseus.service.job import Job
+
+log = logging.getLogger(__name__)
+
+
+def to_record(job: Job) -> dict[str, Any]:
+    profiling = job.profiling
+    return {
+        "job_id": job.job_id,
+        "spec": job.spec_record,
+        "ranks": [job.ranks[r].to_wire() for r in sorted(job.ranks)],
+        "sweep": None if profiling.sweep is None else list(profiling.sweep),
+        "cached": job.spec.gpu_model in profiling.cached,
+        "cached_models": sorted(m for m in profiling.cached if m != job.spec.gpu_model),
+        "uploads": [[m, s, t, name] for (m, s, t), name in sorted(profiling.upload_names.items())],
+        "error": job.error,
+        "last_version": job.plan_book.last_version,
+        "plans": {str(k): asdict(p) for k, p in sorted(job.plans.items())},
+        "declared": {str(k): f for k, f in sorted(job.measurements.declared.items())},
+    }
+
+
+def restore(job: Job, doc: dict[str, Any], stage_profiles: dict[str, Profile], cached: dict[str, Profile]) -> None:
+    """Fill `job`, new from the spec of `doc` (a `to_record`), from `doc`, its uploads (by
+    state-file name) and the cached profiles of its GPU models. Pipelines whose plans are lost
+    re-plan if their profiles are complete, else the missing stages are profiled. Records of
+    earlier releases (one "plan", uploads as stage-<s>) load too."""
+    spec = job.spec
+    profiling = job.profiling
+    try:
+        job.set_schedule(job_schedule(spec))
+    except ConfigError as e:
+        job.fail(f"invalid job: {e}")  # as when it registered: it stays failed, and says why
+    saved_sweep = doc.get("sweep")
+    if saved_sweep is not None:  # before the ranks: they were checked against it in their order
+        profiling.sweep = tuple(int(f) for f in saved_sweep)
+    for info in doc.get("ranks", []):
+        try:
+            job.add_rank(RankInfo.from_wire(info))
+        except ServiceError as e:  # the rank registers again when it next reaches the service
+            log.warning("job %s: rank record not resumed: %s", job.job_id, e.message)
+    for model in ([spec.gpu_model] if doc.get("cached") else []) + list(doc.get("cached_models", [])):
+        if model in cached:
+            job.add_cached(model, cached[model])
+    uploads = doc.get("uploads")
+    if uploads is None:  # an earlier release: stage-<s> files of the job's model
+        uploads = [[spec.gpu_model, int(n.removeprefix("stage-")), 0, n] for n in stage_profiles if n.removeprefix("stage-").isdigit()]
+    for model, stage, tp_index, name in uploads:
+        if name in stage_profiles and 0 <= stage < spec.pp and 0 <= tp_index < spec.tp and stage not in profiling.stages_of(model):
+            profiling.take(model, stage, tp_index, stage_profiles[name], name)
+    if spec.gpu_model in profiling.cached:
+        profiling.sweep = ()
+    elif saved_sweep is None:
+        profiling.sweep = spec.sweep_frequencies or (job.ranks[min(job.ranks)].frequencies if job.ranks else None)
+    job.plan_book.last_version = int(doc.get("last_version", 0))
+    plans = doc.get("plans")
+    if plans is None and doc.get("plan") is not None:  # an earlier release: one plan for all pipelines
+        plans = {str(k): {**doc["plan"], "models": list(job.models(k))} for k in range(spec.dp)}
+    for k, record in (plans or {}).items():
+        job.plan_book.restore(int(k), PublishedPlan.from_record(record))
+    job.measurements.declared = {int(k): float(f) for k, f in doc.get("declared", {}).items()}
+    job.error = clip(str(doc["error"])) if doc.get("error") else ""
+    job.measurements.restart(job.plans)

@@ -1,0 +1,178 @@
+"""A job's plans: the plan each pipeline should run, the plans solved so far, and the plans
+published to the ranks.
+
+Each pipeline has its own plan (the tensor-parallel ranks of a stage share the stage's
+frequencies): the no-slowdown plan of its GPU models, or, while another pipeline straggles, the
+least-energy plan at the straggler's pace. Every plan change gets a new `plan_version` and a
+start iteration shared by all ranks of the pipeline, a lead ahead of the latest iteration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from perseus.profiler.profile import Profile
+from perseus.service.planning import PlanResult
+from perseus.service.ranks import Models
+from perseus.wire.spec import JobSpec
+
+# A new plan starts this many iterations after the latest one any rank has reached, and at least
+# PLAN_LEAD_S later at the measured iteration time, so that every rank (polling a few times a
+# second) switches at the same iteration boundary.
+PLAN_LEAD_ITERATIONS = 2
+PLAN_LEAD_S = 1.0
+MAX_PLAN_LEAD = 10_000
+MAX_RESULTS = 64  # solved plans kept per job (no-slowdown and in-force plans are always kept)
+
+PlanKey = tuple[Models, float | None]  # (models, deadline in s or None: no slowdown)
+Straggling = tuple[int, float, str]  # (pipeline, factor, "declared" or "detected")
+
+
+def deadline_key(deadline_s: float | None) -> float | None:
+    return None if deadline_s is None else round(deadline_s, 6)
+
+
+@dataclass(frozen=True)
+class PublishedPlan(PlanResult):
+    """A pipeline's plan as its ranks see it: its version, the iteration it applies from, the GPU
+    models it was planned for and its deadline (None: no slowdown) -- job.json's "plans"."""
+
+    version: int
+    start_iteration: int
+    models: Models = ()
+    deadline_s: float | None = None
+
+    @property
+    def key(self) -> PlanKey:
+        return self.models, deadline_key(self.deadline_s)
+
+    def result(self) -> PlanResult:
+        """The solved plan this was published from."""
+        return PlanResult(**{f.name: getattr(self, f.name) for f in fields(PlanResult)})
+
+    @classmethod
+    def from_record(cls, doc: dict[str, Any]) -> PublishedPlan:
+        return cls(
+            **{
+                **doc,
+                "stage_frequencies": tuple(tuple(int(f) for f in row) for row in doc["stage_frequencies"]),
+                "models": tuple(doc.get("models", ())),
+            }
+        )
+
+
+def document_name(spec: JobSpec, key: PlanKey) -> str:
+    """File name (without .json) of a plan document: "plan" for the job's own GPU model with no
+    slowdown, else "plan-<hash>" per distinct (models, deadline)."""
+    models, deadline = key
+    if deadline is None and set(models) == {spec.gpu_model}:
+        return "plan"
+    return "plan-" + hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+
+
+def plan_lead(recent_time_s: float | None) -> int:
+    """Iterations between the latest one reached and a new plan's start, at `recent_time_s` per iteration."""
+    lead = PLAN_LEAD_ITERATIONS
+    if recent_time_s:  # bounded below by the protocol; the min() keeps the ceil finite regardless
+        lead = max(lead, math.ceil(min(PLAN_LEAD_S / recent_time_s, MAX_PLAN_LEAD)))
+    return min(lead, MAX_PLAN_LEAD)
+
+
+class PlanBook:
+    """The plans of one job of `dp` pipelines. `models` gives each pipeline's stage models."""
+
+    def __init__(self, dp: int, models: Callable[[int], Models]) -> None:
+        self.dp = dp
+        self.models = models
+        self.plans: dict[int, PublishedPlan] = {}  # pipeline -> the plan its ranks run
+        self.results: dict[PlanKey, PlanResult | str] = {}  # solved plans; str: why the planner could not
+        self.last_version = 0
+
+    def base(self, pipeline: int) -> PlanResult | None:
+        """The pipeline's solved no-slowdown plan, if any."""
+        result = self.results.get((self.models(pipeline), None))
+        return result if isinstance(result, PlanResult) else None
+
+    def base_keys(self) -> list[PlanKey]:
+        return [(self.models(k), None) for k in range(self.dp)]
+
+    def wanted(self, straggler: Straggling | None) -> dict[int, PlanKey]:
+        """The plan each pipeline should run: its models and deadline (None: no slowdown; also
+        while any base plan is unsolved, since deadlines are relative to them)."""
+        keys: dict[int, PlanKey] = dict(enumerate(self.base_keys()))
+        if straggler is None:
+            return keys
+        slow, factor, source = straggler
+        bases = {k: self.base(k) for k in keys}
+        if any(b is None for b in bases.values()):
+            return keys
+        if source == "declared" or self.dp == 1:
+            pace = factor * bases[slow].iteration_time_s
+        else:
+            pace = factor * statistics.median(b.iteration_time_s for k, b in bases.items() if k != slow)
+        for k in keys:
+            if k != slow and pace > bases[k].iteration_time_s:
+                keys[k] = (self.models(k), deadline_key(pace))
+        return keys
+
+    def missing(self, wanted: dict[int, PlanKey], profile: Callable[[Models], Profile | None]) -> list[tuple[PlanKey, Profile]]:
+        """Plans to solve (with their profile, once complete): base plans first, then `wanted` deadlines."""
+        missing: dict[PlanKey, Profile] = {}
+        for key in self.base_keys() + list(wanted.values()):
+            if key not in self.results and key not in missing:
+                rows = profile(key[0])
+                if rows is not None:
+                    missing[key] = rows
+        return list(missing.items())
+
+    def add_result(self, key: PlanKey, result: PlanResult | str) -> None:
+        """A solved plan, or the planner's reason it could not; the oldest deadlines are forgotten
+        past MAX_RESULTS (many declared factors)."""
+        self.results[key] = result
+        if len(self.results) > MAX_RESULTS:
+            keep = {plan.key for plan in self.plans.values()} | {key}
+            for old in [k for k in self.results if k[1] is not None and k not in keep][: len(self.results) - MAX_RESULTS]:
+                del self.results[old]
+
+    def publish(self, wanted: dict[int, PlanKey], start_iteration: int) -> list[int]:
+        """Publish, with one new version starting at `start_iteration`, the wanted plan of every
+        pipeline whose plan changes and is solved; the pipelines changed."""
+        changed: dict[int, tuple[PlanKey, PlanResult]] = {}
+        for k, key in wanted.items():
+            result = self.results.get(key)
+            if result is None:
+                continue  # being solved: keep the current plan meanwhile
+            if isinstance(result, str):
+                key = (self.models(k), None)  # the deadline failed: run the no-slowdown plan
+                result = self.results.get(key)
+            if isinstance(result, PlanResult) and (k not in self.plans or self.plans[k].key != key):
+                changed[k] = (key, result)
+        if not changed:
+            return []
+        self.last_version += 1
+        for k, ((models, deadline), result) in changed.items():
+            base = {f.name: getattr(result, f.name) for f in fields(PlanResult)}
+            self.plans[k] = PublishedPlan(**base, version=self.last_version, start_iteration=start_iteration, models=models, deadline_s=deadline)
+        return sorted(changed)
+
+    def restart(self) -> None:
+        """The job runs again from iteration 0: every plan applies at once."""
+        self.plans = {k: replace(plan, start_iteration=0) for k, plan in self.plans.items()}
+
+    def restore(self, pipeline: int, plan: PublishedPlan) -> None:
+        """A plan published before a restart of the service (see perseus.service.persistence)."""
+        self.plans[pipeline] = plan
+        self.results[plan.key] = plan.result()
+
+    def predicted(self) -> tuple[float, float, float]:
+        """Iteration time (the slowest pipeline's plan), energy and energy at maximum clocks
+        (summed over pipelines); a pipeline without a plan is counted at its peers' mean."""
+        plans = list(self.plans.values())
+        energy = sum(p.energy_j for p in plans) * self.dp / len(plans)
+        baseline = sum(p.baseline_energy_j for p in plans) * self.dp / len(plans)
+        return max(p.iteration_time_s for p in plans), energy, baseline

@@ -1,0 +1,67 @@
+"""What a job tells about itself: its status (phase, predicted against measured figures, each
+pipeline's plan and straggler) and the log line of a planned iteration."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from perseus.service.tally import Measured
+from perseus.wire.messages import JobStatus, PipelineStatus
+
+if TYPE_CHECKING:  # annotations only: job.py imports this module
+    from perseus.service.job import Job
+
+
+def describe(job: Job, measured: Measured) -> str:
+    """One planned iteration measured against the plans' prediction."""
+    time_p, energy_p, _ = job.plan_book.predicted()
+    versions = sorted({p.version for p in job.plans.values()})
+    return (
+        f"job {job.job_id} iteration {measured.iteration} (plan v{','.join(map(str, versions))}): "
+        f"time {measured.time_s:.4f} s (predicted {time_p:.4f} s, {100 * (measured.time_s / time_p - 1):+.1f}%), "
+        f"energy {measured.energy_j:.1f} J (predicted {energy_p:.1f} J, {100 * (measured.energy_j / energy_p - 1):+.1f}%)"
+    )
+
+
+def job_status(job: Job) -> JobStatus:
+    time_p = energy_p = baseline_p = None
+    if job.plans:
+        time_p, energy_p, baseline_p = job.plan_book.predicted()
+    measurements = job.measurements
+    straggler = measurements.straggler()
+    pipelines = []
+    for k in range(job.spec.dp):
+        plan = job.plans.get(k)
+        slow = straggler is not None and straggler[0] == k
+        pipelines.append(
+            PipelineStatus(
+                pipeline=k,
+                plan_version=plan.version if plan else 0,
+                deadline_s=plan.deadline_s if plan else None,
+                predicted_iteration_time_s=plan.iteration_time_s if plan else None,
+                measured_iteration_time_s=measurements.measured_time_s(k),
+                straggler=straggler[2] if slow else "",
+                straggler_factor=straggler[1] if slow else None,
+            )
+        )
+    return JobStatus(
+        job_id=job.job_id,
+        phase=job.phase.value,
+        world_size=job.spec.world_size,
+        ranks_registered=len(job.ranks),
+        profiled_stages=job.profiled_stages,
+        plan_version=max((p.version for p in job.plans.values()), default=0),
+        last_iteration=job.last_iteration,
+        error=job.error,
+        warning=job.warning,
+        predicted_iteration_time_s=time_p,
+        predicted_energy_j=energy_p,
+        predicted_baseline_energy_j=baseline_p,
+        baseline_iterations=measurements.baseline.count,
+        baseline_iteration_time_s=measurements.baseline.time_s,
+        baseline_energy_j=measurements.baseline.energy_j,
+        planned_iterations=measurements.planned.count,
+        planned_iteration_time_s=measurements.planned.time_s,
+        planned_energy_j=measurements.planned.energy_j,
+        pipelines=tuple(pipelines),
+    )
