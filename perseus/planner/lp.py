@@ -14,9 +14,6 @@ inside the LP so that the solver's absolute tolerances are tight relative to ite
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
 from dataclasses import dataclass
 
 import highspy
@@ -148,28 +145,23 @@ class HullLP:
         return Relaxation(float(bound), float(x[self._t_col] / _MS), x[:n] / _MS, x[n : 2 * n] / _MS)
 
 
-_banner_lock = threading.Lock()
-_banner_shown = False
+class _QuietHighs(highspy.Highs):
+    """A HiGHS instance that never writes to stdout, so planning (e.g. in the threaded service)
+    leaves the process's stdout alone.
+
+    HiGHS prints its banner when an instance first logs, unless its output_flag is already off.
+    highspy.Highs() logs during construction: its __init__ installs highspy's callbacks
+    (enableCallbacks -> setCallback) before a caller could set any option. This hook runs just
+    before that call, on the constructed instance; setting the option again afterwards covers
+    highspy versions whose __init__ does not call it.
+    """
+
+    def enableCallbacks(self) -> None:
+        self.setOptionValue("output_flag", False)
+        super().enableCallbacks()
 
 
 def _quiet_highs() -> highspy.Highs:
-    """A silent HiGHS instance. HiGHS prints a banner to file descriptor 1 when the process's
-    first instance is constructed, before any option can turn output off; only then is stdout
-    pointed at /dev/null, so later plans (e.g. in the threaded service) never touch stdout."""
-    global _banner_shown
-    with _banner_lock:
-        if _banner_shown:
-            highs = highspy.Highs()
-        else:
-            sys.stdout.flush()
-            saved = os.dup(1)
-            try:
-                with open(os.devnull, "w") as null:
-                    os.dup2(null.fileno(), 1)
-                    highs = highspy.Highs()
-            finally:
-                os.dup2(saved, 1)
-                os.close(saved)
-            _banner_shown = True
+    highs = _QuietHighs()
     highs.setOptionValue("output_flag", False)
     return highs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -174,3 +176,36 @@ def test_exchange_keeps_deadline_and_never_costs_more(seed):
     t1, e1 = problem.energy(exchange(problem, start, deadline))
     assert t0 <= deadline and t1 <= deadline
     assert e1 <= e0
+
+
+QUIET_PLANNING = """
+import os
+
+
+def no_redirect(*args):
+    raise AssertionError("planning redirected a file descriptor")
+
+
+os.dup2 = no_redirect  # the banner must stay hidden without touching the process's stdout
+from perseus.planner import Planner
+from perseus.profiler import Profile, ProfilePoint
+from perseus.schedules import build_schedule
+
+points = {
+    (s, kind): [ProfilePoint(f, t * 1410 / f, t * 1410 / f * (80 + f / 10)) for f in (1410, 1200, 1005)]
+    for s in range(2)
+    for kind, t in (("forward", 1.0), ("backward", 2.0))
+}
+planner = Planner(build_schedule("1f1b", 2, 4), Profile(points, 60.0))
+print("planned", planner.plan(max_slowdown=1.1).lower_bound_j > 0, planner.plan().lower_bound_j > 0)
+"""
+
+
+def test_planning_prints_no_highs_banner(capfd):
+    """HiGHS prints a banner when an instance first logs (highspy's constructor does); the
+    planner's instances have output off before then. A fresh interpreter, so its first HiGHS
+    instance is the planner's; it writes to this test's captured file descriptor 1."""
+    done = subprocess.run([sys.executable, "-c", QUIET_PLANNING], timeout=120)
+    out, err = capfd.readouterr()
+    assert done.returncode == 0, err
+    assert out == "planned True True\n"
