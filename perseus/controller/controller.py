@@ -12,10 +12,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from perseus.controller.safety import ResetGuard
-from perseus.controller.watchdog import Watchdog
 from perseus.devices.gpu import GPU
 from perseus.exceptions import PlanError
+from perseus.safety import ResetGuard, Watchdog
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,6 @@ import os
 from typing import Any
 
 from perseus.atomic import write_json_atomic
-from perseus.controller.safety import ResetGuard
-from perseus.controller.watchdog import Watchdog
 from perseus.devices.gpu import GPU
 from perseus.exceptions import ConfigError, PerseusError, ProfileError
 from perseus.measurement.monitor import Monitor
@@ -42,6 +40,7 @@ from perseus.power_limit.selectors import (
     PowerLimitSelector,
     SelectionContext,
 )
+from perseus.safety import ResetGuard, Watchdog
 
 logger = logging.getLogger(__name__)
 

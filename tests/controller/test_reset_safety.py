@@ -116,7 +116,7 @@ def test_controller_watchdog_leaves_a_power_limit_it_never_set(gpu):
 
 
 def test_watchdog_leaves_clocks_alone_after_a_clean_stop(gpu):
-    from perseus.controller import Watchdog
+    from perseus.safety import Watchdog
 
     dog = Watchdog.for_gpus([gpu])
     assert dog is not None

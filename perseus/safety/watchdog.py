@@ -35,7 +35,7 @@ STOP = b"stop\n"
 POLL_S = 0.1
 SM_CLOCK = "sm_clock"
 POWER_LIMIT = "power_limit"
-_ENTRY = "import sys; from perseus.controller.watchdog import main; sys.exit(main())"
+_ENTRY = "import sys; from perseus.safety.watchdog import main; sys.exit(main())"
 
 
 def backend_of(gpus: Sequence[GPU]) -> tuple[str, dict[str, str]]:
