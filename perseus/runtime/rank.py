@@ -38,7 +38,9 @@ from perseus.exceptions import ConfigError, PlanError, ServiceError
 from perseus.profiler.online import OnlineProfiler, Sweep, SweepStep
 from perseus.runtime.progress import Progress
 from perseus.schedules.instruction import Schedule
+from perseus.wire.parallelism import Parallelism
 from perseus.wire.phases import Phase
+from perseus.wire.spec import JobSpec, RankInfo
 
 logger = logging.getLogger(__name__)
 
@@ -70,16 +72,18 @@ class PerseusRank:
     """Perseus on one rank (one GPU, one pipeline stage, possibly several model chunks).
 
     `schedule` is the whole job's schedule (every stage's instruction order); this rank runs
-    `schedule.stages[stage]`. In a job with `dp` data-parallel pipelines and `tp`
-    tensor-parallel ranks per stage, this rank is (`stage`, `dp_index`, `tp_index`) and `rank`
-    its global rank; `rank_mapping` ("explicit", "megatron" or "torch", see
-    perseus.wire.parallelism) tells the planner how global ranks map to those coordinates, and a
-    named mapping is checked here. `rank` defaults to `stage` when dp = tp = 1, else to what
-    a named mapping gives. Every rank uploads its stage profile; the planner takes one per GPU
+    `schedule.stages[stage]`. `parallelism` (a `perseus.wire.Parallelism`) places the rank in
+    a job with `dp` data-parallel pipelines and `tp` tensor-parallel ranks per stage: it is
+    (`stage`, `dp_index`, `tp_index`) with global rank `rank`, and `rank_mapping` ("explicit",
+    "megatron" or "torch", see perseus.wire.parallelism) tells the planner how global ranks map
+    to those coordinates (a named mapping is checked). Instead of `parallelism`, pass `stage` and
+    any of `rank`, `dp`, `dp_index`, `tp`, `tp_index`, `rank_mapping` (defaults: one pipeline, no
+    tensor parallelism, explicit mapping; `rank` defaults to `stage` when dp = tp = 1, else to
+    what a named mapping gives). Every rank offers its stage profile; the planner takes one per GPU
     model, stage and tensor-parallel index (from the lowest data-parallel index on that model).
 
-    `client`: a `perseus.client.PlannerClient` (closed by `close()` when `close_client`), or
-    None to run at default clocks and only measure. `wait_for_clock`: block each clock change
+    `client`: a `perseus.client.PlannerClient`, or anything with its `PlannerPort` methods
+    (closed by `close()` when `close_client`), or None to run at default clocks and only measure. `wait_for_clock`: block each clock change
     until applied; only for emulated GPUs whose work reads the clock when issued (real kernels
     run long after the CPU issues them, and the training thread must not wait on the driver).
     `instruction_overhead_s` and `hop_latency_s`: host work between this job's instructions and
@@ -91,15 +95,16 @@ class PerseusRank:
         self,
         gpu: GPU,
         schedule: Schedule,
-        stage: int,
+        stage: int | None = None,
         *,
         client: Any | None = None,
+        parallelism: Parallelism | None = None,
         rank: int | None = None,
-        dp: int = 1,
-        dp_index: int = 0,
-        tp: int = 1,
-        tp_index: int = 0,
-        rank_mapping: str = "explicit",
+        dp: int | None = None,
+        dp_index: int | None = None,
+        tp: int | None = None,
+        tp_index: int | None = None,
+        rank_mapping: str | None = None,
         tag: str = "",
         profiling: ProfilingSettings | None = None,
         instruction_overhead_s: float = 0.0,
@@ -113,15 +118,16 @@ class PerseusRank:
         close_client: bool = False,
         on_iteration: Callable[[IterationRecord], None] | None = None,
     ) -> None:
-        if not 0 <= stage < schedule.num_stages:
-            raise ConfigError(f"stage {stage} is outside the schedule's stages 0..{schedule.num_stages - 1}")
+        self.parallelism = resolve_parallelism(
+            schedule, stage, parallelism,
+            rank=rank, dp=dp, dp_index=dp_index, tp=tp, tp_index=tp_index, rank_mapping=rank_mapping,
+        )
         self.gpu = gpu
         self.schedule = schedule
-        self.stage = stage
-        self.dp, self.dp_index, self.tp, self.tp_index = dp, dp_index, tp, tp_index
-        self.rank_mapping, self.tag = rank_mapping, tag
+        self.stage = stage = self.parallelism.stage
+        self.rank: int = self.parallelism.rank  # type: ignore[assignment]  # always set by Parallelism
+        self.tag = tag
         self.instruction_overhead_s, self.hop_latency_s = instruction_overhead_s, hop_latency_s
-        self.rank = _check_coordinates(rank, stage, schedule.num_stages, dp, dp_index, tp, tp_index, rank_mapping)
         self.settings = profiling or ProfilingSettings()
         self.order = schedule.stages[stage]
         self._keys = tuple((ins.kind.value, ins.microbatch, ins.chunk) for ins in self.order)
@@ -172,6 +178,27 @@ class PerseusRank:
                 target=self._register, args=(retry_s,), name=f"perseus-register-{self.rank}", daemon=True
             )
             self._registrar.start()
+
+    # This rank's place in the job (see `parallelism`)
+    @property
+    def dp(self) -> int:
+        return self.parallelism.dp
+
+    @property
+    def dp_index(self) -> int:
+        return self.parallelism.dp_index
+
+    @property
+    def tp(self) -> int:
+        return self.parallelism.tp
+
+    @property
+    def tp_index(self) -> int:
+        return self.parallelism.tp_index
+
+    @property
+    def rank_mapping(self) -> str:
+        return self.parallelism.rank_mapping
 
     @property
     def in_step(self) -> bool:
@@ -371,15 +398,14 @@ class PerseusRank:
             self._stop.wait(0.01)
 
     # Registration (background: the planner may be late or down)
-    def job_spec(self) -> Any:
-        from perseus.wire.spec import JobSpec
-
-        s = self.schedule
+    def job_spec(self) -> JobSpec:
+        """The job as rank 0 registers it (every rank builds it: its id names the job)."""
+        s, layout = self.schedule, self.parallelism
         return JobSpec(
-            world_size=s.num_stages * self.dp * self.tp,
-            pp=s.num_stages,
-            dp=self.dp,
-            tp=self.tp,
+            world_size=layout.world_size,
+            pp=layout.pp,
+            dp=layout.dp,
+            tp=layout.tp,
             schedule_name=s.name,
             num_microbatches=s.num_microbatches,
             num_chunks=s.num_chunks,
@@ -390,16 +416,16 @@ class PerseusRank:
             warmup_iterations=self.settings.warmup_iterations,
             iterations_per_frequency=self.settings.iterations_per_frequency,
             sweep_frequencies=self.sweep.frequencies,
-            rank_mapping=self.rank_mapping,
+            rank_mapping=layout.rank_mapping,
             instruction_overhead_s=self.instruction_overhead_s,
             hop_latency_s=self.hop_latency_s,
         )
 
-    def rank_info(self) -> Any:
-        from perseus.wire.spec import RankInfo
-
+    def rank_info(self) -> RankInfo:
+        """This rank as it registers itself."""
+        layout = self.parallelism
         return RankInfo(
-            self.rank, self.stage, dp_index=self.dp_index, tp_index=self.tp_index, gpu_model=self.gpu.name(),
+            self.rank, layout.stage, dp_index=layout.dp_index, tp_index=layout.tp_index, gpu_model=self.gpu.name(),
             frequencies=tuple(self.gpu.supported_frequencies()),
         )
 
@@ -432,35 +458,26 @@ class PerseusRank:
             logger.warning("rank %d: %s", self.rank, message)
 
 
-def _check_coordinates(
-    rank: int | None, stage: int, pp: int, dp: int, dp_index: int, tp: int, tp_index: int, mapping: str
-) -> int:
-    """This rank's global rank, after checking its (stage, dp_index, tp_index) against the job
-    and the rank mapping. ConfigError naming what to fix."""
-    from perseus.wire.parallelism import RANK_MAPPINGS, rank_coordinates, rank_of
-
-    for name, value in (("dp", dp), ("tp", tp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer (the data-/tensor-parallel degree), got {value!r}")
-    for name, value, size in (("dp_index", dp_index, dp), ("tp_index", tp_index, tp)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
-            raise ConfigError(f"{name} must be an integer in 0..{size - 1} ({name[:2]}={size}), got {value!r}")
-    if mapping not in RANK_MAPPINGS:
-        raise ConfigError(f"rank_mapping must be one of {', '.join(RANK_MAPPINGS)}, got {mapping!r}")
-    if rank is None:
-        if dp == tp == 1:
-            return stage
-        if mapping == "explicit":
-            raise ConfigError("with dp > 1 or tp > 1 pass rank= (the global rank) or a named rank_mapping ('megatron' or 'torch')")
-        return rank_of(mapping, stage, dp_index, tp_index, pp, dp, tp)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < pp * dp * tp:
-        raise ConfigError(f"rank must be an integer in 0..{pp * dp * tp - 1} (pp={pp} x dp={dp} x tp={tp}), got {rank!r}")
-    if mapping != "explicit":
-        expected = rank_coordinates(mapping, rank, pp, dp, tp)
-        if expected != (stage, dp_index, tp_index):
-            raise ConfigError(
-                f"under the {mapping} rank mapping rank {rank} is stage {expected[0]}, dp_index {expected[1]}, tp_index "
-                f"{expected[2]}, not stage {stage}, dp_index {dp_index}, tp_index {tp_index}; fix the indices or use "
-                "rank_mapping='explicit'"
-            )
-    return rank
+def resolve_parallelism(
+    schedule: Schedule, stage: int | None, parallelism: Parallelism | None, **keywords: Any
+) -> Parallelism:
+    """This rank's `Parallelism`: `parallelism` as given (checked against the schedule and
+    `stage`), or built from `stage` and the keywords (rank, dp, dp_index, tp, tp_index,
+    rank_mapping) that are not None. ConfigError naming what to fix."""
+    given = {name: value for name, value in keywords.items() if value is not None}
+    pp = schedule.num_stages
+    if parallelism is not None:
+        if not isinstance(parallelism, Parallelism):
+            raise ConfigError(f"parallelism must be a perseus.wire.Parallelism, got {type(parallelism).__name__}")
+        if given:
+            raise ConfigError(f"pass parallelism= or {', '.join(f'{n}=' for n in given)}, not both")
+        if parallelism.pp != pp:
+            raise ConfigError(f"parallelism.pp is {parallelism.pp} but the schedule has {pp} stages")
+        if stage is not None and stage != parallelism.stage:
+            raise ConfigError(f"this rank's pipeline stage is {stage} but parallelism.stage is {parallelism.stage}")
+        return parallelism
+    if stage is None:
+        raise ConfigError("PerseusRank needs this rank's pipeline stage: pass stage= or parallelism=")
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp:
+        raise ConfigError(f"stage {stage} is outside the schedule's stages 0..{pp - 1}")
+    return Parallelism(pp, stage, **given)

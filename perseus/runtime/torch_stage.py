@@ -23,9 +23,10 @@ from typing import Any
 
 from perseus.devices.gpu import GPU
 from perseus.exceptions import ConfigError
-from perseus.runtime.rank import PerseusRank, ProfilingSettings
+from perseus.runtime.rank import PerseusRank, resolve_parallelism
 from perseus.schedules import Schedule, build_schedule, from_torch_pipeline_order
 from perseus.schedules.instruction import Kind
+from perseus.wire.parallelism import Parallelism
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +70,13 @@ def instrument(
     num_microbatches: int | None = None,
     client: Any = None,
     gpu: GPU | None = None,
+    parallelism: Parallelism | None = None,
     rank: int | None = None,
-    dp: int = 1,
-    dp_index: int = 0,
-    tp: int = 1,
-    tp_index: int = 0,
-    rank_mapping: str = "explicit",
-    tag: str = "",
-    profiling: ProfilingSettings | None = None,
-    instruction_overhead_s: float = 0.0,
-    hop_latency_s: float = 0.0,
+    dp: int | None = None,
+    dp_index: int | None = None,
+    tp: int | None = None,
+    tp_index: int | None = None,
+    rank_mapping: str | None = None,
     security: Any = None,
     **options: Any,
 ) -> Any:
@@ -91,26 +89,31 @@ def instrument(
     client: a `PlannerClient`, a planner address, None for $PERSEUS_PLANNER or the default
         address, or False for no planner (default clocks; measuring only).
     gpu: this rank's GPU; default `get_gpus()[LOCAL_RANK]`.
+    parallelism: this rank's place in the job, a `perseus.wire.Parallelism` (its `pp` and
+        `stage` must be the pipeline group's size and this stage's group rank); or, instead:
     rank: this rank's global rank; default `torch.distributed.get_rank()` when initialized.
     dp, dp_index, tp, tp_index: the data- and tensor-parallel degrees and this rank's indices
         (default: one pipeline, no tensor parallelism). They are not guessed from process
         groups: pass them from what built your parallelism, and name its `rank_mapping`
-        ("megatron", "torch", or "explicit") so the planner can check them. A torch DeviceMesh
-        of shape (dp, pp, tp) with dims named "dp", "pp", "tp":
+        ("megatron", "torch", or "explicit"; default explicit) so the planner can check them.
+        A torch DeviceMesh of shape (dp, pp, tp) with dims named "dp", "pp", "tp":
             perseus.instrument(stage, schedule=sched, dp=mesh["dp"].size(), dp_index=mesh["dp"].get_local_rank(),
                                tp=mesh["tp"].size(), tp_index=mesh["tp"].get_local_rank(), rank_mapping="torch")
         Megatron-LM (`from megatron.core import parallel_state as ps`):
             perseus.instrument(stage, schedule=sched, dp=ps.get_data_parallel_world_size(),
                                dp_index=ps.get_data_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
                                tp_index=ps.get_tensor_model_parallel_rank(), rank_mapping="megatron")
-    instruction_overhead_s, hop_latency_s: host work between a stage's instructions, and what a
-        stage-to-stage activation (gradient) hop takes beyond it, in seconds, as you measured
-        them; the planner counts them so a plan does not spend slack they use (default 0).
     security: for the client `instrument` creates (client None or an address): e.g.
         `perseus.wire.CurveClient.from_dir(DIR, NAME)` for a service started with
         --curve-keys; default from $PERSEUS_CURVE_KEYS, else plaintext. Pass it to your own
         `PlannerClient` instead when you give one.
-    options: passed to `PerseusRank` (progress, wait_for_clock, handle_signals, watchdog, ...).
+    options: passed to `PerseusRank`, among them:
+        tag, profiling: the job's tag and the online sweep's `ProfilingSettings`;
+        instruction_overhead_s, hop_latency_s: host work between a stage's instructions, and what
+            a stage-to-stage activation (gradient) hop takes beyond it, in seconds, as you
+            measured them; the planner counts them so a plan does not spend slack they use
+            (default 0);
+        progress, wait_for_clock, handle_signals, watchdog, ...
     """
     stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
     if not stages:
@@ -125,8 +128,11 @@ def instrument(
         from perseus.devices import get_gpus
 
         gpu = get_gpus()[int(os.environ.get("LOCAL_RANK", "0"))]
-    if rank is None:
+    if parallelism is None and rank is None:
         rank = _global_rank(pp_rank)
+    layout = resolve_parallelism(
+        plan, pp_rank, parallelism, rank=rank, dp=dp, dp_index=dp_index, tp=tp, tp_index=tp_index, rank_mapping=rank_mapping
+    )
     own_client = client is None or isinstance(client, str)
     if security is not None and not own_client:
         raise ConfigError(
@@ -134,9 +140,7 @@ def instrument(
             "PlannerClient, pass security to PlannerClient(address, security=...) instead"
         )
     perseus_rank = PerseusRank(
-        gpu, plan, pp_rank, client=_resolve_client(client, security), rank=rank, dp=dp, dp_index=dp_index,
-        tp=tp, tp_index=tp_index, rank_mapping=rank_mapping, tag=tag, profiling=profiling,
-        instruction_overhead_s=instruction_overhead_s, hop_latency_s=hop_latency_s, close_client=own_client, **options,
+        gpu, plan, parallelism=layout, client=_resolve_client(client, security), close_client=own_client, **options
     )
     hooks = _StageHooks(perseus_rank)
     for s in stages:

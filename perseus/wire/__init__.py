@@ -8,13 +8,14 @@ of a job's ranks.
   messages     requests, replies and statuses (REQUESTS: request type -> classes)
   profiles     a stage profile's wire form
   envelope     framing: encode/decode of frames, ErrorCode, RequestRejected
-  parallelism  rank mappings (stage, dp_index, tp_index) and tensor-parallel profile merging
+  parallelism  Parallelism (a rank's place in a 3D job), rank mappings, tensor-parallel profile merging
   security     the transport's CURVE security
 """
 
 from perseus.wire.envelope import ErrorCode, RequestRejected
 from perseus.wire.limits import DEFAULT_ADDRESS, PROTOCOL_VERSION
 from perseus.wire.messages import JobStatus, PipelineStatus, Status
+from perseus.wire.parallelism import RANK_MAPPINGS, Parallelism
 from perseus.wire.phases import JobPhase, Phase
 from perseus.wire.security import CurveClient, CurveServer
 from perseus.wire.spec import JobSpec, RankInfo
@@ -22,12 +23,14 @@ from perseus.wire.spec import JobSpec, RankInfo
 __all__ = [
     "DEFAULT_ADDRESS",
     "PROTOCOL_VERSION",
+    "RANK_MAPPINGS",
     "CurveClient",
     "CurveServer",
     "ErrorCode",
     "JobPhase",
     "JobSpec",
     "JobStatus",
+    "Parallelism",
     "Phase",
     "PipelineStatus",
     "RankInfo",
