@@ -11,6 +11,7 @@ from typing import Any
 from perseus.cli.common import add_gpu_argument, backend_name, select_gpus
 from perseus.devices.cpu import rapl_cpus
 from perseus.devices.gpu import GPU
+from perseus.devices.sim import PRESETS
 from perseus.exceptions import DeviceError
 
 EPILOG = """examples:
@@ -126,8 +127,6 @@ def _show(value: float | int | None, unit: str) -> str:
 
 
 def _print_presets(as_json: bool) -> int:
-    from perseus.devices.sim import PRESETS
-
     if as_json:
         print(json.dumps({name: dataclasses.asdict(p) for name, p in PRESETS.items()}, indent=2))
         return 0

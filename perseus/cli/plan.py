@@ -11,6 +11,9 @@ from pathlib import Path
 
 from perseus.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
 from perseus.exceptions import ConfigError, PlanError
+from perseus.profiler import load_profile
+from perseus.schedules import SCHEDULES, build_schedule
+from perseus.schedules.instruction import Kind
 
 EPILOG = """examples:
   perseus plan --profile gpt3.csv --blocking-power 83.64 --stages 8 --microbatches 96
@@ -26,8 +29,6 @@ instruction kind (forward, backward, ...) and SM frequency (MHz), with seconds a
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from perseus.schedules import SCHEDULES
-
     parser = subparsers.add_parser(
         "plan",
         help="plan per-instruction GPU frequencies that cut energy within a deadline",
@@ -59,11 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Deliberately lazy: `perseus --help` imports every command module, and the planner loads
+    # scipy and HiGHS (about a second); only `perseus plan` itself needs them.
     from perseus.planner import Planner
     from perseus.planner.baselines import envpipe_plan, max_frequency_plan, uniform_plan
-    from perseus.profiler import load_profile
-    from perseus.schedules import build_schedule
-    from perseus.schedules.instruction import Kind
 
     if args.blocking_power is None and args.profile.suffix.lower() == ".csv":
         raise ConfigError(
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None and args.plot.exists() and not args.plot.is_dir():
         raise ConfigError(f"--plot {args.plot} is a file; give a folder for timeline.png and frontier.png")
     if args.plot is not None:
-        from perseus.planner.plot import pyplot
+        from perseus.planner.plot import pyplot  # lazy, as the planner above
 
         pyplot()  # fail before planning if matplotlib is missing
     profile = load_profile(args.profile, args.blocking_power)
@@ -164,7 +164,7 @@ def _write_frontier(points, path: Path) -> None:
 
 
 def _plots(folder: Path, planner, plan, frontier, baselines) -> None:
-    from perseus.planner.plot import plot_frontier, plot_timeline
+    from perseus.planner.plot import plot_frontier, plot_timeline  # lazy, as the planner in run()
 
     ev = planner.evaluator
     panels = [("all GPUs at max clock", ev.evaluate(baselines[0].frequencies)), ("Perseus plan", ev.evaluate(plan.frequencies))]

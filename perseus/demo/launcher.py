@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from perseus.atomic import write_bytes_atomic, write_json_atomic
+from perseus.client.planner_client import PlannerClient
 from perseus.demo.config import DemoConfig
 from perseus.demo.results import (
     Iteration,
@@ -229,8 +230,6 @@ def throttle(gpus: list[int], factor: float, sim_dir: str) -> None:
 
 def fetch_status(address: str, job_id: str | None) -> Any:
     """The service's status of `job_id` (a `perseus.wire.protocol.JobStatus`), or None."""
-    from perseus.client.planner_client import PlannerClient
-
     if job_id is None:
         return None
     with PlannerClient(address, timeout_s=5.0) as client:
@@ -243,7 +242,8 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
     say = progress or (lambda _: None)
     began = time.monotonic()
     if options.plot_dir:
-        from perseus.planner.plot import pyplot  # deliberately lazy: only --plot needs the planner (scipy, HiGHS)
+        # Deliberately lazy: only --plot needs the planner's plot module, which loads scipy and HiGHS.
+        from perseus.planner.plot import pyplot
 
         pyplot()  # fails now if matplotlib is missing, not after the run
     work = tempfile.mkdtemp(prefix="perseus-demo-")
@@ -322,7 +322,8 @@ def write_timeline(panels: list[tuple[str, Iteration]], out_dir: str) -> list[st
     """Write `timeline.png` (a Gantt panel per (title, iteration): a box per instruction on its
     rank's row, coloured by the SM clock it ran at) and `timeline.json` (the spans plotted) to
     `out_dir`; returns the paths written."""
-    from perseus.planner.plot import Bar, Panel, plot_gantt  # deliberately lazy, as in run_demo
+    # Deliberately lazy, as in run_demo.
+    from perseus.planner.plot import Bar, Panel, plot_gantt
 
     gantt = [
         Panel(

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+import perseus
 from perseus.atomic import write_json_atomic
+from perseus.client.planner_client import PlannerClient
 from perseus.demo.config import DemoConfig
 from perseus.demo.emulation import EmulatedStage, GPUEmulator
 from perseus.demo.model import build_stage, lm_loss, make_batch
@@ -29,6 +31,7 @@ from perseus.demo.results import load_iterations, model_overheads, rank_record_p
 from perseus.demo.workload import stage_works
 from perseus.devices import get_gpus
 from perseus.exceptions import ConfigError
+from perseus.runtime import ProfilingSettings
 
 #: Ping-pong round trips per pair of adjacent stages when measuring gloo's latency.
 HOP_ROUNDS = 20
@@ -64,8 +67,6 @@ def run_rank(config: DemoConfig) -> None:
         trainer.gloo_latency_s = gloo_latency(config, stage_index, rank)
         trainer.run(config.baseline_iterations)  # the baseline: no Perseus, maximum clocks
         if config.server is not None:
-            from perseus.client.planner_client import PlannerClient
-
             overheads = measured_overheads(config, rank)
             client = PlannerClient(config.server)
             try:
@@ -133,9 +134,6 @@ def measured_overheads(config: DemoConfig, rank: int) -> tuple[float, float]:
 def _instrument(stage, schedule, gpu, client, config: DemoConfig, rank: int, pipeline: int, overheads: tuple[float, float]) -> None:
     """Perseus on this rank's stage, talking to the planner through `client`; the planner counts
     the measured host gap and hop (`overheads`) the GPU-only profile leaves out."""
-    import perseus
-    from perseus.runtime import ProfilingSettings
-
     settings = ProfilingSettings(
         warmup_iterations=config.warmup_iterations,
         iterations_per_frequency=config.iterations_per_frequency,

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 
 from perseus.devices.gpu import GPU
+from perseus.devices.nvml import nvml_gpus
+from perseus.devices.sim import sim_gpus
 from perseus.exceptions import ConfigError
 
 ENV_VAR = "PERSEUS_GPU"
@@ -49,9 +51,5 @@ def get_gpus(spec: str | None = None) -> list[GPU]:
         spec = os.environ.get(ENV_VAR) or "nvml"
     parsed = parse_gpu_spec(spec)
     if parsed.backend == "nvml":
-        from perseus.devices.nvml import nvml_gpus
-
         return nvml_gpus()
-    from perseus.devices.sim import sim_gpus
-
     return sim_gpus(parsed.preset, parsed.count)

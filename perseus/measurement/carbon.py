@@ -23,13 +23,11 @@ import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from perseus.clock import REAL_CLOCK, Clock
 from perseus.exceptions import CarbonIntensityError, ConfigError
-
-if TYPE_CHECKING:
-    from perseus.measurement.monitor import Measurement, Monitor
+from perseus.measurement.monitor import Measurement, Monitor
 
 logger = logging.getLogger(__name__)
 

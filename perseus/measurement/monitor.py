@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from perseus.clock import Clock
+from perseus.devices.cpu import rapl_cpus
 from perseus.devices.gpu import GPU
+from perseus.devices.select import get_gpus
 from perseus.exceptions import ConfigError, DeviceError, MeasurementError
 from perseus.measurement.power import PowerMonitor
 
@@ -105,8 +107,6 @@ class Monitor:
         power_interval_s: float = 0.1,
     ) -> None:
         if gpus is None:
-            from perseus.devices.select import get_gpus
-
             gpus = get_gpus()
         self.gpus = _select(list(gpus), gpu_indices, "GPU")
         self.cpus = _select(_default_cpus(cpu_indices) if cpus is None else list(cpus), cpu_indices, "CPU")
@@ -238,7 +238,6 @@ def _select(devices: list, indices: Sequence[int] | None, kind: str) -> list:
 def _default_cpus(cpu_indices: Sequence[int] | None) -> list[CPUEnergy]:
     """RAPL packages; none when RAPL is absent or unreadable, unless `cpu_indices` asked for some
     (then the device's error, which says how to fix it)."""
-    from perseus.devices.cpu import rapl_cpus
 
     try:
         return list(rapl_cpus())

@@ -26,6 +26,8 @@ import sys
 from collections.abc import Sequence
 
 from perseus.devices.gpu import GPU
+from perseus.devices.select import get_gpus
+from perseus.devices.sim import SIM_DIR_ENV, SimGPU
 from perseus.exceptions import ConfigError, DeviceError
 
 logger = logging.getLogger(__name__)
@@ -40,8 +42,6 @@ _ENTRY = "import sys; from perseus.safety.watchdog import main; sys.exit(main())
 
 def backend_of(gpus: Sequence[GPU]) -> tuple[str, dict[str, str]]:
     """(`get_gpus` spec, extra environment) under which another process finds all of `gpus`."""
-    from perseus.devices.sim import SIM_DIR_ENV, SimGPU
-
     sims = [g for g in gpus if isinstance(g, SimGPU)]
     if not sims:
         return "nvml", {}
@@ -156,9 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", required=True, type=int, help="pid of the training process")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    from perseus.devices import get_gpus
-
     by_uuid = {g.uuid(): g for g in get_gpus(args.gpu)}
     missing = [u for u in args.uuid if u not in by_uuid]
     if missing:
