@@ -36,6 +36,7 @@ from perseus.controller import FrequencyController
 from perseus.devices.gpu import GPU
 from perseus.exceptions import ConfigError, PlanError, ServiceError
 from perseus.profiler.online import OnlineProfiler, Sweep, SweepStep
+from perseus.runtime.port import PlannerPort, PortAssignment
 from perseus.runtime.progress import Progress
 from perseus.schedules.instruction import Schedule
 from perseus.wire.parallelism import Parallelism
@@ -97,7 +98,7 @@ class PerseusRank:
         schedule: Schedule,
         stage: int | None = None,
         *,
-        client: Any | None = None,
+        client: PlannerPort | None = None,
         parallelism: Parallelism | None = None,
         rank: int | None = None,
         dp: int | None = None,
@@ -295,11 +296,12 @@ class PerseusRank:
     def _begin_iteration(self) -> None:
         assignment = self._assignment() if self.controller.enabled else None  # else: measure only
         phase = Phase.UNPLANNED if assignment is None else Phase(assignment.phase)
+        job_iteration = self.job_iteration  # set once the planner answered: so with any phase but UNPLANNED
         frequency = None
         self._profiling = False
-        if phase is Phase.PROFILING and not self.sweep.done:
+        if assignment is not None and job_iteration is not None and phase is Phase.PROFILING and not self.sweep.done:
             try:
-                step = self.profiler.begin_iteration(self.job_iteration, assignment.profiling_frequency)
+                step = self.profiler.begin_iteration(job_iteration, assignment.profiling_frequency)
             except ConfigError as e:
                 self._warn_once("sweep", f"{e}; not profiling this iteration")
                 step = SweepStep(Phase.UNPLANNED, None, False)
@@ -308,7 +310,7 @@ class PerseusRank:
             self.controller.set_uniform(frequency)
             self.controller.apply_now(frequency)  # measured clocks must be exact from instruction one
             self._holds_plan = False
-        elif phase is Phase.PLANNED and assignment.frequencies is not None:
+        elif assignment is not None and phase is Phase.PLANNED and assignment.frequencies is not None:
             if assignment.plan_version != self.plan_version or not self._holds_plan:
                 self._apply_plan(assignment.frequencies, assignment.plan_version)
         else:
@@ -318,7 +320,7 @@ class PerseusRank:
         self.phase = phase
         self._frequency = frequency
         if self._progress is not None:
-            step = self.sweep.step_at(self.job_iteration or 0)
+            step = self.sweep.step_at(job_iteration or 0)
             total = len(self.sweep.frequencies)
             done = step.index if phase is Phase.PROFILING and step.index >= 0 else None
             self._progress.update(self.iteration, phase, frequency, done, total if done is not None else None)
@@ -348,9 +350,10 @@ class PerseusRank:
         if self.phase is Phase.PROFILING and not self.sweep.done and self.profiler.end_iteration():
             self._upload_profile()
         self._profiling = False
-        if self._client is not None and self._job_id is not None and self._offset is not None:
+        job_iteration = self.job_iteration
+        if self._client is not None and self._job_id is not None and job_iteration is not None:
             self._client.report_iteration(
-                self._job_id, self.rank, self.job_iteration, record.time_s, record.energy_j, compute_time_s=record.compute_time_s
+                self._job_id, self.rank, job_iteration, record.time_s, record.energy_j, compute_time_s=record.compute_time_s
             )
         if self._on_iteration is not None:
             self._on_iteration(record)
@@ -372,7 +375,7 @@ class PerseusRank:
         """This iteration as the planner counts it (None until the planner first answered)."""
         return None if self._offset is None else self.iteration - self._offset
 
-    def _assignment(self) -> Any:
+    def _assignment(self) -> PortAssignment | None:
         if self._client is None or self._job_id is None:
             return None
         try:
@@ -381,7 +384,7 @@ class PerseusRank:
                 if first.phase == Phase.UNPLANNED:
                     return first
                 self._offset = self.iteration
-            return self._client.assignment(self.job_iteration)
+            return self._client.assignment(self.iteration - self._offset)
         except Exception as e:
             self._warn_once("assignment", f"asking the planner for iteration {self.iteration} failed ({e!r}); keeping the current clocks")
             return None
@@ -392,7 +395,7 @@ class PerseusRank:
         deadline = time.monotonic() + self._startup_wait_s
         if self._registrar is not None:
             self._registrar.join(max(0.0, deadline - time.monotonic()))
-        while self._job_id is not None and time.monotonic() < deadline:
+        while self._client is not None and self._job_id is not None and time.monotonic() < deadline:
             if self._client.assignment(0).phase != Phase.UNPLANNED:
                 return
             self._stop.wait(0.01)
@@ -432,12 +435,13 @@ class PerseusRank:
     def _register(self, retry_s: float) -> None:
         """Rank 0 registers the job, every rank itself. The client retries an unreachable service
         in the background; this loop only covers clients that raise instead."""
+        client = self._client
         warned = False
-        while not self._stop.is_set():
+        while client is not None and not self._stop.is_set():
             try:
                 spec, info = self.job_spec(), self.rank_info()
-                job_id = self._client.register_job(spec) if self.rank == 0 else spec.job_id()
-                self._client.register_rank(job_id, info)
+                job_id = client.register_job(spec) if self.rank == 0 else spec.job_id()
+                client.register_rank(job_id, info)
                 self._job_id = job_id
                 return
             except (ConfigError, ServiceError) as e:

@@ -19,14 +19,18 @@ import inspect
 import logging
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
+from perseus.client.planner_client import PlannerClient
+from perseus.devices import get_gpus
 from perseus.devices.gpu import GPU
 from perseus.exceptions import ConfigError
+from perseus.runtime.port import PlannerPort
 from perseus.runtime.rank import PerseusRank, resolve_parallelism
 from perseus.schedules import Schedule, build_schedule, from_torch_pipeline_order
 from perseus.schedules.instruction import Kind
 from perseus.wire.parallelism import Parallelism
+from perseus.wire.security import Security
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ _EXPECTED_PARAMS = {
 def check_torch_version(version: str | None = None) -> None:
     """Raise ConfigError unless torch (or `version`) is one these hooks support."""
     if version is None:
-        import torch
+        import torch  # optional dependency (the torch extra): imported only when instrumenting
 
         version = torch.__version__
     try:
@@ -68,7 +72,7 @@ def instrument(
     *,
     schedule: Any,
     num_microbatches: int | None = None,
-    client: Any = None,
+    client: PlannerPort | str | Literal[False] | None = None,
     gpu: GPU | None = None,
     parallelism: Parallelism | None = None,
     rank: int | None = None,
@@ -77,7 +81,7 @@ def instrument(
     tp: int | None = None,
     tp_index: int | None = None,
     rank_mapping: str | None = None,
-    security: Any = None,
+    security: Security | None = None,
     **options: Any,
 ) -> Any:
     """Instrument a `PipelineStage` (or this rank's list of stages, for multi-chunk schedules)
@@ -125,8 +129,6 @@ def instrument(
     pp_rank = stages[0].group_rank
     plan = _resolve_schedule(schedule, num_microbatches, group_size, stages)
     if gpu is None:
-        from perseus.devices import get_gpus
-
         gpu = get_gpus()[int(os.environ.get("LOCAL_RANK", "0"))]
     if parallelism is None and rank is None:
         rank = _global_rank(pp_rank)
@@ -266,12 +268,10 @@ def _resolve_schedule(schedule: Any, num_microbatches: int | None, group_size: i
     return plan
 
 
-def _resolve_client(client: Any, security: Any = None) -> Any:
+def _resolve_client(client: PlannerPort | str | Literal[False] | None, security: Security | None = None) -> PlannerPort | None:
     if client is False:
         return None
     if client is None or isinstance(client, str):
-        from perseus.client.planner_client import PlannerClient
-
         address = client or os.environ.get(PLANNER_ENV) or None
         return PlannerClient(address, security=security) if address else PlannerClient(security=security)
     return client
@@ -279,7 +279,7 @@ def _resolve_client(client: Any, security: Any = None) -> Any:
 
 def _global_rank(default: int) -> int:
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # optional dependency, as in check_torch_version
 
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank()

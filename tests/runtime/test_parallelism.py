@@ -12,7 +12,7 @@ from perseus.schedules import build_schedule
 from perseus.wire import Parallelism
 
 SCHEDULE = build_schedule("1f1b", 2, 4)
-QUIET = dict(progress=False, handle_signals=False, watchdog=False)
+QUIET = {"progress": False, "handle_signals": False, "watchdog": False}
 
 
 @pytest.fixture
@@ -53,10 +53,10 @@ def test_a_rank_given_parallelism_registers_what_the_keywords_give(gpu):
 @pytest.mark.parametrize(
     "args, kwargs, words",
     [
-        ((), dict(parallelism=Parallelism(2, 1), dp=2), "pass parallelism= or dp=, not both"),
-        ((), dict(parallelism=Parallelism(3, 1)), "parallelism.pp is 3 but the schedule has 2 stages"),
-        ((0,), dict(parallelism=Parallelism(2, 1)), "pipeline stage is 0 but parallelism.stage is 1"),
-        ((), dict(parallelism=(2, 1)), "must be a perseus.wire.Parallelism"),
+        ((), {"parallelism": Parallelism(2, 1), "dp": 2}, "pass parallelism= or dp=, not both"),
+        ((), {"parallelism": Parallelism(3, 1)}, "parallelism.pp is 3 but the schedule has 2 stages"),
+        ((0,), {"parallelism": Parallelism(2, 1)}, "pipeline stage is 0 but parallelism.stage is 1"),
+        ((), {"parallelism": (2, 1)}, "must be a perseus.wire.Parallelism"),
         ((), {}, "pass stage= or parallelism="),
         ((5,), {}, "stage 5 is outside the schedule's stages 0..1"),
     ],
