@@ -117,18 +117,18 @@ def test_profiles_uploaded_before_the_schedule_is_built_are_refused_until_it_is(
     # An acknowledged profile must be a saved one: before the schedule exists nothing can be
     # checked or saved, so the upload gets `not_ready` (the client retries), never an ack.
     service = PlannerService("tcp://127.0.0.1:0", str(tmp_path))  # handlers only: this test runs the loop's steps
-    service._builder = threading.Thread(target=service._build_worker, daemon=True)  # started below, after the uploads
+    service.workers._builder = threading.Thread(target=service.workers._build_worker, daemon=True)  # started below, after the uploads
     spec = job_spec()
     service._register_job(RegisterJob(spec))
     job = service.jobs[spec.job_id()]
-    service._planning.add(job.job_id)  # keep the planner thread out of this test
+    service.workers.planning.add(job.job_id)  # keep the planner thread out of this test
     for r in (0, 1):
         service._register_rank(RegisterRank(job.job_id, rank_info(r)))
     with pytest.raises(ServiceError) as refused:
         service._upload_profile(UploadProfile(job.job_id, 0, 0, stage_profile(0)))
     assert refused.value.code == "not_ready"
     assert job.schedule is None and job.profiled_stages == ()
-    service._builder.start()
+    service.workers._builder.start()
     wait_until(lambda: service._finish_builds() or job.schedule is not None)
     assert service._upload_profile(UploadProfile(job.job_id, 0, 0, stage_profile(0))).phase == "profiling"
     assert job.profiled_stages == (0,) and not job.error
