@@ -34,16 +34,8 @@ import time
 from collections.abc import Callable
 
 from perseus.atomic import write_json_atomic
-from perseus.demo.launcher import (
-    PRESET,
-    DemoOptions,
-    ServiceProcess,
-    demo_config,
-    sim_gpus_at_default,
-    start_job,
-    stop_job,
-    wait_for_job,
-)
+from perseus.demo.launcher import DemoOptions, demo_config
+from perseus.demo.processes import PRESET, ServiceProcess, sim_gpus_at_default, start_job, stop_job, wait_for_job
 from perseus.demo.results import read_rank_record
 from perseus.devices.sim import SimGPU
 from perseus.client.planner_client import PlannerClient

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from perseus.demo.launcher import DemoOptions, format_report, run_demo
+from perseus.demo.launcher import DemoOptions, run_demo
+from perseus.demo.report import format_report
 
 DESCRIPTION = """Run Perseus end to end: start a planner service (`perseus serve` on loopback) and a torchrun
 job (gloo, CPU) that trains a small transformer split into pipeline stages with torch's Schedule1F1B,

@@ -18,18 +18,9 @@ import pytest
 pytest.importorskip("torch")
 
 from perseus.atomic import write_json_atomic
-from perseus.demo.launcher import (
-    DemoOptions,
-    ServiceProcess,
-    demo_config,
-    format_report,
-    log_tail,
-    plan_applied,
-    run_demo,
-    sim_gpus_at_default,
-    start_job,
-    wait_for_job,
-)
+from perseus.demo.launcher import DemoOptions, demo_config, run_demo
+from perseus.demo.processes import ServiceProcess, log_tail, sim_gpus_at_default, start_job, wait_for_job
+from perseus.demo.report import format_report, plan_applied
 from perseus.demo.results import load_iterations, read_rank_record, split_phases
 
 RANKS = 2

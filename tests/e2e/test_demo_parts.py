@@ -12,7 +12,9 @@ torch = pytest.importorskip("torch")
 
 from perseus.clock import VirtualClock
 from perseus.demo.emulation import EmulatedStage, GPUEmulator
-from perseus.demo.launcher import DemoOptions, plan_applied, predict_at_pace, stop_job, summarize, wait_for_job
+from perseus.demo.launcher import DemoOptions
+from perseus.demo.processes import stop_job, wait_for_job
+from perseus.demo.report import plan_applied, predict_at_pace, summarize
 from perseus.demo.config import ModelConfig
 from perseus.demo.model import build_stage, lm_loss, make_batch
 from perseus.demo.results import Iteration, model_overheads, read_rank_record, split_phases
