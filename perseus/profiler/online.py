@@ -14,15 +14,18 @@ GPU reads around each instruction.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from perseus.devices.gpu import GPU
-from perseus.exceptions import ConfigError
+from perseus.exceptions import ConfigError, DeviceError
 from perseus.profiler.profile import Profile, ProfilePoint
 from perseus.wire.phases import Phase
+
+logger = logging.getLogger(__name__)
 
 #: Gaps shorter than this between instructions are too noisy to estimate blocking power from.
 MIN_BLOCKING_GAP_S = 1e-3
@@ -234,8 +237,11 @@ class OnlineProfiler:
         return self._clock.now(), self.gpu.energy_mj()
 
     def _idle_power_w(self) -> float | None:
+        """The GPU's power now, the fallback blocking power when no gap was long enough to
+        measure it; None if the GPU cannot read its power (the profile then needs a measured gap)."""
+        self.gpu.synchronize()  # a failure here (a CUDA error) is the training's, not hidden
         try:
-            self.gpu.synchronize()
             return self.gpu.power_mw() / 1000.0
-        except Exception:
+        except DeviceError as e:
+            logger.warning("stage %d: cannot read the GPU's power for the fallback blocking power (%s)", self.sweep.stage, e)
             return None

@@ -278,11 +278,13 @@ def _resolve_client(client: PlannerPort | str | Literal[False] | None, security:
 
 
 def _global_rank(default: int) -> int:
-    try:
-        import torch.distributed as dist  # optional dependency, as in check_torch_version
+    """torch.distributed's rank when its default process group is initialized, else `default`."""
+    import torch.distributed as dist  # optional dependency, as in check_torch_version
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except Exception:
-        pass
-    return default
+    if not (dist.is_available() and dist.is_initialized()):
+        return default
+    try:
+        return dist.get_rank()
+    except (RuntimeError, ValueError) as e:  # the default group torn down meanwhile, or not usable
+        logger.warning("torch.distributed.get_rank() failed (%s); taking the pipeline rank %d as the global rank", e, default)
+        return default

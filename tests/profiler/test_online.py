@@ -3,11 +3,13 @@ simulated GPU driven by a virtual clock."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from perseus.clock import VirtualClock
 from perseus.devices.sim import PRESETS, SimGPU, Work, predict
-from perseus.exceptions import ConfigError
+from perseus.exceptions import ConfigError, DeviceError
 from perseus.profiler.online import OnlineProfiler, Sweep, SweepStep
 from perseus.wire.phases import Phase
 
@@ -148,3 +150,31 @@ def test_several_chunks_get_one_profile_row_per_virtual_stage():
     assert set(profile.points) == {(1, "forward"), (5, "forward")}
     assert profile.points[(5, "forward")][0].energy == pytest.approx(6.0)
     assert profile.blocking_power_w == 80.0
+
+
+class _PowerFails(SimGPU):
+    def __init__(self, error, **kwargs):
+        super().__init__("a100-sxm", 0, **kwargs)
+        self.error = error
+
+    def power_mw(self):
+        raise self.error
+
+
+def _profile_without_gaps(gpu):
+    """A profiler whose sweep measured no gap long enough for the blocking power."""
+    profiler = OnlineProfiler(gpu, Sweep(0, [1410], warmup_iterations=0, iterations_per_frequency=1))
+    profiler.begin_iteration(0)
+    profiler.sweep.record("forward", 0.01, 3.0)
+    profiler.end_iteration()
+    return profiler
+
+
+def test_an_unreadable_power_is_logged_and_only_a_device_error_is_swallowed(tmp_path, caplog):
+    gpu = _PowerFails(DeviceError("power reading not supported"), clock=VirtualClock(), state_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="perseus.profiler.online"), pytest.raises(ConfigError, match="blocking power"):
+        _profile_without_gaps(gpu).profile()  # no fallback: the profile says what is missing
+    assert "power reading not supported" in caplog.text
+    bug = _PowerFails(AttributeError("a bug"), clock=VirtualClock(), state_dir=str(tmp_path))
+    with pytest.raises(AttributeError, match="a bug"):  # a bug is not hidden as "no power reading"
+        _profile_without_gaps(bug).profile()

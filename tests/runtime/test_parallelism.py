@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from perseus.clock import VirtualClock
@@ -64,3 +66,23 @@ def test_a_rank_given_parallelism_registers_what_the_keywords_give(gpu):
 def test_a_parallelism_that_does_not_fit_is_refused(gpu, args, kwargs, words):
     with pytest.raises(ConfigError, match=words):
         PerseusRank(gpu, SCHEDULE, *args, **kwargs, **QUIET)
+
+
+def test_instrument_takes_torch_distributed_s_rank_and_logs_when_it_fails(monkeypatch, caplog):
+    dist = pytest.importorskip("torch.distributed")
+    from perseus.runtime import torch_stage
+
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 5)
+    assert torch_stage._global_rank(1) == 5
+
+    def torn_down():
+        raise RuntimeError("Default process group has not been initialized")
+
+    monkeypatch.setattr(dist, "get_rank", torn_down)
+    with caplog.at_level(logging.WARNING, logger="perseus.runtime.torch_stage"):
+        assert torch_stage._global_rank(1) == 1  # the pipeline rank, as without torch.distributed
+    assert "Default process group has not been initialized" in caplog.text
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert torch_stage._global_rank(1) == 1
