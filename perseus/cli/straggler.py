@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     unreachable = ServiceError("unreachable", f"the planner service at {args.address} did not answer within {args.timeout:g} s; is it running?")
     # The client logs for training ranks ("training continues ..."); here every failure is raised
     # and reported once, as this command's error.
-    client_log = logging.getLogger(PlannerClient.__module__)
+    client_log = logging.getLogger("perseus.client")  # the client package: its connection thread logs the timeouts
     level = client_log.level
     client_log.setLevel(logging.CRITICAL)
     try:

@@ -17,7 +17,7 @@ from perseus.wire.phases import Phase
 def test_client_without_service_runs_unplanned_then_connects_when_it_starts(serve, tmp_path, caplog):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     spec = job_spec()
-    caplog.set_level(logging.INFO, logger="perseus.client.planner_client")
+    caplog.set_level(logging.INFO, logger="perseus.client")
     with PlannerClient(endpoint, timeout_s=0.3, poll_interval_s=0.05) as c0, PlannerClient(endpoint, timeout_s=0.3, poll_interval_s=0.05) as c1:
         start = time.monotonic()
         job_id = c0.register_job(spec)  # nobody answers: returns after the timeout, retried later

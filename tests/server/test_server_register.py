@@ -104,7 +104,7 @@ def test_an_invalid_order_fails_the_job_and_every_rank_hears_why(serve, caplog):
     served = serve()
     order = [[("forward", 0, 0), ("forward", 0, 0)], [("forward", 0, 0), ("backward", 0, 0)]]
     spec = job_spec(num_microbatches=1, stage_orders=order)  # well-formed, but stage 0 repeats F0 and lacks B0
-    with caplog.at_level(logging.WARNING, logger="perseus.client.planner_client"), PlannerClient(served.endpoint, poll_interval_s=0.05) as client:
+    with caplog.at_level(logging.WARNING, logger="perseus.client"), PlannerClient(served.endpoint, poll_interval_s=0.05) as client:
         job_id = client.register_job(spec)  # accepted at once: the schedule is checked off the loop
         client.register_rank(job_id, rank_info(0))
         failed = wait_until(lambda: [j for j in client.status(job_id).jobs if j.phase == "failed"])[0]

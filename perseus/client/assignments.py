@@ -1,0 +1,130 @@
+"""What a rank runs in each iteration, from the latest table the planner service sent.
+
+`RankState` is what the two threads of a `PlannerClient` share: the training thread writes who
+the rank is and reads its assignments; the connection thread writes the view of each new table.
+Each field is one reference, replaced whole (atomic under the GIL), so neither thread locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from perseus.wire.messages import Table
+from perseus.wire.phases import JobPhase, Phase
+from perseus.wire.spec import JobSpec, RankInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What a rank runs in one iteration.
+
+    `frequencies`: one MHz value per instruction of the rank, in schedule order (phase planned),
+    or None: leave clocks at maximum/default. `profiling_frequency`: the sweep's frequency for
+    every instruction (phase profiling), else None. Shared between calls: do not mutate.
+    """
+
+    phase: Phase
+    frequencies: list[int] | None
+    profiling_frequency: int | None
+    plan_version: int
+
+
+UNPLANNED = Assignment(Phase.UNPLANNED, None, None, 0)
+
+
+@dataclass(frozen=True)
+class View:
+    """A rank's table, as prebuilt Assignments: `RankState.assignment()` only picks one."""
+
+    warmup_iterations: int
+    iterations_per_frequency: int
+    sweep: tuple[Assignment, ...]
+    stage_profiled: bool
+    plan: Assignment | None
+    plan_start: int
+    previous: Assignment | None  # the plan held before `plan`, run until `plan_start`
+    warmup: Assignment
+    waiting: Assignment  # after the sweep until a plan starts; UNPLANNED if planning failed
+    upload: bool  # this rank uploads its stage profile (Table.upload)
+
+
+class RankState:
+    """One rank: its registration, the latest iteration it asked about, its latest table."""
+
+    def __init__(self) -> None:
+        self.spec: JobSpec | None = None  # the job, if this rank registered it
+        self.job_id: str | None = None
+        self.info: RankInfo | None = None
+        self.iteration = -1
+        self.uploaded = False  # the rank offered its stage profile (its sweep is over)
+        self.view: View | None = None
+        self.plan_arrived = threading.Event()
+        self._warned: set[str] = set()
+
+    def assignment(self, iteration: int) -> Assignment:
+        """What to run at `iteration`. Never blocks."""
+        self.iteration = iteration
+        view = self.view
+        if view is None:
+            return UNPLANNED
+        if view.plan is not None and iteration >= view.plan_start:
+            return view.plan
+        if view.previous is not None:
+            return view.previous  # a re-plan (a straggler came or went) starts at plan_start
+        if iteration < view.warmup_iterations:
+            return view.warmup
+        if not (view.stage_profiled or self.uploaded):
+            k = (iteration - view.warmup_iterations) // view.iterations_per_frequency
+            if k < len(view.sweep):
+                return view.sweep[k]
+        return view.waiting
+
+    def known_plan_version(self) -> int:
+        view = self.view
+        return view.plan.plan_version if view is not None and view.plan is not None else 0
+
+    def apply_table(self, table: Table) -> None:
+        """Take a table the service sent this rank (the connection thread calls this)."""
+        old = self.view
+        info = self.info
+        assert info is not None
+        version = table.plan_version
+        plan = None
+        previous = old.previous if old is not None else None
+        if version and table.frequencies is not None:
+            plan = Assignment(Phase.PLANNED, list(table.frequencies), None, version)
+            if old is not None and old.plan is not None and old.plan.plan_version != version and self.iteration >= old.plan_start:
+                previous = old.plan
+        elif version and old is not None and old.plan is not None and old.plan.plan_version == version:
+            plan = old.plan
+        if plan is None or table.plan_start_iteration == 0:
+            previous = None
+        failed = table.phase == JobPhase.FAILED.value  # no plan will come: no sweep either
+        self.view = View(
+            warmup_iterations=table.warmup_iterations,
+            iterations_per_frequency=table.iterations_per_frequency,
+            sweep=() if failed else tuple(Assignment(Phase.PROFILING, None, f, version) for f in table.sweep_frequencies),
+            stage_profiled=info.stage in table.profiled_stages,
+            plan=plan,
+            plan_start=table.plan_start_iteration,
+            previous=previous,
+            warmup=UNPLANNED if failed else Assignment(Phase.WARMUP, None, None, version),
+            waiting=UNPLANNED if failed else Assignment(Phase.PLANNING, None, None, version),
+            upload=table.upload,
+        )
+        if plan is not None and (old is None or old.plan is not plan):
+            log.info("rank %d: plan v%d received (applies from iteration %d)", info.rank, version, table.plan_start_iteration)
+            self.plan_arrived.set()
+        if failed and self.first_time("failed"):
+            log.warning("planner service could not plan this job (%s); this rank runs at maximum clocks", table.error)
+
+    def first_time(self, warning: str) -> bool:
+        """True the first time `warning` comes up: each is logged once (a rank must not flood the log)."""
+        if warning in self._warned:
+            return False
+        self._warned.add(warning)
+        return True
