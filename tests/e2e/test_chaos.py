@@ -23,6 +23,7 @@ def _load_chaos():
     return module
 
 
+@pytest.mark.slow
 def test_service_restarts_and_a_killed_rank_lose_no_profile_and_block_no_rank(tmp_path):
     chaos = _load_chaos()
     result = chaos.run_chaos(str(tmp_path), say=lambda _: None)

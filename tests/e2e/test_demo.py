@@ -84,6 +84,7 @@ class _Job:
         self.service.stop()
 
 
+@pytest.mark.slow
 def test_demo_profiles_plans_applies_and_saves(demo):
     assert demo["profiled"], "a fresh state directory must be profiled"
     assert demo["clocks_reset"] is True
@@ -110,6 +111,7 @@ def test_demo_profiles_plans_applies_and_saves(demo):
     assert "energy saving: predicted" in report and "clocks reset at the end: yes" in report
 
 
+@pytest.mark.slow
 def test_restarted_service_resumes_without_profiling_and_training_survives_its_stop(demo, state_dir, tmp_path):
     # A new service process on the first job's state: the same job skips profiling.
     job = _Job(tmp_path, state_dir, planned_iterations=6)
@@ -132,6 +134,7 @@ def test_restarted_service_resumes_without_profiling_and_training_survives_its_s
     assert sim_gpus_at_default(RANKS, job.sim_dir)
 
 
+@pytest.mark.slow
 def test_straggler_pipeline_is_detected_and_the_other_saves_more_at_its_pace():
     # 2 pipelines x 2 stages, the second on GPUs 20% slower (about 27 s: profiling, the intrinsic
     # plan, detection over 5+ iterations, the straggler-aware re-plan).

@@ -30,6 +30,7 @@ def _at_default(tmp_path: Path, gpus: int) -> bool:
     return all(not os.path.exists(SimGPU("a100-sxm", i, state_dir=str(tmp_path / "sim")).state_path) for i in range(gpus))
 
 
+@pytest.mark.slow
 def test_plain_loop_hooks_example(tmp_path):
     out = subprocess.run(
         [sys.executable, str(EXAMPLES / "plain_loop_hooks.py"), "--steps", "3", "--width", "32"],
@@ -42,6 +43,7 @@ def test_plain_loop_hooks_example(tmp_path):
     assert _at_default(tmp_path, 1)
 
 
+@pytest.mark.slow
 def test_pipeline_torch_example(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -84,6 +84,7 @@ def trainer(tmp_path, callbacks, epochs):
     return transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=callbacks)
 
 
+@pytest.mark.slow
 def test_trainer_applies_the_selected_limit_to_every_gpu_and_restores_it(tmp_path):
     gpus = sim_gpus("a100-sxm", 2, VirtualClock())
     monitor = Monitor(gpus=gpus, cpus=[])
@@ -113,6 +114,7 @@ def test_trainer_applies_the_selected_limit_to_every_gpu_and_restores_it(tmp_pat
     assert lines[-1]["carbon_g"] == pytest.approx(lines[-1]["energy_j"] / 3.6e6 * 300)
 
 
+@pytest.mark.slow
 def test_callback_builds_its_optimizer_on_the_gpus_from_perseus_gpu(tmp_path, monkeypatch):
     """No monitor given: the callback measures the GPUs PERSEUS_GPU selects (real clock; the
     work is 1 ms per step)."""

@@ -18,6 +18,7 @@ pytest.importorskip("torch.distributed")
 WORKER = os.path.join(os.path.dirname(__file__), "dp_worker.py")
 
 
+@pytest.mark.slow
 def test_ranks_sum_energy_max_time_and_apply_one_limit(tmp_path):
     env = dict(os.environ, PERSEUS_SIM_DIR=str(tmp_path / "sim"), OMP_NUM_THREADS="1")
     proc = subprocess.run(
