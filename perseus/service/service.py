@@ -23,7 +23,6 @@ Jobs are admitted against the service's `Budget` and evicted when idle past its 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -67,7 +66,6 @@ log = logging.getLogger(__name__)
 
 SAVE_INTERVAL_S = 0.5  # rank registrations are saved this often (ranks re-register after a crash)
 LOG_FIRST = 3  # log this many planned iterations of each plan, then every `log_every`-th
-GIL_SWITCH_S = 0.001  # see serve_forever
 EVICT_CHECK_S = 10.0  # how often idle jobs are looked for
 LOG_TEXT = 500  # characters of a refused request's message in the log
 
@@ -128,18 +126,17 @@ class PlannerService:
         return endpoint
 
     def serve_forever(self) -> None:
-        """Answer requests until `stop()` (from a signal handler or another thread)."""
+        """Answer requests until `stop()` (from a signal handler or another thread).
+
+        The worker threads share the GIL with this loop, at the interpreter's switch interval
+        (5 ms by default), which the service leaves alone. Lowering it to 1 ms
+        (benchmarks/service_load.py, and pings while 6 jobs' plans solve, on 2 loaded cores)
+        halved the 90th-percentile round trip (about 6 ms against 12 ms) but moved neither the
+        median (0.6 ms), the planning time nor the load benchmark's phases: nothing against a
+        rank's 1 s timeout and 0.25 s polls, so not worth a process-wide setting."""
         if not self._transport.bound:
             self.bind()
-        # Worker threads (schedules, plans) run Python code; each blocking call of this loop
-        # (zmq, file writes) gives them the GIL and waits up to the switch interval to get it
-        # back. 1 ms instead of 5 ms keeps a request's round trip short while they run.
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(min(switch, GIL_SWITCH_S))
-        try:
-            self._transport.serve(self.handle, self.tend, self._stop)
-        finally:
-            sys.setswitchinterval(switch)
+        self._transport.serve(self.handle, self.tend, self._stop)
         self._save_unsaved()
         log.info("planner service stopped")
 
