@@ -440,7 +440,9 @@ class PlannerService:
                 if job.job_id != folder.name:
                     raise ValueError(f"the folder of job {folder.name} holds the record of {job.job_id}")
                 cost = job_cost_bytes(spec)
-            except Exception as e:  # fault isolation: whatever a damaged file holds, it is quarantined (logged) and the other jobs resume
+            except Exception as e:  # fault isolation: whatever a damaged file holds, the other jobs resume
+                # One WARNING line names the file and the error; the traceback (a bug, not a damaged file?) is logged at debug level.
+                log.debug("job folder %s cannot be resumed", folder, exc_info=True)
                 self.state.quarantine(folder, f"{type(e).__name__}: {e}")
                 continue
             self.admission.add(job, cost)
