@@ -432,3 +432,19 @@ def test_a_failed_job_stays_failed_across_a_restart(serve, tmp_path):
     served = serve(state)
     status = _job_status(served.endpoint, job_id)
     assert status["phase"] == "failed" and "invalid job" in status["error"]
+
+
+def test_a_rank_back_on_another_gpu_model_gets_no_plan_made_for_the_old_one(tmp_path):
+    local = Local(tmp_path)
+    job_id = local.register(4)
+    local.settle()
+    for rank in (0, 1):
+        _ok(local.call("register_rank", job_id=job_id, info=rank_info(rank).to_wire()))
+    for stage in (0, 1):
+        _ok(local.call("upload_profile", job_id=job_id, rank=stage, stage=stage, profile=profile_to_wire(stage_profile(stage))))
+    local.settle()
+    assert _ok(local.call("get_table", job_id=job_id, rank=1))["frequencies"]
+    other = rank_info(1, gpu_model="sim-a40", frequencies=(1740, *FREQUENCIES))
+    _ok(local.call("register_rank", job_id=job_id, info=other.to_wire()))
+    table = _ok(local.call("get_table", job_id=job_id, rank=1))
+    assert table["plan_version"] == 0 and table["frequencies"] is None
