@@ -34,11 +34,11 @@ import time
 from collections.abc import Callable
 
 from perseus.atomic import write_json_atomic
+from perseus.client.planner_client import PlannerClient
 from perseus.demo.launcher import DemoOptions, demo_config
 from perseus.demo.processes import PRESET, ServiceProcess, sim_gpus_at_default, start_job, stop_job, wait_for_job
 from perseus.demo.results import read_rank_record
 from perseus.devices.sim import SimGPU
-from perseus.client.planner_client import PlannerClient
 
 RANKS = 2
 #: How long a rank may block on the planner per call: the client's timeout.
@@ -78,7 +78,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_chaos(work: str, time_scale: float = 0.05, outage_iterations: int = 3, say: Callable[[str], None] = print) -> dict:
+def run_chaos(
+    work: str, time_scale: float = 0.05, outage_iterations: int = 3, say: Callable[[str], None] = print
+) -> dict:
     """Run the scenario in the folder `work`; returns the figures (see the module docstring)."""
     out_dir, sim_dir, state_dir = (os.path.join(work, name) for name in ("ranks", "sim", "state"))
     for folder in (out_dir, sim_dir, state_dir):
@@ -101,12 +103,24 @@ def run_chaos(work: str, time_scale: float = 0.05, outage_iterations: int = 3, s
         done = len(records.of(attempt, 0))
         service.kill()
         killed = time.monotonic()
-        until(lambda: len(records.of(attempt, 0)) >= done + outage_iterations, f"{outage_iterations} iterations without the service")
+        until(
+            lambda: len(records.of(attempt, 0)) >= done + outage_iterations,
+            f"{outage_iterations} iterations without the service",
+        )
         service.start()
         back = time.monotonic()
-        outages.append({"during": during, "down_s": back - killed, "killed": killed, "back": back,
-                        "iterations_trained": len(records.of(attempt, 0)) - done})
-        say(f"service killed while {during}: down {back - killed:.2f} s, rank 0 trained {outages[-1]['iterations_trained']} iterations meanwhile")
+        outages.append(
+            {
+                "during": during,
+                "down_s": back - killed,
+                "killed": killed,
+                "back": back,
+                "iterations_trained": len(records.of(attempt, 0)) - done,
+            }
+        )
+        say(
+            f"service killed while {during}: down {back - killed:.2f} s, rank 0 trained {outages[-1]['iterations_trained']} iterations meanwhile"
+        )
 
     try:
         until(lambda: len(records.of(0, 0, "profiling")) >= 2, "rank 0 profiling")
@@ -125,7 +139,9 @@ def run_chaos(work: str, time_scale: float = 0.05, outage_iterations: int = 3, s
         reset_s = time.monotonic() - killed
         until(lambda: records.of(1, 0), "torchrun restarting the group")
         rejoined_s = time.monotonic() - killed
-        say(f"rank {victim} SIGKILLed: its GPU at default clocks after {reset_s:.2f} s, the group training again after {rejoined_s:.1f} s")
+        say(
+            f"rank {victim} SIGKILLed: its GPU at default clocks after {reset_s:.2f} s, the group training again after {rejoined_s:.1f} s"
+        )
 
         until(lambda: all(records.of(1, r, "planned") for r in range(RANKS)), "the restarted ranks running the plan")
         outage(1, "the restarted ranks ran the plan")
@@ -152,8 +168,16 @@ def stop_job_and_ranks(job, records: Records) -> None:
             pass
 
 
-def figures(records: Records, state_dir: str, sim_dir: str, outages: list[dict], rc: int, reset_s: float,
-            rejoined_s: float, wall_s: float) -> dict:
+def figures(
+    records: Records,
+    state_dir: str,
+    sim_dir: str,
+    outages: list[dict],
+    rc: int,
+    reset_s: float,
+    rejoined_s: float,
+    wall_s: float,
+) -> dict:
     stalls = []  # (stall, attempt, rank, iteration, during an outage)
     for attempt in records.attempts():
         for rank in range(RANKS):
@@ -200,7 +224,9 @@ def check(result: dict) -> list[str]:
     if "planned" not in result["restart_phases"]:
         failures.append("the restarted group never ran the plan")
     if not result["max_stall_s"] < result["client_timeout_s"]:
-        failures.append(f"an iteration stalled {result['max_stall_s']:.2f} s (client timeout {result['client_timeout_s']} s)")
+        failures.append(
+            f"an iteration stalled {result['max_stall_s']:.2f} s (client timeout {result['client_timeout_s']} s)"
+        )
     if not result["killed_rank_gpu_reset_s"] <= 1.0:
         failures.append(f"the killed rank's GPU took {result['killed_rank_gpu_reset_s']:.2f} s to reset")
     if not result["clocks_reset"]:
@@ -210,8 +236,12 @@ def check(result: dict) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--time-scale", type=float, default=0.05, help="GPU work time scale (0.05: about 0.15 s per iteration)")
-    parser.add_argument("--outage-iterations", type=int, default=3, help="iterations rank 0 trains while the service is down")
+    parser.add_argument(
+        "--time-scale", type=float, default=0.05, help="GPU work time scale (0.05: about 0.15 s per iteration)"
+    )
+    parser.add_argument(
+        "--outage-iterations", type=int, default=3, help="iterations rank 0 trains while the service is down"
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="perseus-chaos-") as work:
@@ -222,16 +252,26 @@ def main() -> int:
     else:
         downs = ", ".join(f"{o['down_s']:.2f} s" for o in result["outages"])
         trained = ", ".join(str(o["iterations_trained"]) for o in result["outages"])
-        print(f"service killed and restarted: {result['service_kills']} times, down {downs}; rank 0 trained {trained} iterations through them")
-        print(f"rank SIGKILLed: {result['rank_kills']}; its GPU at default clocks after {result['killed_rank_gpu_reset_s']:.2f} s; "
-              f"torchrun restarted the group, training again after {result['group_rejoined_s']:.1f} s")
-        print(f"profiles: {', '.join(result['stage_profiles_saved'])} kept; re-profiled after the restarts: "
-              f"{'YES' if result['reprofiled_after_restart'] else 'no'} (restarted group's phases: {', '.join(result['restart_phases'])})")
+        print(
+            f"service killed and restarted: {result['service_kills']} times, down {downs}; rank 0 trained {trained} iterations through them"
+        )
+        print(
+            f"rank SIGKILLed: {result['rank_kills']}; its GPU at default clocks after {result['killed_rank_gpu_reset_s']:.2f} s; "
+            f"torchrun restarted the group, training again after {result['group_rejoined_s']:.1f} s"
+        )
+        print(
+            f"profiles: {', '.join(result['stage_profiles_saved'])} kept; re-profiled after the restarts: "
+            f"{'YES' if result['reprofiled_after_restart'] else 'no'} (restarted group's phases: {', '.join(result['restart_phases'])})"
+        )
         down = result["max_stall_while_down_s"]
-        print(f"longest stall: {result['max_stall_s']:.3f} s over its phase's median (while the service was down: "
-              f"{'-' if down is None else f'{down:.3f} s'}); client timeout {result['client_timeout_s']:g} s")
-        print(f"clocks reset at the end: {'yes' if result['clocks_reset'] else 'NO'}; job exit code {result['job_exit_code']}; "
-              f"wall time {result['wall_time_s']:.0f} s")
+        print(
+            f"longest stall: {result['max_stall_s']:.3f} s over its phase's median (while the service was down: "
+            f"{'-' if down is None else f'{down:.3f} s'}); client timeout {result['client_timeout_s']:g} s"
+        )
+        print(
+            f"clocks reset at the end: {'yes' if result['clocks_reset'] else 'NO'}; job exit code {result['job_exit_code']}; "
+            f"wall time {result['wall_time_s']:.0f} s"
+        )
         for failure in failures:
             print(f"FAILED: {failure}")
     return 1 if failures else 0

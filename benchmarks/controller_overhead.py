@@ -115,8 +115,15 @@ def build(state_dir: str) -> tuple[dict[str, Callable[[], Callable[[], None]]], 
 
     def rank_row():
         gpu = SimGPU("a100-sxm", 3, state_dir=state_dir)
-        r = PerseusRank(gpu, schedule, 0, client=_Planned(alternating(order, [1410, 1005])),
-                        progress=False, handle_signals=False, watchdog=False)
+        r = PerseusRank(
+            gpu,
+            schedule,
+            0,
+            client=_Planned(alternating(order, [1410, 1005])),
+            progress=False,
+            handle_signals=False,
+            watchdog=False,
+        )
         r._registrar.join(5)
         closers.append(r.close)
         pending: list = []
@@ -136,8 +143,15 @@ def build(state_dir: str) -> tuple[dict[str, Callable[[], Callable[[], None]]], 
 
     def boundary_row():
         gpu = SimGPU("a100-sxm", 5, state_dir=state_dir)
-        r = PerseusRank(gpu, schedule, 0, client=_Planned(alternating(order, [1410, 1005])),
-                        progress=False, handle_signals=False, watchdog=False)
+        r = PerseusRank(
+            gpu,
+            schedule,
+            0,
+            client=_Planned(alternating(order, [1410, 1005])),
+            progress=False,
+            handle_signals=False,
+            watchdog=False,
+        )
         r._registrar.join(5)
         closers.append(r.close)
 
@@ -223,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:{width}}  {med[name]:8.2f}  {p99[name]:8.2f}  {med[name] / noop:8.1f}  {med[name] / direct:8.3f}")
     worst = med["PerseusRank begin+end, planned, new clock each"]
     ok = worst <= TARGET_US
-    print(f"\nPerseusRank per instruction: {worst:.2f} us median (target <= {TARGET_US:g} us): {'met' if ok else 'MISSED'}")
+    print(
+        f"\nPerseusRank per instruction: {worst:.2f} us median (target <= {TARGET_US:g} us): {'met' if ok else 'MISSED'}"
+    )
     return 0 if ok else 1
 
 

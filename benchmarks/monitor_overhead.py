@@ -86,7 +86,9 @@ def main() -> int:
     result, zeus_version = measure(args.gpus, args.windows)
     sim_us, ours = result["sim"], result["nvml"]
     print(f"Monitor overhead: median of {args.windows} begin_window+end_window, {args.gpus} GPUs")
-    print(f"  perseus, simulated GPUs         {sim_us:8.1f} us   (target < 50 us: {'met' if sim_us < 50 else 'MISSED'})")
+    print(
+        f"  perseus, simulated GPUs         {sim_us:8.1f} us   (target < 50 us: {'met' if sim_us < 50 else 'MISSED'})"
+    )
     print(f"  perseus, NVML over fake pynvml  {ours:8.1f} us")
     if zeus_version is None:
         print("  zeus ZeusMonitor                  n/a      (zeus not installed: pip install zeus)")

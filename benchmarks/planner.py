@@ -133,7 +133,11 @@ def bench_case(name, profile, stages, microbatches, schedule_name, lowtime_budge
         ours_s = time.perf_counter() - tick
 
         def saving(energy, t):
-            return 100.0 * (1.0 - padded(energy, t, deadline, power, n) / padded(base.energy_j, base.iteration_time_s, deadline, power, n))
+            return 100.0 * (
+                1.0
+                - padded(energy, t, deadline, power, n)
+                / padded(base.energy_j, base.iteration_time_s, deadline, power, n)
+            )
 
         env = envpipe_plan(ev, deadline)
         uni = uniform_plan(ev, deadline)
@@ -141,11 +145,21 @@ def bench_case(name, profile, stages, microbatches, schedule_name, lowtime_budge
         if run is not None and (k := run.best_within(deadline)) is not None:
             lt = saving(run.energies_j[k], run.times_s[k])
             lt_energy = padded(run.energies_j[k], run.times_s[k], deadline, power, n)
-        rows.append(Row(
-            name, microbatches, factor, ours_s, saving(plan.energy_j, plan.iteration_time_s), 100.0 * plan.gap,
-            lt, saving(env.energy_j, env.iteration_time_s), saving(uni.energy_j, uni.iteration_time_s),
-            padded(plan.energy_j, plan.iteration_time_s, deadline, power, n), lt_energy,
-        ))
+        rows.append(
+            Row(
+                name,
+                microbatches,
+                factor,
+                ours_s,
+                saving(plan.energy_j, plan.iteration_time_s),
+                100.0 * plan.gap,
+                lt,
+                saving(env.energy_j, env.iteration_time_s),
+                saving(uni.energy_j, uni.iteration_time_s),
+                padded(plan.energy_j, plan.iteration_time_s, deadline, power, n),
+                lt_energy,
+            )
+        )
     return planner, run, setup_s, rows
 
 
@@ -180,9 +194,15 @@ def main() -> int:
     parser.add_argument("--microbatches", default="12,24,48,96")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--skip-lowtime", action="store_true", help="do not run lowtime")
-    parser.add_argument("--lowtime-microbatches", default="12,32", help="microbatch counts that also run lowtime (8 x 32 is the speed target)")
+    parser.add_argument(
+        "--lowtime-microbatches",
+        default="12,32",
+        help="microbatch counts that also run lowtime (8 x 32 is the speed target)",
+    )
     parser.add_argument("--lowtime-budget", type=float, default=600.0, help="seconds of lowtime solver time per case")
-    parser.add_argument("--frontier", action="store_true", help="time 50 frontier points at the largest microbatch count")
+    parser.add_argument(
+        "--frontier", action="store_true", help="time 50 frontier points at the largest microbatch count"
+    )
     parser.add_argument("--large", action="store_true", help="time the 16 x 256 no-slowdown plan and its peak memory")
     args = parser.parse_args()
 
@@ -200,8 +220,10 @@ def main() -> int:
     rows: list[Row] = []
     speed: dict[str, float] = {}
     planners = {}
-    header = (f"{'workload':<22} {'SxM':>6} {'nodes':>6} {'T_prime':>7} {'ours s':>7} {'lowtime s':>9} {'ratio':>6} "
-              f"{'ours %':>7} {'lowtime %':>9} {'EnvPipe %':>9} {'uniform %':>9} {'gap %':>6}")
+    header = (
+        f"{'workload':<22} {'SxM':>6} {'nodes':>6} {'T_prime':>7} {'ours s':>7} {'lowtime s':>9} {'ratio':>6} "
+        f"{'ours %':>7} {'lowtime %':>9} {'EnvPipe %':>9} {'uniform %':>9} {'gap %':>6}"
+    )
     print("Energy saving vs all GPUs at max clock, over an iteration of T' (see docstring); gap to our LP bound")
     print(header)
     print("-" * len(header))
@@ -217,9 +239,11 @@ def main() -> int:
             for r in case_rows:
                 ratio = None if lt_s is None else lt_s / (setup_s + r.ours_s)
                 lt_note = "" if run is None or run.finished else "*"
-                print(f"{name:<22} {args.stages:>3}x{m:<3} {planner.problem.num_nodes:>6} {r.factor:>6.2f}T {setup_s + r.ours_s:>7.2f} "
-                      f"{fmt(lt_s, '.1f') + lt_note:>9} {fmt(ratio, '.0f') + ('x' if ratio else ''):>6} {r.ours:>7.2f} {fmt(r.lowtime):>9} "
-                      f"{r.envpipe:>9.2f} {r.uniform:>9.2f} {r.gap:>6.3f}")
+                print(
+                    f"{name:<22} {args.stages:>3}x{m:<3} {planner.problem.num_nodes:>6} {r.factor:>6.2f}T {setup_s + r.ours_s:>7.2f} "
+                    f"{fmt(lt_s, '.1f') + lt_note:>9} {fmt(ratio, '.0f') + ('x' if ratio else ''):>6} {r.ours:>7.2f} {fmt(r.lowtime):>9} "
+                    f"{r.envpipe:>9.2f} {r.uniform:>9.2f} {r.gap:>6.3f}"
+                )
             rows.extend(case_rows)
             if name == TARGET_WORKLOAD and m == 32 and lt_s is not None:
                 speed["lowtime_ratio_8x32"] = lt_s / ours_total
@@ -236,13 +260,17 @@ def main() -> int:
     if args.large:
         base = profiles.get(TARGET_WORKLOAD) or next(iter(profiles.values()))
         queue = multiprocessing.get_context("fork").Queue()
-        child = multiprocessing.get_context("fork").Process(target=_large_child, args=(queue, 16, 256, tiled_profile(base, 16)))
+        child = multiprocessing.get_context("fork").Process(
+            target=_large_child, args=(queue, 16, 256, tiled_profile(base, 16))
+        )
         child.start()
         elapsed, rss_mb, gap, saving, nodes = queue.get()
         child.join()
         speed["large"], speed["large_rss_mb"] = elapsed, rss_mb
-        print(f"large: 16x256 ({nodes} instructions) no-slowdown plan in {elapsed:.1f} s, peak RSS {rss_mb:.0f} MB, "
-              f"saving {saving:.2f}%, gap {gap:.3f}%")
+        print(
+            f"large: 16x256 ({nodes} instructions) no-slowdown plan in {elapsed:.1f} s, peak RSS {rss_mb:.0f} MB, "
+            f"saving {saving:.2f}%, gap {gap:.3f}%"
+        )
     print()
     return report_targets(rows, speed)
 
@@ -253,12 +281,24 @@ def report_targets(rows: list[Row], speed: dict[str, float]) -> int:
     for r in target:
         if r.factor == 1.0 and r.microbatches in PAPER_NO_SLOWDOWN:
             want = PAPER_NO_SLOWDOWN[r.microbatches]
-            checks.append((f"GPT-3 A100 8x{r.microbatches} no-slowdown saving {r.ours:.2f}% >= paper {want}%", r.ours >= want))
+            checks.append(
+                (f"GPT-3 A100 8x{r.microbatches} no-slowdown saving {r.ours:.2f}% >= paper {want}%", r.ours >= want)
+            )
         if r.factor == 1.2 and r.microbatches == 96:
-            checks.append((f"GPT-3 A100 8x96 saving at T'=1.2T {r.ours:.2f}% >= {PAPER_STRAGGLER_96}%", r.ours >= PAPER_STRAGGLER_96))
+            checks.append(
+                (
+                    f"GPT-3 A100 8x96 saving at T'=1.2T {r.ours:.2f}% >= {PAPER_STRAGGLER_96}%",
+                    r.ours >= PAPER_STRAGGLER_96,
+                )
+            )
     if target:
         worst = max(target, key=lambda r: r.gap)
-        checks.append((f"gap to the lower bound <= 0.3% at every deadline (worst {worst.gap:.3f}% at 8x{worst.microbatches}, {worst.factor}T)", worst.gap <= 0.3))
+        checks.append(
+            (
+                f"gap to the lower bound <= 0.3% at every deadline (worst {worst.gap:.3f}% at 8x{worst.microbatches}, {worst.factor}T)",
+                worst.gap <= 0.3,
+            )
+        )
         compared = [r for r in target if r.lowtime_energy is not None]
         if compared:
             bad = [r for r in compared if r.ours_energy > r.lowtime_energy * (1 + 1e-9)]
@@ -266,9 +306,16 @@ def report_targets(rows: list[Row], speed: dict[str, float]) -> int:
         worst_s = max(target, key=lambda r: r.ours_s)
         checks.append((f"any single deadline solved in <= 2 s (worst {worst_s.ours_s:.2f} s)", worst_s.ours_s <= 2.0))
     if "plan_8x96" in speed:
-        checks.append((f"8x96 no-slowdown plan (with setup) in {speed['plan_8x96']:.2f} s <= 2 s", speed["plan_8x96"] <= 2.0))
+        checks.append(
+            (f"8x96 no-slowdown plan (with setup) in {speed['plan_8x96']:.2f} s <= 2 s", speed["plan_8x96"] <= 2.0)
+        )
     if "lowtime_ratio_8x32" in speed:
-        checks.append((f"{speed['lowtime_ratio_8x32']:.0f}x faster than lowtime at 8x32 (>= 20x)", speed["lowtime_ratio_8x32"] >= 20))
+        checks.append(
+            (
+                f"{speed['lowtime_ratio_8x32']:.0f}x faster than lowtime at 8x32 (>= 20x)",
+                speed["lowtime_ratio_8x32"] >= 20,
+            )
+        )
     if "frontier" in speed:
         checks.append((f"50 frontier points in {speed['frontier']:.1f} s <= 30 s", speed["frontier"] <= 30))
     if "large" in speed:

@@ -25,7 +25,6 @@ import time
 from datetime import datetime, timedelta, timezone
 
 
-
 def run_steps(gpus, work, steps, optimizer=None):
     for _ in range(steps):
         if optimizer is not None:
@@ -128,13 +127,17 @@ def main() -> int:
         # The same epoch at 400 W, from the model: the carbon of not optimizing.
         baseline = optimizer.measurements[0].energy_j * epoch_steps if optimizer.measurements else record.energy_j
         baseline_g += baseline / 3.6e6 * record.g_per_kwh
-        print(f"{epoch:5d} {start_h:6.2f}h {record.g_per_kwh:6.0f} {limit_w:5.0f}W {record.energy_j / 1e3:9.1f}kJ {record.carbon_g:7.1f}g"
-              + ("" if done else "  (profiling)"))
+        print(
+            f"{epoch:5d} {start_h:6.2f}h {record.g_per_kwh:6.0f} {limit_w:5.0f}W {record.energy_j / 1e3:9.1f}kJ {record.carbon_g:7.1f}g"
+            + ("" if done else "  (profiling)")
+        )
     reporter.on_train_end()
     optimizer.close()
     print(f"limits while clean: {sorted(limits_before)} W; while dirty: {sorted(limits_after)} W")
-    print(f"carbon: {carbon_g:.0f} g with CarbonCost vs {baseline_g:.0f} g at 400 W throughout "
-          f"({1 - carbon_g / baseline_g:.1%} less)")
+    print(
+        f"carbon: {carbon_g:.0f} g with CarbonCost vs {baseline_g:.0f} g at 400 W throughout "
+        f"({1 - carbon_g / baseline_g:.1%} less)"
+    )
     follows = bool(limits_before and limits_after) and max(limits_after) < min(limits_before)
     print(f"CarbonCost lowers the limit when the grid turns dirty: {'yes' if follows else 'NO'}")
     ok &= follows

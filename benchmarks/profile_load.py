@@ -61,8 +61,12 @@ def child(mode: str, path: str, lift: bool) -> None:
 
 
 def measure(mode: str, path: Path, lift: bool) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", mode, str(path), "1" if lift else "0"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", mode, str(path), "1" if lift else "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(out)
 
 
@@ -78,15 +82,23 @@ def main() -> None:
         path = Path(tmp) / "profile.csv"
         write_csv(path, args.rows)
         print(f"{args.rows} rows, {path.stat().st_size / 2**20:.1f} MiB")
-        results = {name: measure(mode, path, lift=True) for name, mode in (("csv module", "csv"), ("perseus", "perseus"))}
+        results = {
+            name: measure(mode, path, lift=True) for name, mode in (("csv module", "csv"), ("perseus", "perseus"))
+        }
         for name, r in results.items():
-            print(f"{name:<12} {r['rows'] / r['seconds']:>12,.0f} rows/s  {r['seconds']:6.2f} s  "
-                  f"peak RSS {r['peak_mb']:6.0f} MB (after imports {r['base_mb']:.0f} MB)")
+            print(
+                f"{name:<12} {r['rows'] / r['seconds']:>12,.0f} rows/s  {r['seconds']:6.2f} s  "
+                f"peak RSS {r['peak_mb']:6.0f} MB (after imports {r['base_mb']:.0f} MB)"
+            )
         floor, ours = results["csv module"], results["perseus"]
-        print(f"perseus / csv module: {ours['seconds'] / floor['seconds']:.2f}x the time, "
-              f"{(ours['peak_mb'] - ours['base_mb']) / (floor['peak_mb'] - floor['base_mb']):.2f}x the memory above imports")
+        print(
+            f"perseus / csv module: {ours['seconds'] / floor['seconds']:.2f}x the time, "
+            f"{(ours['peak_mb'] - ours['base_mb']) / (floor['peak_mb'] - floor['base_mb']):.2f}x the memory above imports"
+        )
         capped = measure("perseus", path, lift=False)
-        print(f"with the limits: {capped['outcome']} in {capped['seconds'] * 1000:.0f} ms, peak RSS {capped['peak_mb']:.0f} MB")
+        print(
+            f"with the limits: {capped['outcome']} in {capped['seconds'] * 1000:.0f} ms, peak RSS {capped['peak_mb']:.0f} MB"
+        )
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from service_support import PRESET, stage_profile  # noqa: E402
+from service_support import PRESET, stage_profile
 
-from perseus.service.budget import job_cost_bytes  # noqa: E402
-from perseus.service.job import Job  # noqa: E402
-from perseus.wire.messages import ReportIteration  # noqa: E402
-from perseus.wire.spec import JobSpec, RankInfo  # noqa: E402
+from perseus.service.budget import job_cost_bytes
+from perseus.service.job import Job
+from perseus.wire.messages import ReportIteration
+from perseus.wire.spec import JobSpec, RankInfo
 
 SHAPES = [(1, 1, 1), (4, 1, 8), (8, 1, 96), (4, 64, 8), (4, 512, 8), (64, 1, 8), (1, 1, 4096), (16, 1, 256)]
 ITERATIONS = 300
@@ -35,7 +35,9 @@ def measure(pp: int, dp: int, microbatches: int) -> tuple[int, int]:
     tracemalloc.start()
     job = Job(spec)
     for rank in range(pp * dp):
-        job.add_rank(RankInfo(rank, rank % pp, dp_index=rank // pp, gpu_model=PRESET.name, frequencies=PRESET.frequencies))
+        job.add_rank(
+            RankInfo(rank, rank % pp, dp_index=rank // pp, gpu_model=PRESET.name, frequencies=PRESET.frequencies)
+        )
     for stage in range(pp):
         job.add_profile(stage, stage, stage_profile(stage, pp))
     for iteration in range(ITERATIONS):
@@ -49,12 +51,16 @@ def measure(pp: int, dp: int, microbatches: int) -> tuple[int, int]:
 
 
 def main() -> int:
-    print(f"{'stages':>6} {'pipelines':>9} {'microbatches':>12} {'ranks':>6} {'measured KiB':>13} {'estimate KiB':>13} {'estimate/measured':>18}")
+    print(
+        f"{'stages':>6} {'pipelines':>9} {'microbatches':>12} {'ranks':>6} {'measured KiB':>13} {'estimate KiB':>13} {'estimate/measured':>18}"
+    )
     worst = float("inf")
     for pp, dp, microbatches in SHAPES:
         measured, estimate = measure(pp, dp, microbatches)
         worst = min(worst, estimate / measured)
-        print(f"{pp:>6} {dp:>9} {microbatches:>12} {pp * dp:>6} {measured / 1024:>13.0f} {estimate / 1024:>13.0f} {estimate / measured:>18.2f}")
+        print(
+            f"{pp:>6} {dp:>9} {microbatches:>12} {pp * dp:>6} {measured / 1024:>13.0f} {estimate / 1024:>13.0f} {estimate / measured:>18.2f}"
+        )
     print(f"lowest estimate/measured: {worst:.2f} ({'an upper bound' if worst >= 1 else 'UNDER the measurement'})")
     return 0 if worst >= 1 else 1
 

@@ -48,17 +48,19 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from service_support import PRESET, ServeProcess, stage_profile  # noqa: E402
+from service_support import PRESET, ServeProcess, stage_profile
 
-from perseus.client.planner_client import PlannerClient  # noqa: E402
-from perseus.wire.limits import HARD_MESSAGE_BYTES, MAX_FREQUENCIES, MAX_MESSAGE_BYTES, MAX_PROFILE_ROWS, MAX_RANKS  # noqa: E402
-from perseus.wire.messages import REQUESTS  # noqa: E402
-from perseus.wire.profiles import profile_to_wire  # noqa: E402
-from perseus.wire.spec import JobSpec, RankInfo  # noqa: E402
+from perseus.client.planner_client import PlannerClient
+from perseus.wire.limits import HARD_MESSAGE_BYTES, MAX_FREQUENCIES, MAX_MESSAGE_BYTES, MAX_PROFILE_ROWS, MAX_RANKS
+from perseus.wire.messages import REQUESTS
+from perseus.wire.profiles import profile_to_wire
+from perseus.wire.spec import JobSpec, RankInfo
 
 FREQUENCIES = PRESET.frequencies
 GPU = PRESET.product
-ANY_ERROR = frozenset({"bad_frame", "bad_version", "bad_field", "too_large", "unknown_job", "unknown_rank", "unknown_type"})
+ANY_ERROR = frozenset(
+    {"bad_frame", "bad_version", "bad_field", "too_large", "unknown_job", "unknown_rank", "unknown_type"}
+)
 HARD_LIMIT_FRAMES = 3  # frames over zmq's MAXMSGSIZE (no reply possible: zmq drops the connection)
 RECOVER_TIMEOUT_S = 120.0  # after a missing reply: how long to wait for the service to answer a ping again
 
@@ -67,7 +69,16 @@ RECOVER_TIMEOUT_S = 120.0  # after a missing reply: how long to wait for the ser
 
 
 def job_spec(tag: str) -> JobSpec:
-    return JobSpec(2, 2, schedule_name="1f1b", num_microbatches=4, gpu_model=GPU, warmup_iterations=0, iterations_per_frequency=1, tag=tag)
+    return JobSpec(
+        2,
+        2,
+        schedule_name="1f1b",
+        num_microbatches=4,
+        gpu_model=GPU,
+        warmup_iterations=0,
+        iterations_per_frequency=1,
+        tag=tag,
+    )
 
 
 def rank_info(rank: int) -> RankInfo:
@@ -110,7 +121,12 @@ class Context:
             "register_job": {"spec": self.decoy.to_wire()},
             "register_rank": {"job_id": job_id, "info": rank_info(1).to_wire()},
             "get_table": {"job_id": job_id, "rank": 0, "iteration": 5, "plan_version": 0},
-            "upload_profile": {"job_id": job_id, "rank": 0, "stage": 0, "profile": profile_to_wire(stage_profile(0, 2))},
+            "upload_profile": {
+                "job_id": job_id,
+                "rank": 0,
+                "stage": 0,
+                "profile": profile_to_wire(stage_profile(0, 2)),
+            },
             "report_iteration": {"job_id": job_id, "rank": 0, "iteration": 3, "time_s": 0.5, "energy_j": 100.0},
             "declare_straggler": {"job_id": job_id, "pipeline": 0, "factor": 1.2},
         }
@@ -163,7 +179,25 @@ def _code_for(path: tuple[str, ...]) -> str:
     return {("v",): "bad_version", ("id",): "bad_field", ("type",): "unknown_type"}.get(path, "bad_field")
 
 
-WRONG_VALUES: list[Any] = [None, True, False, 0, -1, 2**63, -(2**63), 1.5, math.nan, "", "x" * 10, b"\x00\x01", [], [1, 2], {}, {"a": 1}, [[[]]]]
+WRONG_VALUES: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    2**63,
+    -(2**63),
+    1.5,
+    math.nan,
+    "",
+    "x" * 10,
+    b"\x00\x01",
+    [],
+    [1, 2],
+    {},
+    {"a": 1},
+    [[[]]],
+]
 
 
 def _wrong_type_for(rng: random.Random, template: Any, allow_none: bool) -> Any:
@@ -192,8 +226,20 @@ def gen_random_bytes(c: Context) -> Case:
 
 def gen_wrong_msgpack(c: Context) -> Case:
     r = c.rng
-    value = r.choice([r.randint(-(2**63), 2**64 - 1), r.random(), "ping", r.randbytes(r.randint(0, 40)), None, True, False,
-                      [1, "v", {"v": 1}], [{"v": 1, "id": 1, "type": "ping"}], ["ping"] * r.randint(0, 20)])
+    value = r.choice(
+        [
+            r.randint(-(2**63), 2**64 - 1),
+            r.random(),
+            "ping",
+            r.randbytes(r.randint(0, 40)),
+            None,
+            True,
+            False,
+            [1, "v", {"v": 1}],
+            [{"v": 1, "id": 1, "type": "ping"}],
+            ["ping"] * r.randint(0, 20),
+        ]
+    )
     return Case("wrong_msgpack", (pack(value),), frozenset({"bad_frame"}))
 
 
@@ -239,7 +285,9 @@ def gen_huge_lengths(c: Context) -> Case:
     tail = r.randbytes(r.randint(0, 64))
     if r.random() < 0.5:
         # Inside a well-formed envelope: the last value's header lies about its length.
-        prefix = b"\x84" + pack("v") + pack(1) + pack("id") + pack(c.rid()) + pack("type") + pack("status") + pack("job_id")
+        prefix = (
+            b"\x84" + pack("v") + pack(1) + pack("id") + pack(c.rid()) + pack("type") + pack("status") + pack("job_id")
+        )
         return Case("huge_lengths", (prefix + header + tail,), frozenset({"bad_frame"}))
     return Case("huge_lengths", (header + tail,), frozenset({"bad_frame"}))
 
@@ -256,7 +304,9 @@ def gen_unknown_ids(c: Context) -> Case:
         doc["rank"] = r.choice([2, r.randint(3, MAX_RANKS - 1)])  # past the decoy's world size: never registered
         return Case("unknown_ids", (pack(doc),), frozenset({"unknown_rank"}), doc["id"])
     kind, doc = c.request()
-    doc["type"] = r.choice(["", "shutdown", "PING", "register", "get-table", r.randbytes(6).hex(), "x" * r.randint(100, 5000)])
+    doc["type"] = r.choice(
+        ["", "shutdown", "PING", "register", "get-table", r.randbytes(6).hex(), "x" * r.randint(100, 5000)]
+    )
     return Case("unknown_ids", (pack(doc),), frozenset({"unknown_type"}), doc["id"])
 
 
@@ -296,26 +346,106 @@ def gen_bad_values(c: Context) -> Case:
     variants: list[Callable[[], tuple[str, dict[str, Any]]]] = [
         lambda: ("get_table", {"job_id": job_id, "rank": r.choice([-1, MAX_RANKS, 2**63])}),
         lambda: ("get_table", {"job_id": job_id, "rank": 0, "iteration": r.choice([-2, 2**62 + 1])}),
-        lambda: ("get_table", {"job_id": r.choice(["job-XYZ", "job-00 ", "jobs-00", "x" * 65, "job-" + "0" * 61]), "rank": 0}),
-        lambda: ("report_iteration", {"job_id": job_id, "rank": 0, "iteration": 1, "time_s": r.choice([math.nan, math.inf, -1.0, 0.0]), "energy_j": 1.0}),
-        lambda: ("report_iteration", {"job_id": job_id, "rank": 0, "iteration": 1, "time_s": 1.0, "energy_j": r.choice([math.nan, -math.inf, -5.0])}),
+        lambda: (
+            "get_table",
+            {"job_id": r.choice(["job-XYZ", "job-00 ", "jobs-00", "x" * 65, "job-" + "0" * 61]), "rank": 0},
+        ),
+        lambda: (
+            "report_iteration",
+            {
+                "job_id": job_id,
+                "rank": 0,
+                "iteration": 1,
+                "time_s": r.choice([math.nan, math.inf, -1.0, 0.0]),
+                "energy_j": 1.0,
+            },
+        ),
+        lambda: (
+            "report_iteration",
+            {
+                "job_id": job_id,
+                "rank": 0,
+                "iteration": 1,
+                "time_s": 1.0,
+                "energy_j": r.choice([math.nan, -math.inf, -5.0]),
+            },
+        ),
         lambda: ("register_job", {"spec": {**spec, "world_size": r.choice([3, 0, MAX_RANKS + 1])}}),
         lambda: ("register_job", {"spec": {**spec, "schedule_name": r.choice(["zigzag", "", "1f1b" * 40])}}),
         lambda: ("register_job", {"spec": {**spec, "tag": "t" * 129}}),
         lambda: ("register_job", {"spec": {**spec, "schedule_style": "spiral"}}),
         lambda: ("register_job", {"spec": {**spec, "sweep_frequencies": r.choice([[], [1410, 1410], [0], [10**6]])}}),
-        lambda: ("register_job", {"spec": {**spec, "stage_orders": r.choice([[], [[["forward", 0, 0]]], [[["sideways", 0, 0]], [["forward", 0, 0]]],
-                                                                             [[["forward", 9, 0]], [["forward", 0, 0]]], [[["forward", 0]], [["forward", 0, 0]]]])}}),
+        lambda: (
+            "register_job",
+            {
+                "spec": {
+                    **spec,
+                    "stage_orders": r.choice(
+                        [
+                            [],
+                            [[["forward", 0, 0]]],
+                            [[["sideways", 0, 0]], [["forward", 0, 0]]],
+                            [[["forward", 9, 0]], [["forward", 0, 0]]],
+                            [[["forward", 0]], [["forward", 0, 0]]],
+                        ]
+                    ),
+                }
+            },
+        ),
         lambda: ("register_job", {"spec": {**spec, "surprise": 1}}),
         lambda: ("register_rank", {"job_id": job_id, "info": {**rank_info(1).to_wire(), "stage": r.choice([2, 4095])}}),
-        lambda: ("register_rank", {"job_id": job_id, "info": {**rank_info(1).to_wire(), "frequencies": r.choice([[], [1410, 1410], [0, 5]])}}),
-        lambda: ("register_rank", {"job_id": job_id, "info": {**rank_info(1).to_wire(), "stage": 0}}),  # rank 0 holds stage 0
-        lambda: ("register_rank", {"job_id": job_id, "info": {**rank_info(1).to_wire(), "frequencies": [1410]}}),  # misses sweep frequencies
-        lambda: ("upload_profile", {"job_id": job_id, "rank": 0, "stage": 1, "profile": profile_to_wire(stage_profile(1, 2))}),
-        lambda: ("upload_profile", {"job_id": job_id, "rank": 0, "stage": 0, "profile": {"blocking_power_w": 80.0, "rows": [[0, "forward", 1410, 0.01, 1.0]]}}),
-        lambda: ("upload_profile", {"job_id": job_id, "rank": 0, "stage": 0, "profile": {"blocking_power_w": 80.0, "rows": [[0, "sideways", 1410, 0.01, 1.0]]}}),
-        lambda: ("upload_profile", {"job_id": job_id, "rank": 0, "stage": 0, "profile": {"blocking_power_w": 80.0, "rows": [[0, "forward", 1410, -0.01, 1.0, 7]]}}),
-        lambda: ("upload_profile", {"job_id": job_id, "rank": 0, "stage": 0, "profile": {**profile_to_wire(stage_profile(0, 2)), "meta": {"k": "v" * 2000}}}),
+        lambda: (
+            "register_rank",
+            {"job_id": job_id, "info": {**rank_info(1).to_wire(), "frequencies": r.choice([[], [1410, 1410], [0, 5]])}},
+        ),
+        lambda: (
+            "register_rank",
+            {"job_id": job_id, "info": {**rank_info(1).to_wire(), "stage": 0}},
+        ),  # rank 0 holds stage 0
+        lambda: (
+            "register_rank",
+            {"job_id": job_id, "info": {**rank_info(1).to_wire(), "frequencies": [1410]}},
+        ),  # misses sweep frequencies
+        lambda: (
+            "upload_profile",
+            {"job_id": job_id, "rank": 0, "stage": 1, "profile": profile_to_wire(stage_profile(1, 2))},
+        ),
+        lambda: (
+            "upload_profile",
+            {
+                "job_id": job_id,
+                "rank": 0,
+                "stage": 0,
+                "profile": {"blocking_power_w": 80.0, "rows": [[0, "forward", 1410, 0.01, 1.0]]},
+            },
+        ),
+        lambda: (
+            "upload_profile",
+            {
+                "job_id": job_id,
+                "rank": 0,
+                "stage": 0,
+                "profile": {"blocking_power_w": 80.0, "rows": [[0, "sideways", 1410, 0.01, 1.0]]},
+            },
+        ),
+        lambda: (
+            "upload_profile",
+            {
+                "job_id": job_id,
+                "rank": 0,
+                "stage": 0,
+                "profile": {"blocking_power_w": 80.0, "rows": [[0, "forward", 1410, -0.01, 1.0, 7]]},
+            },
+        ),
+        lambda: (
+            "upload_profile",
+            {
+                "job_id": job_id,
+                "rank": 0,
+                "stage": 0,
+                "profile": {**profile_to_wire(stage_profile(0, 2)), "meta": {"k": "v" * 2000}},
+            },
+        ),
         lambda: ("ping", {"unexpected": r.randint(0, 9)}),
     ]
     kind, fields_ = r.choice(variants)()
@@ -323,7 +453,16 @@ def gen_bad_values(c: Context) -> Case:
     if r.random() < 0.1:
         # A deeply nested value (the unpacker allows about 1,000 levels): raw msgpack, as a client could send.
         depth = r.randint(100, 1020)
-        prefix = b"\x84" + pack("v") + pack(1) + pack("id") + pack(doc["id"]) + pack("type") + pack("status") + pack("job_id")
+        prefix = (
+            b"\x84"
+            + pack("v")
+            + pack(1)
+            + pack("id")
+            + pack(doc["id"])
+            + pack("type")
+            + pack("status")
+            + pack("job_id")
+        )
         return Case("bad_values", (prefix + _nested(depth),), frozenset({"bad_field", "bad_frame"}), doc["id"])
     return Case("bad_values", (pack(doc),), frozenset({"bad_field"}), doc["id"])
 
@@ -340,9 +479,18 @@ def gen_huge_sizes(c: Context) -> Case:
     spec = c.decoy.to_wire()
     rid = c.rid()
     variants: list[Callable[[], dict[str, Any]]] = [
-        lambda: {"type": "register_rank", "job_id": c.decoy.job_id(), "info": {**rank_info(1).to_wire(), "frequencies": list(range(1, MAX_FREQUENCIES + 2))}},
-        lambda: {"type": "upload_profile", "job_id": c.decoy.job_id(), "rank": 0, "stage": 0,
-                 "profile": {"blocking_power_w": 80.0, "rows": [[0, "forward", 1410, 0.01, 1.0]] * (MAX_PROFILE_ROWS + 1)}},
+        lambda: {
+            "type": "register_rank",
+            "job_id": c.decoy.job_id(),
+            "info": {**rank_info(1).to_wire(), "frequencies": list(range(1, MAX_FREQUENCIES + 2))},
+        },
+        lambda: {
+            "type": "upload_profile",
+            "job_id": c.decoy.job_id(),
+            "rank": 0,
+            "stage": 0,
+            "profile": {"blocking_power_w": 80.0, "rows": [[0, "forward", 1410, 0.01, 1.0]] * (MAX_PROFILE_ROWS + 1)},
+        },
         lambda: {"type": "register_job", "spec": {**spec, "world_size": 2**40, "pp": 2, "dp": 2**39}},
         # A job whose schedule would have tens of millions of instructions: refused, not built.
         lambda: {"type": "register_job", "spec": {**spec, "world_size": 16, "pp": 16, "num_microbatches": 1 << 16}},
@@ -390,7 +538,11 @@ class Report:
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
     service_died: bool = False
-    over_hard_limit: tuple[int, int, int] = (0, 0, 0)  # frames over zmq's hard limit: (sent, connections dropped, pings answered after)
+    over_hard_limit: tuple[int, int, int] = (
+        0,
+        0,
+        0,
+    )  # frames over zmq's hard limit: (sent, connections dropped, pings answered after)
 
     @property
     def frames(self) -> int:
@@ -443,7 +595,9 @@ class Fuzzer:
                 report.failures.append(f"{problem}: {case.show()}")
                 if problem.startswith("no reply") and not self.recover():
                     report.service_died = True
-                    report.failures.append(f"the service stopped answering (process alive: {self.alive()}) after frame {n}")
+                    report.failures.append(
+                        f"the service stopped answering (process alive: {self.alive()}) after frame {n}"
+                    )
                     break
             if progress is not None and n % 1000 == 0:
                 progress(n)
@@ -491,7 +645,10 @@ class Fuzzer:
 
 def register_decoy(fuzzer: Fuzzer, decoy: JobSpec) -> None:
     """The decoy job, with rank 0 registered: the target of unknown-rank and bad-value frames."""
-    for message in ({"type": "register_job", "spec": decoy.to_wire()}, {"type": "register_rank", "job_id": decoy.job_id(), "info": rank_info(0).to_wire()}):
+    for message in (
+        {"type": "register_job", "spec": decoy.to_wire()},
+        {"type": "register_rank", "job_id": decoy.job_id(), "info": rank_info(0).to_wire()},
+    ):
         reply = fuzzer.request((pack({"v": 1, "id": 1, **message}),), 10_000)
         if not (reply and reply.get("ok")):
             raise RuntimeError(f"setting up the decoy job failed: {message['type']} -> {reply}")
@@ -513,7 +670,11 @@ def real_job(endpoint: str, tag: str, timeout_s: float = 60.0) -> str | None:
                 return f"rank {rank}: no plan within {timeout_s:.0f} s (status: {client.status(job_id)})"
             assignment = client.assignment(10**6)
             expected = 2 * spec.num_microbatches
-            if assignment.phase.value != "planned" or len(assignment.frequencies or ()) != expected or not set(assignment.frequencies) <= set(FREQUENCIES):
+            if (
+                assignment.phase.value != "planned"
+                or len(assignment.frequencies or ()) != expected
+                or not set(assignment.frequencies) <= set(FREQUENCIES)
+            ):
                 return f"rank {rank}: bad assignment {assignment}"
         return None
     finally:
@@ -522,7 +683,12 @@ def real_job(endpoint: str, tag: str, timeout_s: float = 60.0) -> str | None:
 
 
 def fuzz_service(
-    endpoint: str, alive: Callable[[], bool], frames: int, seed: int, reply_timeout_s: float, progress: Callable[[int], None] | None = None
+    endpoint: str,
+    alive: Callable[[], bool],
+    frames: int,
+    seed: int,
+    reply_timeout_s: float,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[Report, str | None]:
     """Fuzz the service at `endpoint` (`alive`: whether its process runs), then run a real job on
     it: (report, what went wrong with the real job or None)."""
@@ -554,11 +720,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"service {service.endpoint} (pid {service.pid}); {a.frames} frames, seed {a.seed}", flush=True)
         rss_before = service.memory_mb()[0]
         try:
+
             def progress(n: int) -> None:
                 rss = service.memory_mb()[0] if service.alive() else math.nan
                 print(f"  {n} frames, service RSS {rss:.0f} MiB", flush=True)
 
-            report, job_problem = fuzz_service(service.endpoint, service.alive, a.frames, a.seed, a.reply_timeout, progress)
+            report, job_problem = fuzz_service(
+                service.endpoint, service.alive, a.frames, a.seed, a.reply_timeout, progress
+            )
             alive = service.alive()
             rss_after, peak = service.memory_mb() if alive else (math.nan, math.nan)
             log_tail = service.log_tail() if not alive or report.failures else ""
@@ -572,12 +741,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'error code':<16} {'replies':>7}")
     for code, n in sorted(report.codes.items(), key=lambda kv: str(kv[0])):
         print(f"{code!s:<16} {n:7d}")
-    print(f"\ntotal time {report.seconds:.2f} s ({report.frames / report.seconds:.0f} frames/s, lockstep on one socket)")
+    print(
+        f"\ntotal time {report.seconds:.2f} s ({report.frames / report.seconds:.0f} frames/s, lockstep on one socket)"
+    )
     sent, dropped, answered = report.over_hard_limit
-    print(f"frames over zmq's {HARD_MESSAGE_BYTES >> 20} MiB hard limit (no reply by design): {sent}; connection dropped by the service {dropped}, "
-          f"service answered a new connection after {answered}")
-    print(f"service alive afterwards: {alive}; RSS {rss_before:.0f} MiB before the frames, {rss_after:.0f} MiB after the real job (peak {peak:.0f} MiB; planning imports the planner)")
-    print(f"real job afterwards (register, upload, plan, fetch): {'completed' if job_problem is None else 'FAILED: ' + job_problem}")
+    print(
+        f"frames over zmq's {HARD_MESSAGE_BYTES >> 20} MiB hard limit (no reply by design): {sent}; connection dropped by the service {dropped}, "
+        f"service answered a new connection after {answered}"
+    )
+    print(
+        f"service alive afterwards: {alive}; RSS {rss_before:.0f} MiB before the frames, {rss_after:.0f} MiB after the real job (peak {peak:.0f} MiB; planning imports the planner)"
+    )
+    print(
+        f"real job afterwards (register, upload, plan, fetch): {'completed' if job_problem is None else 'FAILED: ' + job_problem}"
+    )
     if report.failures:
         print(f"\n{len(report.failures)} failures (first 30):", *report.failures[:30], sep="\n  ")
     if log_tail:

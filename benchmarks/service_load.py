@@ -42,14 +42,14 @@ from pathlib import Path
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from service_support import PRESET, ServeProcess, stage_profile  # noqa: E402
+from service_support import PRESET, ServeProcess, stage_profile
 
-from perseus.schedules import build_schedule  # noqa: E402
-from perseus.exceptions import ServiceError  # noqa: E402
-from perseus.wire.envelope import ErrorCode, decode_reply, encode_request  # noqa: E402
-from perseus.wire.fields import Message  # noqa: E402
-from perseus.wire.messages import GetStatus, GetTable, Ping, RegisterJob, RegisterRank, UploadProfile  # noqa: E402
-from perseus.wire.spec import JobSpec, RankInfo  # noqa: E402
+from perseus.exceptions import ServiceError
+from perseus.schedules import build_schedule
+from perseus.wire.envelope import ErrorCode, decode_reply, encode_request
+from perseus.wire.fields import Message
+from perseus.wire.messages import GetStatus, GetTable, Ping, RegisterJob, RegisterRank, UploadProfile
+from perseus.wire.spec import JobSpec, RankInfo
 
 SCHEDULE = "1f1b"
 TARGET_PLANNED_S = 20.0
@@ -79,12 +79,23 @@ class Layout:
 
     def spec(self, job: int) -> JobSpec:
         return JobSpec(
-            self.ranks_per_job, self.pp, dp=self.dp, schedule_name=SCHEDULE, num_microbatches=self.microbatches,
-            gpu_model=PRESET.product, tag=f"load-{job}",
+            self.ranks_per_job,
+            self.pp,
+            dp=self.dp,
+            schedule_name=SCHEDULE,
+            num_microbatches=self.microbatches,
+            gpu_model=PRESET.product,
+            tag=f"load-{job}",
         )
 
     def info(self, local_rank: int) -> RankInfo:
-        return RankInfo(local_rank, local_rank // self.dp, dp_index=local_rank % self.dp, gpu_model=PRESET.product, frequencies=PRESET.frequencies)
+        return RankInfo(
+            local_rank,
+            local_rank // self.dp,
+            dp_index=local_rank % self.dp,
+            gpu_model=PRESET.product,
+            frequencies=PRESET.frequencies,
+        )
 
 
 # ---- worker processes: many DEALER sockets, one poller ------------------------------------------
@@ -134,7 +145,9 @@ class Ranks:
         while due or awaiting:
             now = time.monotonic()
             if now > deadline:
-                raise RankFailed(f"{len(due) + len(awaiting)} ranks unfinished after {timeout_s:.0f} s (no reply or no plan)")
+                raise RankFailed(
+                    f"{len(due) + len(awaiting)} ranks unfinished after {timeout_s:.0f} s (no reply or no plan)"
+                )
             for slot, (at, request_id, payload) in list(due.items()):
                 if at <= now:
                     del due[slot]
@@ -180,7 +193,9 @@ def run_phases(ranks: Ranks, barrier: Callable[[], None]) -> dict[str, int]:
     slots = range(len(ranks.global_ranks))
     jobs = {j: layout.spec(j) for j in range(layout.jobs)}
     job_ids = {j: spec.job_id() for j, spec in jobs.items()}
-    instructions = {s: len(build_schedule(SCHEDULE, layout.pp, layout.microbatches).stages[s]) for s in range(layout.pp)}
+    instructions = {
+        s: len(build_schedule(SCHEDULE, layout.pp, layout.microbatches).stages[s]) for s in range(layout.pp)
+    }
     profiles = {s: stage_profile(s, layout.pp) for s in range(layout.pp)}
     supported = set(PRESET.frequencies)
     counts: dict[str, int] = {"verified": 0}  # requests per phase, and plans checked in the fetch phase
@@ -206,13 +221,17 @@ def run_phases(ranks: Ranks, barrier: Callable[[], None]) -> dict[str, int]:
             doc = _check(slot, result)
             if doc.get("frequencies") is None:
                 if doc.get("phase") == "failed" or poll_s is None:
-                    raise RankFailed(f"rank slot {slot}: no plan (job phase {doc.get('phase')}, error {doc.get('error')!r})")
+                    raise RankFailed(
+                        f"rank slot {slot}: no plan (job phase {doc.get('phase')}, error {doc.get('error')!r})"
+                    )
                 return poll_s, get_table(slot)
             _, local = ranks.job_and_local(slot)
             freqs = doc["frequencies"]
             stage = local // layout.dp
             if len(freqs) != instructions[stage] or not set(freqs) <= supported:
-                raise RankFailed(f"rank slot {slot}: plan has {len(freqs)} frequencies for {instructions[stage]} instructions, or unsupported ones")
+                raise RankFailed(
+                    f"rank slot {slot}: plan has {len(freqs)} frequencies for {instructions[stage]} instructions, or unsupported ones"
+                )
             counts["verified"] += poll_s is None
             return None
 
@@ -242,7 +261,9 @@ def run_phases(ranks: Ranks, barrier: Callable[[], None]) -> dict[str, int]:
     return counts
 
 
-def worker(layout: Layout, index: int, barrier: multiprocessing.synchronize.Barrier, results: multiprocessing.Queue) -> None:
+def worker(
+    layout: Layout, index: int, barrier: multiprocessing.synchronize.Barrier, results: multiprocessing.Queue
+) -> None:
     global_ranks = list(range(index, layout.ranks, layout.processes))
     try:
         ranks = Ranks(layout, global_ranks)
@@ -294,7 +315,10 @@ def run(layout_args: argparse.Namespace) -> int:
         context = multiprocessing.get_context("fork")
         barrier = context.Barrier(layout.processes + 1)
         results = context.Queue()
-        procs = [context.Process(target=worker, args=(layout, i, barrier, results), daemon=True) for i in range(layout.processes)]
+        procs = [
+            context.Process(target=worker, args=(layout, i, barrier, results), daemon=True)
+            for i in range(layout.processes)
+        ]
         for p in procs:
             p.start()
         marks: list[float] = []
@@ -338,17 +362,25 @@ def run(layout_args: argparse.Namespace) -> int:
     savings = [1 - s["predicted_energy_j"] / s["predicted_baseline_energy_j"] for s in planned]
     print(f"\n{'phase':<10} {'wall s':>8} {'requests':>9} {'req/s':>8} {'service RSS after, MiB':>23}")
     for i, name in enumerate(PHASES):
-        print(f"{name:<10} {walls[name]:8.2f} {requests[name]:9d} {requests[name] / walls[name]:8.0f} {memory[i]:23.0f}")
+        print(
+            f"{name:<10} {walls[name]:8.2f} {requests[name]:9d} {requests[name] / walls[name]:8.0f} {memory[i]:23.0f}"
+        )
     planned_s = walls["register"] + walls["upload"] + walls["plan"]
     ok_time = planned_s <= TARGET_PLANNED_S and len(planned) == layout.jobs and verified == layout.ranks
     ok_memory = peak_mb < TARGET_MEMORY_MB
-    print(f"\njobs planned: {len(planned)} of {layout.jobs}; ranks whose fetched plan was checked: {verified} of {layout.ranks}")
+    print(
+        f"\njobs planned: {len(planned)} of {layout.jobs}; ranks whose fetched plan was checked: {verified} of {layout.ranks}"
+    )
     if savings:
         print(f"predicted energy saving per job (no slowdown): {100 * min(savings):.1f}% to {100 * max(savings):.1f}%")
     print(f"\n{'figure':<42} {'measured':>12} {'target':>12}")
-    print(f"{'all ranks planned (register+upload+plan)':<42} {planned_s:10.2f} s {'<= 20 s':>12}  {'OK' if ok_time else 'MISSED'}")
+    print(
+        f"{'all ranks planned (register+upload+plan)':<42} {planned_s:10.2f} s {'<= 20 s':>12}  {'OK' if ok_time else 'MISSED'}"
+    )
     print(f"{'  + fetch (every rank once more)':<42} {planned_s + walls['fetch']:10.2f} s")
-    print(f"{'service peak memory (VmHWM)':<42} {peak_mb:8.0f} MiB {'< 1024 MiB':>12}  {'OK' if ok_memory else 'MISSED'}")
+    print(
+        f"{'service peak memory (VmHWM)':<42} {peak_mb:8.0f} MiB {'< 1024 MiB':>12}  {'OK' if ok_memory else 'MISSED'}"
+    )
     print(f"{'  service RSS at start / at end':<42} {memory_start:8.0f} MiB / {rss_mb:.0f} MiB")
     print(f"{'service CPU time during the run':<42} {cpu_s:10.2f} s")
     print("(wall-clock on a shared machine: other processes' load inflates these times)")
@@ -358,11 +390,15 @@ def run(layout_args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=1024, help="simulated ranks in all (default 1024)")
-    parser.add_argument("--processes", type=int, default=4, help="worker processes holding the ranks' sockets (default 4)")
+    parser.add_argument(
+        "--processes", type=int, default=4, help="worker processes holding the ranks' sockets (default 4)"
+    )
     parser.add_argument("--pp", type=int, default=8, help="pipeline stages per job (default 8)")
     parser.add_argument("--dp", type=int, default=8, help="data-parallel pipelines per job (default 8)")
     parser.add_argument("--microbatches", type=int, default=16, help="microbatches per iteration (default 16)")
-    parser.add_argument("--poll-interval", type=float, default=0.25, help="seconds between a rank's table polls (default 0.25)")
+    parser.add_argument(
+        "--poll-interval", type=float, default=0.25, help="seconds between a rank's table polls (default 0.25)"
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="limit on each phase, in seconds (default 120)")
     a = parser.parse_args(argv)
     if a.ranks < 1 or a.processes < 1 or a.pp < 1 or a.dp < 1 or a.ranks % (a.pp * a.dp):

@@ -75,8 +75,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from perseus.schedules import build_schedule
-    from perseus.wire import JobSpec
     from perseus.service.planning import job_schedule
+    from perseus.wire import JobSpec
     from perseus.wire.envelope import encode_request
     from perseus.wire.limits import MAX_INSTRUCTIONS
     from perseus.wire.messages import RegisterJob
@@ -87,7 +87,9 @@ def main() -> None:
     orders = tuple(tuple((i.kind.value, i.microbatch, i.chunk) for i in row) for row in order.stages)
     specs = {
         "named 1f1b": JobSpec(pp, pp, schedule_name="1f1b", num_microbatches=microbatches, gpu_model="bench"),
-        "stage_orders": JobSpec(pp, pp, schedule_name="1f1b", num_microbatches=microbatches, gpu_model="bench", stage_orders=orders, tag="o"),
+        "stage_orders": JobSpec(
+            pp, pp, schedule_name="1f1b", num_microbatches=microbatches, gpu_model="bench", stage_orders=orders, tag="o"
+        ),
     }
     builds = {}
     for name, spec in specs.items():
@@ -96,15 +98,21 @@ def main() -> None:
         builds[name] = time.perf_counter() - t0
     print(f"{pp} stages x {microbatches} microbatches = {2 * pp * microbatches} instructions (the cap)")
     with tempfile.TemporaryDirectory() as state:
-        proc = subprocess.Popen([sys.executable, "-c", SERVE, "serve", "--bind", "tcp://127.0.0.1:0", "--state-dir", state],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SERVE, "serve", "--bind", "tcp://127.0.0.1:0", "--state-dir", state],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         try:
             endpoint = proc.stdout.readline().split()[-1]
             pinger = Pinger(endpoint)
             pinger.start()
             time.sleep(1.0)
             idle = pinger.worst(0.0, time.perf_counter())
-            print(f"{'spec':<14} {'wire':>9} {'idle ping':>10} {'ping while registering':>23} {'register_job':>13} {'schedule build':>15}")
+            print(
+                f"{'spec':<14} {'wire':>9} {'idle ping':>10} {'ping while registering':>23} {'register_job':>13} {'schedule build':>15}"
+            )
             for name, spec in specs.items():
                 payload = encode_request(1, RegisterJob(spec))
                 t0 = time.perf_counter()
@@ -113,8 +121,10 @@ def main() -> None:
                 assert reply["ok"], reply
                 time.sleep(max(1.0, 3 * builds[name]))  # the build runs on the service's worker meanwhile
                 worst = pinger.worst(t0, time.perf_counter())
-                print(f"{name:<14} {len(payload) / 1e6:6.2f} MB {idle * 1e3:7.1f} ms {worst * 1e3:20.1f} ms "
-                      f"{registered * 1e3:10.1f} ms {builds[name] * 1e3:12.1f} ms")
+                print(
+                    f"{name:<14} {len(payload) / 1e6:6.2f} MB {idle * 1e3:7.1f} ms {worst * 1e3:20.1f} ms "
+                    f"{registered * 1e3:10.1f} ms {builds[name] * 1e3:12.1f} ms"
+                )
             pinger.stop.set()
             pinger.join()
         finally:

@@ -93,16 +93,16 @@ from typing import Any
 import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from service_fuzz import Fuzzer, pack  # noqa: E402  (the raw DEALER socket: lockstep request, recover)
-from service_support import PRESET, ServeProcess, stage_profile  # noqa: E402
+from service_fuzz import Fuzzer, pack
+from service_support import PRESET, ServeProcess, stage_profile
 
-from perseus.devices.sim import SimPreset, get_preset  # noqa: E402
-from perseus.wire.envelope import RequestRejected, decode_request  # noqa: E402
-from perseus.wire import limits  # noqa: E402
-from perseus.wire.limits import MAX_INSTRUCTIONS, MAX_ITERATION, MAX_RANKS  # noqa: E402
-from perseus.wire.profiles import profile_to_wire  # noqa: E402
-from perseus.wire.parallelism import rank_coordinates  # noqa: E402
-from perseus.wire.spec import JobSpec  # noqa: E402
+from perseus.devices.sim import SimPreset, get_preset
+from perseus.wire import limits
+from perseus.wire.envelope import RequestRejected, decode_request
+from perseus.wire.limits import MAX_INSTRUCTIONS, MAX_ITERATION, MAX_RANKS
+from perseus.wire.parallelism import rank_coordinates
+from perseus.wire.profiles import profile_to_wire
+from perseus.wire.spec import JobSpec
 
 # The protocol's limits (later releases name them; these defaults are the earlier literals). Which
 # requests are valid is not decided here: every request is checked with the protocol's own
@@ -168,10 +168,16 @@ class JobModel:
     preset: SimPreset
     sentinel: bool = False
     iteration: int = 0  # the generators' iteration counter (seeded stream only)
-    pace: tuple[int, str, float] | None = None  # training: (the odd pipeline, its pace's name, factor), kept a few iterations
+    pace: tuple[int, str, float] | None = (
+        None  # training: (the odd pipeline, its pace's name, factor), kept a few iterations
+    )
     registered: Ack | None = None  # last register_job ok after `epoch`
-    ranks: dict[int, tuple[tuple[int, int, int], str, bool]] = field(default_factory=dict)  # rank -> (coords, GPU model, certain)
-    shares: dict[tuple[int, int], Ack] = field(default_factory=dict)  # (stage, tp_index) -> first ok upload on the job's model
+    ranks: dict[int, tuple[tuple[int, int, int], str, bool]] = field(
+        default_factory=dict
+    )  # rank -> (coords, GPU model, certain)
+    shares: dict[tuple[int, int], Ack] = field(
+        default_factory=dict
+    )  # (stage, tp_index) -> first ok upload on the job's model
     refused_writes: set[tuple[int, int]] = field(default_factory=set)  # shares whose upload got `internal` (disk)
     epoch: float = -math.inf
 
@@ -191,16 +197,31 @@ def random_spec(rng: random.Random, tag: str) -> tuple[JobSpec, SimPreset]:
     pp, dp, tp = rng.randint(1, 4), rng.randint(1, 3), rng.randint(1, 2)
     preset = rng.choice(PRESETS)
     spec = JobSpec(
-        pp * dp * tp, pp, dp=dp, tp=tp, schedule_name=rng.choice(["gpipe", "1f1b"]), num_microbatches=rng.randint(1, 6),
-        gpu_model=preset.product, warmup_iterations=rng.randint(0, 2), iterations_per_frequency=rng.randint(1, 2),
-        rank_mapping=rng.choice(["explicit", "megatron", "torch"]), tag=tag,
+        pp * dp * tp,
+        pp,
+        dp=dp,
+        tp=tp,
+        schedule_name=rng.choice(["gpipe", "1f1b"]),
+        num_microbatches=rng.randint(1, 6),
+        gpu_model=preset.product,
+        warmup_iterations=rng.randint(0, 2),
+        iterations_per_frequency=rng.randint(1, 2),
+        rank_mapping=rng.choice(["explicit", "megatron", "torch"]),
+        tag=tag,
     )
     return spec, preset
 
 
 def info_wire(spec: JobSpec, rank: int, preset: SimPreset, /, **over: Any) -> dict[str, Any]:
     stage, dp_index, tp_index = coordinates(spec, rank)
-    doc = {"rank": rank, "stage": stage, "dp_index": dp_index, "tp_index": tp_index, "gpu_model": preset.product, "frequencies": list(preset.frequencies)}
+    doc = {
+        "rank": rank,
+        "stage": stage,
+        "dp_index": dp_index,
+        "tp_index": tp_index,
+        "gpu_model": preset.product,
+        "frequencies": list(preset.frequencies),
+    }
     doc.update(over)
     return doc
 
@@ -221,13 +242,30 @@ def profile_variant(rng: random.Random, preset: SimPreset, stage: int, pp: int) 
     doc = profile_wire(preset, stage, pp)
     rows = doc["rows"]
     name = rng.choices(
-        ["valid", "unsupported_freqs", "tiny_times", "tiny_one", "huge_energy", "wrong_stage", "no_backward", "zero_time", "over_energy",
-         "repeated_freq", "bad_power", "extra_field", "sideways"],
+        [
+            "valid",
+            "unsupported_freqs",
+            "tiny_times",
+            "tiny_one",
+            "huge_energy",
+            "wrong_stage",
+            "no_backward",
+            "zero_time",
+            "over_energy",
+            "repeated_freq",
+            "bad_power",
+            "extra_field",
+            "sideways",
+        ],
         [40, 8, 6, 4, 6, 3, 3, 2, 2, 2, 1, 1, 1],
     )[0]
     valid = True
     if name == "unsupported_freqs":  # frequencies no GPU of the job has
-        doc["rows"] = [[stage, kind, f, t, e] for kind in ("forward", "backward") for f, (_, _, _, t, e) in zip((99_000, 4321, 3), [r for r in rows if r[1] == kind])]
+        doc["rows"] = [
+            [stage, kind, f, t, e]
+            for kind in ("forward", "backward")
+            for f, (_, _, _, t, e) in zip((99_000, 4321, 3), [r for r in rows if r[1] == kind])
+        ]
     elif name == "tiny_times":
         for r in rows:
             r[3] = TINY
@@ -325,7 +363,11 @@ class Disk:
         self.report = report
         why = "--no-mount"
         if use_mount:
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(self.mnt)], capture_output=True, text=True)
+            done = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(self.mnt)],
+                capture_output=True,
+                text=True,
+            )
             self.mounted = done.returncode == 0
             why = (done.stderr or done.stdout).strip() or f"mount exit code {done.returncode}"
         report.fault_mode = (
@@ -337,14 +379,19 @@ class Disk:
         self.fault: str | None = None
         self.fault_end_step = 0
         self.hidden: tuple[Path, Path] | None = None  # (job folder, where it was moved)
-        self.windows: list[list[Any]] = []  # [start, end, job id or None] of every fault (end inf while active; a job: only its folder)
+        self.windows: list[
+            list[Any]
+        ] = []  # [start, end, job id or None] of every fault (end inf while active; a job: only its folder)
 
     def kinds(self) -> list[str]:
         return ["enospc", "readonly"] if self.mounted else ["notdir"]
 
     def refused_between(self, t0: float, t1: float, job_id: str | None = None) -> bool:
         """Whether writes (of `job_id`'s files; None: any) were refused at some time in [t0, t1]."""
-        return any(start <= t1 and t0 <= end and (victim is None or job_id is None or victim == job_id) for start, end, victim in self.windows)
+        return any(
+            start <= t1 and t0 <= end and (victim is None or job_id is None or victim == job_id)
+            for start, end, victim in self.windows
+        )
 
     def start(self, kind: str, end_step: int, victim: Path | None) -> bool:
         if kind == "enospc":
@@ -377,7 +424,9 @@ class Disk:
             victim.write_text("not a folder\n")
             self.hidden = (victim, moved)
         self.fault, self.fault_end_step = kind, end_step
-        self.windows.append([time.monotonic(), math.inf, self.hidden[0].name if kind == "notdir" and self.hidden else None])
+        self.windows.append(
+            [time.monotonic(), math.inf, self.hidden[0].name if kind == "notdir" and self.hidden else None]
+        )
         self.report.faults[kind] += 1
         return True
 
@@ -512,8 +561,16 @@ class StatefulFuzz:
         self.jobs: list[JobModel] = []
         for i in range(INITIAL_JOBS):
             self._new_job()
-        sentinel_spec = JobSpec(2, 2, schedule_name="1f1b", num_microbatches=4, gpu_model=PRESET.product, warmup_iterations=1,
-                                iterations_per_frequency=1, tag=f"sentinel-{seed}")
+        sentinel_spec = JobSpec(
+            2,
+            2,
+            schedule_name="1f1b",
+            num_microbatches=4,
+            gpu_model=PRESET.product,
+            warmup_iterations=1,
+            iterations_per_frequency=1,
+            tag=f"sentinel-{seed}",
+        )
         self.sentinel = JobModel(sentinel_spec, PRESET, sentinel=True)
         self.s_phase = "register_job"
         self.s_pending_uploads: set[int] = set()
@@ -562,7 +619,10 @@ class StatefulFuzz:
         if how != "crash":
             self.report.exit_codes[f"{how}: {code}"] += 1
             if how == "SIGTERM" and code != 0:
-                self.report.observe("a SIGTERM stop exited non-zero", f"step {self.step}: exit code {code}; log: {self._log_tail(self.service)}")
+                self.report.observe(
+                    "a SIGTERM stop exited non-zero",
+                    f"step {self.step}: exit code {code}; log: {self._log_tail(self.service)}",
+                )
         self._lose_registrations(how != "SIGTERM" or code != 0 or fault_since_start)
         corrupted: tuple[Path, bytes, str] | None = None
         if corrupt:
@@ -570,9 +630,15 @@ class StatefulFuzz:
         try:
             self._start()
         except RuntimeError as e:
-            what = f" (after corrupting {corrupted[0].relative_to(self.disk.state)}: {corrupted[2]})" if corrupted else ""
-            self.report.violation("a:start", self.step, f"the service did not start on its state directory{what}: "
-                                  f"{' | '.join(x.strip() for x in str(e).splitlines()[-8:] if set(x.strip()) != {'^'})}")
+            what = (
+                f" (after corrupting {corrupted[0].relative_to(self.disk.state)}: {corrupted[2]})" if corrupted else ""
+            )
+            self.report.violation(
+                "a:start",
+                self.step,
+                f"the service did not start on its state directory{what}: "
+                f"{' | '.join(x.strip() for x in str(e).splitlines()[-8:] if set(x.strip()) != {'^'})}",
+            )
             if corrupted is not None:
                 corrupted[0].write_bytes(corrupted[1])  # put the file back and try again
             self.disk.end()
@@ -605,7 +671,10 @@ class StatefulFuzz:
             return None
         # One kind of file first (job records most often: they hold the most), then one file of that kind.
         kinds = {"job.json": 40, "spec.json": 15, "stage-": 20, "plan": 15, "profiles": 10}
-        by_kind = {k: [f for f in files if (f.parent.name == "profiles") == (k == "profiles") and f.name.startswith(k)] for k in kinds}
+        by_kind = {
+            k: [f for f in files if (f.parent.name == "profiles") == (k == "profiles") and f.name.startswith(k)]
+            for k in kinds
+        }
         by_kind["profiles"] = [f for f in files if f.parent.name == "profiles"]
         choices = [k for k in kinds if by_kind[k]]
         kind_of_file = rng.choices(choices, [kinds[k] for k in choices])[0]
@@ -656,16 +725,33 @@ class StatefulFuzz:
     def _check(self, sock: Fuzzer, req: Req, rid: int, reply: dict | None, t0: float, t1: float) -> dict | None:
         r = self.report
         if self.trace:
-            self.trace.write(json.dumps({"step": self.step, "label": req.label, "request": {"id": rid, "type": req.kind, **req.fields},
-                                         "reply": reply}, default=str) + "\n")
+            self.trace.write(
+                json.dumps(
+                    {
+                        "step": self.step,
+                        "label": req.label,
+                        "request": {"id": rid, "type": req.kind, **req.fields},
+                        "reply": reply,
+                    },
+                    default=str,
+                )
+                + "\n"
+            )
         if reply is None:
             if not self.service.alive():
                 return None  # the step loop notices the crash
-            r.violation("a:silence", self.step, f"no reply within {self.reply_timeout_s} s to {req.label} {short(req.fields)}")
+            r.violation(
+                "a:silence", self.step, f"no reply within {self.reply_timeout_s} s to {req.label} {short(req.fields)}"
+            )
             sock.recover()
             return None
         r.reply_ms.append((t1 - t0) * 1000)
-        if not isinstance(reply, dict) or reply.get("v") != 1 or not isinstance(reply.get("ok"), bool) or reply.get("id") != rid:
+        if (
+            not isinstance(reply, dict)
+            or reply.get("v") != 1
+            or not isinstance(reply.get("ok"), bool)
+            or reply.get("id") != rid
+        ):
             r.violation("e:reply", self.step, f"malformed reply (request id {rid}) to {req.label}: {short(reply)}")
             return None
         if reply["ok"]:
@@ -675,23 +761,38 @@ class StatefulFuzz:
             error = reply.get("error")
             code = error.get("code") if isinstance(error, dict) else None
             if not isinstance(error, dict) or not error.get("message"):
-                r.violation("e:reply", self.step, f"error reply without a code and message to {req.label}: {short(reply)}")
+                r.violation(
+                    "e:reply", self.step, f"error reply without a code and message to {req.label}: {short(reply)}"
+                )
         r.codes[code] += 1
         self.last_refused = self.disk.refused_between(t0, t1, req.job.job_id if req.job else None)
         if req.label.startswith("sentinel/"):
             pass  # judged by sentinel_tick, as invariant (d)
         elif code == "internal":
             if req.kind in WRITES and self.last_refused:
-                r.observe("internal error replies while the disk refused writes (expected: nothing saved)", f"{req.label}: {reply['error']['message'][:200]}")
+                r.observe(
+                    "internal error replies while the disk refused writes (expected: nothing saved)",
+                    f"{req.label}: {reply['error']['message'][:200]}",
+                )
             else:
-                r.violation("e:internal", self.step, f"{req.label} {short(req.fields)} -> {reply['error']['message'][:300]}")
+                r.violation(
+                    "e:internal", self.step, f"{req.label} {short(req.fields)} -> {reply['error']['message'][:300]}"
+                )
         elif code != "ok" and req.valid and code not in STRICT_ALLOWED[req.kind] | req.allow:
             invariant = "d:status-all" if req.kind == "status" and "job_id" not in req.fields else "e:refused"
-            r.violation(invariant, self.step, f"{req.label} {short(req.fields)} -> [{code}] {reply['error']['message'][:300]}")
+            r.violation(
+                invariant, self.step, f"{req.label} {short(req.fields)} -> [{code}] {reply['error']['message'][:300]}"
+            )
         if code == "ok" and req.kind in WRITES and self.last_refused:
-            r.observe(f"acknowledged while the disk refused writes: {req.kind}", f"step {self.step}: {req.label} {short(req.fields)}")
+            r.observe(
+                f"acknowledged while the disk refused writes: {req.kind}",
+                f"step {self.step}: {req.label} {short(req.fields)}",
+            )
         elif code not in ("ok", "internal") and req.kind in WRITES and self.last_refused:
-            r.observe(f"[{code}] while the disk refused writes: {req.kind}", f"step {self.step}: {reply['error']['message'][:200]}")
+            r.observe(
+                f"[{code}] while the disk refused writes: {req.kind}",
+                f"step {self.step}: {reply['error']['message'][:200]}",
+            )
         if code == "ok" and req.nearly:
             r.observe(f"nearly-valid request accepted: {req.label}", f"step {self.step}: {short(req.fields)}")
         if req.on_reply is not None:
@@ -713,8 +814,24 @@ class StatefulFuzz:
         rng = self.rng
         job = rng.choice(self.jobs)
         action = rng.choices(
-            ["register_job", "new_job", "register_job_bad", "register_rank", "register_rank_bad", "get_table", "get_table_bad", "upload",
-             "report", "report_bad", "train", "straggler", "straggler_bad", "status_all", "status_one", "ping"],
+            [
+                "register_job",
+                "new_job",
+                "register_job_bad",
+                "register_rank",
+                "register_rank_bad",
+                "get_table",
+                "get_table_bad",
+                "upload",
+                "report",
+                "report_bad",
+                "train",
+                "straggler",
+                "straggler_bad",
+                "status_all",
+                "status_one",
+                "ping",
+            ],
             [4, 0.3, 2, 10, 4, 14, 2, 14, 10, 2, 5, 2, 1, 3, 3, 1],
         )[0]
         return getattr(self, f"_a_{action}")(rng, job)
@@ -725,7 +842,10 @@ class StatefulFuzz:
         for a few iterations in a row (the detector decides on medians of the last 8)."""
         job.iteration += 1
         if job.pace is None or rng.random() < 0.15:
-            job.pace = (rng.randrange(job.spec.dp), *rng.choices([("even", 1.0), ("slow", 1.3), ("tiny", 0.0), ("huge", math.inf)], [4, 3, 2, 1])[0])
+            job.pace = (
+                rng.randrange(job.spec.dp),
+                *rng.choices([("even", 1.0), ("slow", 1.3), ("tiny", 0.0), ("huge", math.inf)], [4, 3, 2, 1])[0],
+            )
         slow, name, pace = job.pace
         base = rng.uniform(0.4, 0.5)
         reqs = []
@@ -733,7 +853,13 @@ class StatefulFuzz:
             time_s = base
             if coordinates(job.spec, rank)[1] == slow:
                 time_s = TINY if pace == 0.0 else MAX_TIME_S if pace == math.inf else base * pace
-            fields = {"job_id": job.job_id, "rank": rank, "iteration": job.iteration, "time_s": time_s, "energy_j": 100.0 * time_s}
+            fields = {
+                "job_id": job.job_id,
+                "rank": rank,
+                "iteration": job.iteration,
+                "time_s": time_s,
+                "energy_j": 100.0 * time_s,
+            }
             reqs.append(Req(f"report_iteration/train_{name}", "report_iteration", fields, job))
         return reqs + [Req("status/all", "status", {})]  # right after the detector decided
 
@@ -741,63 +867,107 @@ class StatefulFuzz:
         def on_reply(reply: dict, t0: float, t1: float) -> None:
             if reply["ok"]:
                 job.registered = Ack(self.step, t1, self.disk.refused_between(t0, t1, job.job_id))
+
         return on_reply
 
     def _a_register_job(self, rng: random.Random, job: JobModel) -> Req:
-        return Req("register_job/valid", "register_job", {"spec": job.spec.to_wire()}, job, on_reply=self._ack_register_job(job))
+        return Req(
+            "register_job/valid",
+            "register_job",
+            {"spec": job.spec.to_wire()},
+            job,
+            on_reply=self._ack_register_job(job),
+        )
 
     def _a_new_job(self, rng: random.Random, job: JobModel) -> Req:
         if len(self.jobs) < MAX_JOBS and rng.random() < 0.7:
             job = self._new_job()
-            return Req("register_job/new", "register_job", {"spec": job.spec.to_wire()}, job, on_reply=self._ack_register_job(job))
+            return Req(
+                "register_job/new",
+                "register_job",
+                {"spec": job.spec.to_wire()},
+                job,
+                on_reply=self._ack_register_job(job),
+            )
         # Valid on the wire, invalid as a schedule: the worker fails the job (no backward pass).
         pp = rng.randint(1, 3)
-        spec = {"world_size": pp, "pp": pp, "schedule_name": "custom", "num_microbatches": 1, "gpu_model": PRESET.product,
-                "tag": f"fails-{rng.randint(0, 3)}", "stage_orders": [[["forward", 0, 0]] for _ in range(pp)]}
+        spec = {
+            "world_size": pp,
+            "pp": pp,
+            "schedule_name": "custom",
+            "num_microbatches": 1,
+            "gpu_model": PRESET.product,
+            "tag": f"fails-{rng.randint(0, 3)}",
+            "stage_orders": [[["forward", 0, 0]] for _ in range(pp)],
+        }
         return Req("register_job/fails_later", "register_job", {"spec": spec})
 
     def _a_register_job_bad(self, rng: random.Random, job: JobModel) -> Req:
         spec = job.spec.to_wire()
-        name, change = rng.choice([
-            ("world_size", {"world_size": spec["world_size"] + 1}), ("pp", {"pp": 0}), ("schedule", {"schedule_name": "1f2b"}),
-            ("gpu_model", {"gpu_model": ""}), ("microbatches", {"num_microbatches": 0}), ("extra", {"surprise": 1}),
-            ("mapping", {"rank_mapping": "megatronx"}), ("warmup", {"warmup_iterations": -1}), ("sweep", {"sweep_frequencies": []}),
-            ("overhead", {"instruction_overhead_s": 1.0}), ("tp", {"tp": 0}), ("tag", {"tag": "t" * 129}),
-            ("instructions", {"num_microbatches": MAX_INSTRUCTIONS // 2 + 1}),
-        ])
+        name, change = rng.choice(
+            [
+                ("world_size", {"world_size": spec["world_size"] + 1}),
+                ("pp", {"pp": 0}),
+                ("schedule", {"schedule_name": "1f2b"}),
+                ("gpu_model", {"gpu_model": ""}),
+                ("microbatches", {"num_microbatches": 0}),
+                ("extra", {"surprise": 1}),
+                ("mapping", {"rank_mapping": "megatronx"}),
+                ("warmup", {"warmup_iterations": -1}),
+                ("sweep", {"sweep_frequencies": []}),
+                ("overhead", {"instruction_overhead_s": 1.0}),
+                ("tp", {"tp": 0}),
+                ("tag", {"tag": "t" * 129}),
+                ("instructions", {"num_microbatches": MAX_INSTRUCTIONS // 2 + 1}),
+            ]
+        )
         return Req(f"register_job/bad_{name}", "register_job", {"spec": {**spec, **change}}, job, nearly=True)
 
     def _rank_ack(self, job: JobModel, rank: int, coords: tuple[int, int, int], model: str) -> Callable:
         def on_reply(reply: dict, t0: float, t1: float) -> None:
             if reply["ok"]:
                 job.ranks[rank] = (coords, model, True)
+
         return on_reply
 
     def _a_register_rank(self, rng: random.Random, job: JobModel) -> Req:
         rank = rng.randrange(job.spec.world_size)
         info = info_wire(job.spec, rank, job.preset)
         coords = (info["stage"], info["dp_index"], info["tp_index"])
-        return Req("register_rank/valid", "register_rank", {"job_id": job.job_id, "info": info}, job,
-                   on_reply=self._rank_ack(job, rank, coords, job.preset.product))
+        return Req(
+            "register_rank/valid",
+            "register_rank",
+            {"job_id": job.job_id, "info": info},
+            job,
+            on_reply=self._rank_ack(job, rank, coords, job.preset.product),
+        )
 
     def _a_register_rank_bad(self, rng: random.Random, job: JobModel) -> Req:
         spec = job.spec
         rank = rng.randrange(spec.world_size)
         stage, dp_index, tp_index = coordinates(spec, rank)
         other = PRESETS[1] if job.preset is PRESETS[0] else PRESETS[0]
-        name, info = rng.choice([
-            ("shifted_stage", info_wire(spec, rank, job.preset, stage=(stage + 1) % spec.pp)),
-            ("dp_out_of_range", info_wire(spec, rank, job.preset, dp_index=spec.dp)),
-            ("tp_out_of_range", info_wire(spec, rank, job.preset, tp_index=spec.tp)),
-            ("rank_out_of_range", info_wire(spec, spec.world_size - 1, job.preset, rank=spec.world_size)),
-            ("other_gpu", info_wire(spec, rank, other)),
-            ("missing_sweep", info_wire(spec, rank, job.preset, frequencies=list(job.preset.frequencies[1:]))),
-            ("others_coordinates", info_wire(spec, (rank + 1) % spec.world_size, job.preset, rank=rank)),
-        ])
+        name, info = rng.choice(
+            [
+                ("shifted_stage", info_wire(spec, rank, job.preset, stage=(stage + 1) % spec.pp)),
+                ("dp_out_of_range", info_wire(spec, rank, job.preset, dp_index=spec.dp)),
+                ("tp_out_of_range", info_wire(spec, rank, job.preset, tp_index=spec.tp)),
+                ("rank_out_of_range", info_wire(spec, spec.world_size - 1, job.preset, rank=spec.world_size)),
+                ("other_gpu", info_wire(spec, rank, other)),
+                ("missing_sweep", info_wire(spec, rank, job.preset, frequencies=list(job.preset.frequencies[1:]))),
+                ("others_coordinates", info_wire(spec, (rank + 1) % spec.world_size, job.preset, rank=rank)),
+            ]
+        )
         coords = (info["stage"], info["dp_index"], info["tp_index"])
         job_id = job.job_id if rng.random() < 0.9 else "job-" + "0" * 16
-        return Req(f"register_rank/{name}", "register_rank", {"job_id": job_id, "info": info}, job, nearly=True,
-                   on_reply=self._rank_ack(job, info["rank"], coords, info["gpu_model"]) if job_id == job.job_id else None)
+        return Req(
+            f"register_rank/{name}",
+            "register_rank",
+            {"job_id": job_id, "info": info},
+            job,
+            nearly=True,
+            on_reply=self._rank_ack(job, info["rank"], coords, info["gpu_model"]) if job_id == job.job_id else None,
+        )
 
     def _iteration(self, rng: random.Random, job: JobModel) -> int:
         job.iteration += rng.randint(0, 2)
@@ -812,15 +982,22 @@ class StatefulFuzz:
             return rng.randint(2**32, MAX_RANK_ITERATION)
         if roll < 0.98:
             return MAX_RANK_ITERATION
-        return MAX_ITERATION  # the protocol's maximum of what the service sends: a rank may not send it in later releases
+        return (
+            MAX_ITERATION  # the protocol's maximum of what the service sends: a rank may not send it in later releases
+        )
 
     def _a_get_table(self, rng: random.Random, job: JobModel) -> Req:
         iteration = -1 if rng.random() < 0.05 else self._iteration(rng, job)
         version = rng.choices([0, rng.randint(1, 5), MAX_ITERATION], [6, 3, 1])[0]
         rank = rng.randrange(job.spec.world_size)
         label = "get_table/huge_iteration" if iteration > 2**31 else "get_table/valid"
-        return Req(label, "get_table", {"job_id": job.job_id, "rank": rank, "iteration": iteration, "plan_version": version}, job,
-                   on_reply=self._table_check(job, rank, label))
+        return Req(
+            label,
+            "get_table",
+            {"job_id": job.job_id, "rank": rank, "iteration": iteration, "plan_version": version},
+            job,
+            on_reply=self._table_check(job, rank, label),
+        )
 
     def _table_check(self, job: JobModel, rank: int, label: str) -> Callable:
         def on_reply(reply: dict, t0: float, t1: float) -> None:
@@ -829,60 +1006,115 @@ class StatefulFuzz:
                 preset = next((p for p in PRESETS if known and p.product == known[1]), None)
                 if preset is not None and not set(reply["frequencies"]) <= set(preset.frequencies):
                     bad = sorted(set(reply["frequencies"]) - set(preset.frequencies))
-                    self.report.observe("a table holds frequencies the rank's GPU does not support",
-                                        f"step {self.step} job {job.job_id} rank {rank}: {bad[:5]} MHz")
+                    self.report.observe(
+                        "a table holds frequencies the rank's GPU does not support",
+                        f"step {self.step} job {job.job_id} rank {rank}: {bad[:5]} MHz",
+                    )
+
         return on_reply
 
     def _a_get_table_bad(self, rng: random.Random, job: JobModel) -> Req:
-        name, change = rng.choice([
-            ("iteration_over_max", {"iteration": MAX_ITERATION + 1}), ("iteration_-2", {"iteration": -2}),
-            ("version_-1", {"plan_version": -1}), ("rank_over_max", {"rank": MAX_RANKS}), ("no_rank", {"rank": None}),
-        ])
+        name, change = rng.choice(
+            [
+                ("iteration_over_max", {"iteration": MAX_ITERATION + 1}),
+                ("iteration_-2", {"iteration": -2}),
+                ("version_-1", {"plan_version": -1}),
+                ("rank_over_max", {"rank": MAX_RANKS}),
+                ("no_rank", {"rank": None}),
+            ]
+        )
         fields = {"job_id": job.job_id, "rank": 0, "iteration": 0, "plan_version": 0, **change}
-        return Req(f"get_table/{name}", "get_table", {k: v for k, v in fields.items() if v is not None}, job, nearly=True)
+        return Req(
+            f"get_table/{name}", "get_table", {k: v for k, v in fields.items() if v is not None}, job, nearly=True
+        )
 
     def _upload_ack(self, job: JobModel, rank: int, stage: int, tp_index: int, valid_profile: bool) -> Callable:
         def on_reply(reply: dict, t0: float, t1: float) -> None:
             known = job.ranks.get(rank)
-            on_model = known is not None and known[2] and known[0][0] == stage and known[0][2] == tp_index and known[1] == job.spec.gpu_model
+            on_model = (
+                known is not None
+                and known[2]
+                and known[0][0] == stage
+                and known[0][2] == tp_index
+                and known[1] == job.spec.gpu_model
+            )
             if not on_model:
                 return
             if reply["ok"]:
                 if (stage, tp_index) not in job.shares:
-                    note = "an earlier upload of this share got an internal error" if (stage, tp_index) in job.refused_writes else ""
-                    job.shares[(stage, tp_index)] = Ack(self.step, t1, self.disk.refused_between(t0, t1, job.job_id), note)
+                    note = (
+                        "an earlier upload of this share got an internal error"
+                        if (stage, tp_index) in job.refused_writes
+                        else ""
+                    )
+                    job.shares[(stage, tp_index)] = Ack(
+                        self.step, t1, self.disk.refused_between(t0, t1, job.job_id), note
+                    )
             elif reply["error"]["code"] == "internal":
                 job.refused_writes.add((stage, tp_index))
+
         return on_reply
 
     def _a_upload(self, rng: random.Random, job: JobModel) -> Req:
         rank = rng.randrange(job.spec.world_size)
         stage, _, tp_index = coordinates(job.spec, rank)
         variant, profile, valid = profile_variant(rng, job.preset, stage, job.spec.pp)
-        return Req(f"upload_profile/{variant}", "upload_profile", {"job_id": job.job_id, "rank": rank, "stage": stage, "profile": profile}, job,
-                   nearly=not valid, on_reply=self._upload_ack(job, rank, stage, tp_index, valid))
+        return Req(
+            f"upload_profile/{variant}",
+            "upload_profile",
+            {"job_id": job.job_id, "rank": rank, "stage": stage, "profile": profile},
+            job,
+            nearly=not valid,
+            on_reply=self._upload_ack(job, rank, stage, tp_index, valid),
+        )
 
     def _a_report(self, rng: random.Random, job: JobModel) -> Req:
         name, time_s, energy_j = rng.choices(
-            [("normal", rng.uniform(0.05, 2.0), rng.uniform(50, 5000)), ("tiny_time", TINY, rng.uniform(50, 5000)),
-             ("small_time", 1e-300, 1.0), ("min_time", MIN_TIME_S, 1.0), ("max_time", MAX_TIME_S, MAX_ENERGY_J),
-             ("huge_time", 1e7, 1e12), ("zero_energy", rng.uniform(0.05, 2.0), 0.0), ("max_energy", rng.uniform(0.05, 2.0), MAX_ENERGY_J),
-             ("huge_energy", rng.uniform(0.05, 2.0), 1e12), ("tiny_energy", rng.uniform(0.05, 2.0), TINY)],
+            [
+                ("normal", rng.uniform(0.05, 2.0), rng.uniform(50, 5000)),
+                ("tiny_time", TINY, rng.uniform(50, 5000)),
+                ("small_time", 1e-300, 1.0),
+                ("min_time", MIN_TIME_S, 1.0),
+                ("max_time", MAX_TIME_S, MAX_ENERGY_J),
+                ("huge_time", 1e7, 1e12),
+                ("zero_energy", rng.uniform(0.05, 2.0), 0.0),
+                ("max_energy", rng.uniform(0.05, 2.0), MAX_ENERGY_J),
+                ("huge_energy", rng.uniform(0.05, 2.0), 1e12),
+                ("tiny_energy", rng.uniform(0.05, 2.0), TINY),
+            ],
             [30, 2, 1, 2, 2, 1, 2, 2, 1, 1],
         )[0]
-        fields = {"job_id": job.job_id, "rank": rng.randrange(job.spec.world_size), "iteration": self._iteration(rng, job),
-                  "time_s": time_s, "energy_j": energy_j}
+        fields = {
+            "job_id": job.job_id,
+            "rank": rng.randrange(job.spec.world_size),
+            "iteration": self._iteration(rng, job),
+            "time_s": time_s,
+            "energy_j": energy_j,
+        }
         if rng.random() < 0.2:
             fields["compute_time_s"] = rng.choice([time_s, time_s * 0.9, TINY])
         return Req(f"report_iteration/{name}", "report_iteration", fields, job)
 
     def _a_report_bad(self, rng: random.Random, job: JobModel) -> Req:
-        name, change = rng.choice([
-            ("zero_time", {"time_s": 0.0}), ("negative_energy", {"energy_j": -1.0}), ("time_over_max", {"time_s": MAX_TIME_S * 2}),
-            ("energy_over_max", {"energy_j": MAX_ENERGY_J * 2}), ("iteration_-1", {"iteration": -1}), ("nan_time", {"time_s": math.nan}),
-            ("iteration_over_max", {"iteration": MAX_ITERATION + 1}),
-        ])
-        fields = {"job_id": job.job_id, "rank": 0, "iteration": job.iteration, "time_s": 0.5, "energy_j": 100.0, **change}
+        name, change = rng.choice(
+            [
+                ("zero_time", {"time_s": 0.0}),
+                ("negative_energy", {"energy_j": -1.0}),
+                ("time_over_max", {"time_s": MAX_TIME_S * 2}),
+                ("energy_over_max", {"energy_j": MAX_ENERGY_J * 2}),
+                ("iteration_-1", {"iteration": -1}),
+                ("nan_time", {"time_s": math.nan}),
+                ("iteration_over_max", {"iteration": MAX_ITERATION + 1}),
+            ]
+        )
+        fields = {
+            "job_id": job.job_id,
+            "rank": 0,
+            "iteration": job.iteration,
+            "time_s": 0.5,
+            "energy_j": 100.0,
+            **change,
+        }
         return Req(f"report_iteration/{name}", "report_iteration", fields, job, nearly=True)
 
     def _a_straggler(self, rng: random.Random, job: JobModel) -> Req:
@@ -890,9 +1122,20 @@ class StatefulFuzz:
         return Req("declare_straggler/valid", "declare_straggler", fields, job)
 
     def _a_straggler_bad(self, rng: random.Random, job: JobModel) -> Req:
-        name, change = rng.choice([("no_pipeline", {"pipeline": job.spec.dp}), ("factor_0.5", {"factor": 0.5}), ("factor_10.5", {"factor": 10.5})])
-        return Req(f"declare_straggler/{name}", "declare_straggler", {"job_id": job.job_id, "pipeline": 0, "factor": 1.5, **change}, job,
-                   allow=frozenset({"bad_field"}))  # no such pipeline: valid on the wire, refused by the job
+        name, change = rng.choice(
+            [
+                ("no_pipeline", {"pipeline": job.spec.dp}),
+                ("factor_0.5", {"factor": 0.5}),
+                ("factor_10.5", {"factor": 10.5}),
+            ]
+        )
+        return Req(
+            f"declare_straggler/{name}",
+            "declare_straggler",
+            {"job_id": job.job_id, "pipeline": 0, "factor": 1.5, **change},
+            job,
+            allow=frozenset({"bad_field"}),
+        )  # no such pipeline: valid on the wire, refused by the job
 
     def _a_status_all(self, rng: random.Random, job: JobModel) -> Req:
         return Req("status/all", "status", {})
@@ -914,7 +1157,16 @@ class StatefulFuzz:
         spec = s.spec
         self.s_tick += 1
         if self.s_phase == "register_job":
-            reply = self.exchange(sock, Req("sentinel/register_job", "register_job", {"spec": spec.to_wire()}, s, on_reply=self._ack_register_job(s)))
+            reply = self.exchange(
+                sock,
+                Req(
+                    "sentinel/register_job",
+                    "register_job",
+                    {"spec": spec.to_wire()},
+                    s,
+                    on_reply=self._ack_register_job(s),
+                ),
+            )
             if reply is not None and reply["ok"]:
                 self.s_phase = "register_ranks"
             elif reply is not None:
@@ -924,18 +1176,45 @@ class StatefulFuzz:
         if self.s_phase == "register_ranks" or missing:
             rank = missing[0] if missing else 0
             info = info_wire(spec, rank, s.preset)
-            reply = self.exchange(sock, Req("sentinel/register_rank", "register_rank", {"job_id": s.job_id, "info": info}, s,
-                                            on_reply=self._rank_ack(s, rank, (info["stage"], 0, 0), s.preset.product)))
+            reply = self.exchange(
+                sock,
+                Req(
+                    "sentinel/register_rank",
+                    "register_rank",
+                    {"job_id": s.job_id, "info": info},
+                    s,
+                    on_reply=self._rank_ack(s, rank, (info["stage"], 0, 0), s.preset.product),
+                ),
+            )
             if reply is not None and not reply["ok"]:
                 self._sentinel_refused("register_rank", reply, rank)
-            elif reply is not None and reply["ok"] and len([r for r in s.ranks.values() if r[2]]) == spec.world_size and self.s_phase == "register_ranks":
+            elif (
+                reply is not None
+                and reply["ok"]
+                and len([r for r in s.ranks.values() if r[2]]) == spec.world_size
+                and self.s_phase == "register_ranks"
+            ):
                 self.s_phase = "upload"
                 self.s_pending_uploads = set(range(spec.pp))
             return
         if self.s_pending_uploads:
             stage = min(self.s_pending_uploads)
-            fields = {"job_id": s.job_id, "rank": stage, "stage": stage, "profile": profile_wire(s.preset, stage, spec.pp)}
-            reply = self.exchange(sock, Req("sentinel/upload_profile", "upload_profile", fields, s, on_reply=self._upload_ack(s, stage, stage, 0, True)))
+            fields = {
+                "job_id": s.job_id,
+                "rank": stage,
+                "stage": stage,
+                "profile": profile_wire(s.preset, stage, spec.pp),
+            }
+            reply = self.exchange(
+                sock,
+                Req(
+                    "sentinel/upload_profile",
+                    "upload_profile",
+                    fields,
+                    s,
+                    on_reply=self._upload_ack(s, stage, stage, 0, True),
+                ),
+            )
             if reply is None:
                 return
             if reply["ok"]:
@@ -950,11 +1229,20 @@ class StatefulFuzz:
         kind = ("get_table", "get_table", "report_iteration", "status")[self.s_tick % 4]
         rank = (self.s_tick // 4) % spec.world_size
         if kind == "get_table":
-            req = Req("sentinel/get_table", "get_table", {"job_id": s.job_id, "rank": rank, "iteration": self.s_iteration, "plan_version": 0}, s,
-                      on_reply=self._table_check(s, rank, "sentinel"))
+            req = Req(
+                "sentinel/get_table",
+                "get_table",
+                {"job_id": s.job_id, "rank": rank, "iteration": self.s_iteration, "plan_version": 0},
+                s,
+                on_reply=self._table_check(s, rank, "sentinel"),
+            )
         elif kind == "report_iteration":
-            req = Req("sentinel/report_iteration", "report_iteration",
-                      {"job_id": s.job_id, "rank": rank, "iteration": self.s_iteration, "time_s": 0.25, "energy_j": 150.0}, s)
+            req = Req(
+                "sentinel/report_iteration",
+                "report_iteration",
+                {"job_id": s.job_id, "rank": rank, "iteration": self.s_iteration, "time_s": 0.25, "energy_j": 150.0},
+                s,
+            )
             if rank == spec.world_size - 1:
                 self.s_iteration += 1
         else:
@@ -974,11 +1262,24 @@ class StatefulFuzz:
                 self.s_planned_at = time.monotonic()
                 self.report.sentinel_planned_s = self.s_planned_at - self.started_at
             self.s_deadline = None
-        elif kind == "get_table" and phase == "profiling" and rank not in reply["profiled_stages"] and reply.get("upload", True):
-            self.s_pending_uploads.add(rank)  # the service lost the stage's profile: upload it again, as the client does
-            self.report.observe("sentinel re-uploaded a stage its table listed as unprofiled", f"step {self.step} stage {rank}")
+        elif (
+            kind == "get_table"
+            and phase == "profiling"
+            and rank not in reply["profiled_stages"]
+            and reply.get("upload", True)
+        ):
+            self.s_pending_uploads.add(
+                rank
+            )  # the service lost the stage's profile: upload it again, as the client does
+            self.report.observe(
+                "sentinel re-uploaded a stage its table listed as unprofiled", f"step {self.step} stage {rank}"
+            )
         if self.s_deadline is not None and time.monotonic() > self.s_deadline:
-            self.report.violation("d:sentinel", self.step, f"the sentinel job has no plan {self.plan_timeout_s:.0f} s after its last upload (phase {phase})")
+            self.report.violation(
+                "d:sentinel",
+                self.step,
+                f"the sentinel job has no plan {self.plan_timeout_s:.0f} s after its last upload (phase {phase})",
+            )
             self.s_deadline = None
 
     def _sentinel_refused(self, what: str, reply: dict, rank: int) -> None:
@@ -991,7 +1292,11 @@ class StatefulFuzz:
         elif code == "internal" and what in WRITES and self.last_refused:
             pass  # the disk refused the write: retried (and counted among the observations by _check's caller)
         else:
-            self.report.violation("d:sentinel", self.step, f"sentinel {what} (rank {rank}) refused: [{code}] {reply['error']['message'][:300]}")
+            self.report.violation(
+                "d:sentinel",
+                self.step,
+                f"sentinel {what} (rank {rank}) refused: [{code}] {reply['error']['message'][:300]}",
+            )
 
     def _sentinel_lost(self, what: str, reply: dict, rank: int) -> None:
         """The service does not know the sentinel's job or `rank`: forgiven only if that registration may have been lost."""
@@ -999,7 +1304,11 @@ class StatefulFuzz:
         code = reply["error"]["code"]
         if code == "unknown_job":
             if s.registered is not None:
-                self.report.violation("c:job-lost", self.step, f"sentinel {what}: the service lost the acknowledged sentinel job (registered at step {s.registered.step})")
+                self.report.violation(
+                    "c:job-lost",
+                    self.step,
+                    f"sentinel {what}: the service lost the acknowledged sentinel job (registered at step {s.registered.step})",
+                )
             self.s_phase = "register_job"
             s.registered = None
             s.ranks.clear()
@@ -1007,8 +1316,12 @@ class StatefulFuzz:
             return
         known = s.ranks.get(rank)
         if known is not None and known[2]:
-            self.report.violation("d:sentinel", self.step, f"sentinel {what}: [{code}] {reply['error']['message'][:200]} although rank {rank}'s "
-                                  "registration was acknowledged and no SIGKILL, crash or disk fault followed")
+            self.report.violation(
+                "d:sentinel",
+                self.step,
+                f"sentinel {what}: [{code}] {reply['error']['message'][:200]} although rank {rank}'s "
+                "registration was acknowledged and no SIGKILL, crash or disk fault followed",
+            )
         if known is not None:
             s.ranks[rank] = (known[0], known[1], False)  # register it again
 
@@ -1019,7 +1332,9 @@ class StatefulFuzz:
         reply = self.exchange(self.ping_sock, Req("check/status_all", "status", {}))
         if reply is None:
             return
-        status: dict[str, dict | None] = {}  # job id -> its status; absent: unknown to the service; None: status refused
+        status: dict[
+            str, dict | None
+        ] = {}  # job id -> its status; absent: unknown to the service; None: status refused
         if reply["ok"]:
             status = {j["job_id"]: j for j in reply["jobs"]}
         else:  # a violation was recorded (status of every job must succeed): ask job by job
@@ -1037,8 +1352,12 @@ class StatefulFuzz:
             if got is None:
                 if job.registered is not None:
                     fault = " (acknowledged while the disk refused writes)" if job.registered.during_fault else ""
-                    self.report.violation("c:job-lost", self.step, f"job {job.job_id}{' (sentinel)' if job.sentinel else ''} acknowledged at step "
-                                          f"{job.registered.step}{fault} is gone after the restart")
+                    self.report.violation(
+                        "c:job-lost",
+                        self.step,
+                        f"job {job.job_id}{' (sentinel)' if job.sentinel else ''} acknowledged at step "
+                        f"{job.registered.step}{fault} is gone after the restart",
+                    )
                     job.registered = None
                 job.shares.clear()
                 job.ranks.clear()
@@ -1049,13 +1368,24 @@ class StatefulFuzz:
                 acks = [job.shares.get((stage, t)) for t in range(job.spec.tp)]
                 if all(acks) and stage not in got["profiled_stages"]:
                     last = max(acks, key=lambda a: a.step)
-                    how = "; ".join(filter(None, [
-                        "acknowledged while the disk refused writes" if any(a.during_fault for a in acks) else "",
-                        *{a.note for a in acks if a.note},
-                    ]))
-                    self.report.violation("c:profile-lost", self.step, f"job {job.job_id}{' (sentinel)' if job.sentinel else ''} stage {stage}: "
-                                          f"profile acknowledged at step {last.step}{f' ({how})' if how else ''} is gone after the restart "
-                                          f"(status: phase {got['phase']}, profiled {got['profiled_stages']})")
+                    how = "; ".join(
+                        filter(
+                            None,
+                            [
+                                "acknowledged while the disk refused writes"
+                                if any(a.during_fault for a in acks)
+                                else "",
+                                *{a.note for a in acks if a.note},
+                            ],
+                        )
+                    )
+                    self.report.violation(
+                        "c:profile-lost",
+                        self.step,
+                        f"job {job.job_id}{' (sentinel)' if job.sentinel else ''} stage {stage}: "
+                        f"profile acknowledged at step {last.step}{f' ({how})' if how else ''} is gone after the restart "
+                        f"(status: phase {got['phase']}, profiled {got['profiled_stages']})",
+                    )
                     for t in range(job.spec.tp):
                         job.shares.pop((stage, t), None)
 
@@ -1077,7 +1407,11 @@ class StatefulFuzz:
 
     def crashed(self) -> None:
         code = self.service.proc.poll()
-        self.report.violation("a:crash", self.step, f"the service exited (code {code}) outside a deliberate restart; log tail: {self._log_tail(self.service, 14)}")
+        self.report.violation(
+            "a:crash",
+            self.step,
+            f"the service exited (code {code}) outside a deliberate restart; log tail: {self._log_tail(self.service, 14)}",
+        )
         self.restart("crash", corrupt=False)
 
     # ---- the run ---------------------------------------------------------------------------------------
@@ -1094,9 +1428,15 @@ class StatefulFuzz:
         if self.disk.fault is not None and self.step >= self.disk.fault_end_step:
             self.disk.end()
         forced_fault = self.forced_faults.get(self.step)
-        if self.disk.fault is None and (forced_fault is not None or (self.fault_every and draws[3] < 1 / self.fault_every)):
+        if self.disk.fault is None and (
+            forced_fault is not None or (self.fault_every and draws[3] < 1 / self.fault_every)
+        ):
             kinds = self.disk.kinds()
-            kind = forced_fault[0] if forced_fault is not None and forced_fault[0] in kinds else kinds[int(draws[4] * len(kinds))]
+            kind = (
+                forced_fault[0]
+                if forced_fault is not None and forced_fault[0] in kinds
+                else kinds[int(draws[4] * len(kinds))]
+            )
             steps = forced_fault[1] if forced_fault is not None else duration
             victims = [self.disk.state / "jobs" / j.job_id for j in self.jobs]
             victims = [v for v in victims if v.is_dir()]
@@ -1135,8 +1475,11 @@ class StatefulFuzz:
                 if self.step % 500 == 0:
                     r.disk_peak_kb = max(r.disk_peak_kb, self.disk.used_kb() if self.disk.fault != "enospc" else 0)
                 if self.progress_every and self.step % self.progress_every == 0:
-                    print(f"  step {self.step}: {sum(r.restarts.values())} restarts, {sum(r.faults.values())} disk faults, "
-                          f"{len(r.violations)} violations, RSS {r.max_rss_mb:.0f} MiB, {time.monotonic() - self.started_at:.0f} s", flush=True)
+                    print(
+                        f"  step {self.step}: {sum(r.restarts.values())} restarts, {sum(r.faults.values())} disk faults, "
+                        f"{len(r.violations)} violations, RSS {r.max_rss_mb:.0f} MiB, {time.monotonic() - self.started_at:.0f} s",
+                        flush=True,
+                    )
             r.steps = steps
             self.disk.end()
             self.finish()
@@ -1164,15 +1507,32 @@ class StatefulFuzz:
                 self.crashed()
             time.sleep(0.02)
         if self.s_planned_at is None:
-            self.report.violation("d:sentinel", self.step, f"the sentinel job has no plan {self.plan_timeout_s:.0f} s after the last step (phase {self.s_phase})")
+            self.report.violation(
+                "d:sentinel",
+                self.step,
+                f"the sentinel job has no plan {self.plan_timeout_s:.0f} s after the last step (phase {self.s_phase})",
+            )
         self.step += 1
         self.restart("SIGTERM", corrupt=False)
-        reply = self.exchange(self.ping_sock, Req("check/status_sentinel", "status", {"job_id": self.sentinel.job_id}, self.sentinel))
-        if self.s_planned_at is not None and reply is not None and reply["ok"] and reply["jobs"][0]["phase"] != "planned":
-            self.report.violation("d:sentinel", self.step, f"the sentinel's plan did not survive the last restart: {reply['jobs'][0]}")
+        reply = self.exchange(
+            self.ping_sock, Req("check/status_sentinel", "status", {"job_id": self.sentinel.job_id}, self.sentinel)
+        )
+        if (
+            self.s_planned_at is not None
+            and reply is not None
+            and reply["ok"]
+            and reply["jobs"][0]["phase"] != "planned"
+        ):
+            self.report.violation(
+                "d:sentinel", self.step, f"the sentinel's plan did not survive the last restart: {reply['jobs'][0]}"
+            )
         p99 = percentile(self.report.ping_ms, 0.99)
         if p99 > self.ping_p99_ms:
-            self.report.violation("a:latency", self.step, f"ping p99 {p99:.1f} ms over {self.ping_p99_ms:.0f} ms ({len(self.report.ping_ms)} pings, max {max(self.report.ping_ms):.1f} ms)")
+            self.report.violation(
+                "a:latency",
+                self.step,
+                f"ping p99 {p99:.1f} ms over {self.ping_p99_ms:.0f} ms ({len(self.report.ping_ms)} pings, max {max(self.report.ping_ms):.1f} ms)",
+            )
 
     ping_p99_ms = 100.0
 
@@ -1210,7 +1570,9 @@ def print_report(r: Report) -> None:
     print(f"\nseed {r.seed}: {r.steps} steps in {r.seconds:.1f} s ({r.steps / max(r.seconds, 1e-9):.0f} steps/s)")
     print(f"disk faults ({r.fault_mode}): {dict(r.faults) or 'none'}")
     print(f"restarts: {dict(r.restarts) or 'none'}; exit codes of deliberate stops: {dict(r.exit_codes) or '-'}")
-    print(f"state files corrupted before restarts: {sum(r.corruptions.values())} {dict(r.corruptions) if r.corruptions else ''}")
+    print(
+        f"state files corrupted before restarts: {sum(r.corruptions.values())} {dict(r.corruptions) if r.corruptions else ''}"
+    )
     for line in r.corrupted[:20]:
         print(f"  {line}")
     print(f"peak state-dir use: {r.disk_peak_kb} KiB")
@@ -1220,10 +1582,14 @@ def print_report(r: Report) -> None:
     print(f"\n{'request':<36} {'sent':>7} {'ok':>7}")
     for label in sorted(r.labels):
         print(f"{label:<36} {r.labels[label]:7d} {r.labels_ok[label]:7d}")
-    print(f"\nping round trip ({len(r.ping_ms)} pings): p50 {percentile(r.ping_ms, 0.5):.2f} ms, p99 {percentile(r.ping_ms, 0.99):.2f} ms, "
-          f"max {max(r.ping_ms, default=math.nan):.2f} ms")
-    print(f"every reply ({len(r.reply_ms)}): p50 {percentile(r.reply_ms, 0.5):.2f} ms, p99 {percentile(r.reply_ms, 0.99):.2f} ms, "
-          f"max {max(r.reply_ms, default=math.nan):.2f} ms")
+    print(
+        f"\nping round trip ({len(r.ping_ms)} pings): p50 {percentile(r.ping_ms, 0.5):.2f} ms, p99 {percentile(r.ping_ms, 0.99):.2f} ms, "
+        f"max {max(r.ping_ms, default=math.nan):.2f} ms"
+    )
+    print(
+        f"every reply ({len(r.reply_ms)}): p50 {percentile(r.reply_ms, 0.5):.2f} ms, p99 {percentile(r.reply_ms, 0.99):.2f} ms, "
+        f"max {max(r.reply_ms, default=math.nan):.2f} ms"
+    )
     print(f"service max RSS {r.max_rss_mb:.0f} MiB")
     planned = "never" if r.sentinel_planned_s is None else f"{r.sentinel_planned_s:.1f} s into the run"
     print(f"sentinel job planned: {planned}")
@@ -1246,25 +1612,61 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100_000, help="chaos steps (default 100000)")
     parser.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
-    parser.add_argument("--clients", type=int, default=4, help="chaos DEALER sockets (default 4; plus the sentinel's and the pinger's)")
+    parser.add_argument(
+        "--clients", type=int, default=4, help="chaos DEALER sockets (default 4; plus the sentinel's and the pinger's)"
+    )
     parser.add_argument("--reply-timeout", type=float, default=5.0, help="seconds to wait for each reply (default 5)")
     parser.add_argument("--ping-every", type=int, default=10, help="a ping every N steps (default 10)")
-    parser.add_argument("--restart-every", type=int, default=2500, help="a restart every N steps on average (default 2500; 0: none)")
-    parser.add_argument("--fault-every", type=int, default=4000, help="a disk fault every N steps on average (default 4000; 0: none)")
-    parser.add_argument("--corrupt", type=float, default=0.4, help="probability of corrupting a state file before a restart (default 0.4)")
+    parser.add_argument(
+        "--restart-every", type=int, default=2500, help="a restart every N steps on average (default 2500; 0: none)"
+    )
+    parser.add_argument(
+        "--fault-every", type=int, default=4000, help="a disk fault every N steps on average (default 4000; 0: none)"
+    )
+    parser.add_argument(
+        "--corrupt",
+        type=float,
+        default=0.4,
+        help="probability of corrupting a state file before a restart (default 0.4)",
+    )
     parser.add_argument("--tmpfs-mb", type=int, default=16, help="size of the state directory's tmpfs (default 16)")
-    parser.add_argument("--no-mount", action="store_true", help="no tmpfs: disk faults as a job folder replaced by a file (ENOTDIR)")
+    parser.add_argument(
+        "--no-mount", action="store_true", help="no tmpfs: disk faults as a job folder replaced by a file (ENOTDIR)"
+    )
     parser.add_argument("--rss-limit-mb", type=float, default=1024.0, help="service RSS limit (default 1024)")
     parser.add_argument("--ping-p99-ms", type=float, default=100.0, help="ping p99 limit (default 100)")
-    parser.add_argument("--plan-timeout", type=float, default=90.0, help="seconds the sentinel may wait for its plan after its last upload (default 90)")
+    parser.add_argument(
+        "--plan-timeout",
+        type=float,
+        default=90.0,
+        help="seconds the sentinel may wait for its plan after its last upload (default 90)",
+    )
     parser.add_argument("--trace", type=Path, default=None, help="write every request and reply as JSON lines here")
-    parser.add_argument("--workdir", type=Path, default=None, help="a new folder to run in and keep (service logs; default: a temporary one)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="a new folder to run in and keep (service logs; default: a temporary one)",
+    )
     a = parser.parse_args(argv)
     print(f"stateful fuzz: {a.steps} steps, seed {a.seed}, {a.clients} chaos clients", flush=True)
     report = run_fuzz(
-        a.steps, a.seed, clients=a.clients, reply_timeout_s=a.reply_timeout, ping_every=a.ping_every, restart_every=a.restart_every,
-        fault_every=a.fault_every, corrupt_probability=a.corrupt, tmpfs_mb=a.tmpfs_mb, use_mount=not a.no_mount, rss_limit_mb=a.rss_limit_mb,
-        ping_p99_ms=a.ping_p99_ms, plan_timeout_s=a.plan_timeout, trace=a.trace, progress_every=max(1000, a.steps // 20), workdir=a.workdir,
+        a.steps,
+        a.seed,
+        clients=a.clients,
+        reply_timeout_s=a.reply_timeout,
+        ping_every=a.ping_every,
+        restart_every=a.restart_every,
+        fault_every=a.fault_every,
+        corrupt_probability=a.corrupt,
+        tmpfs_mb=a.tmpfs_mb,
+        use_mount=not a.no_mount,
+        rss_limit_mb=a.rss_limit_mb,
+        ping_p99_ms=a.ping_p99_ms,
+        plan_timeout_s=a.plan_timeout,
+        trace=a.trace,
+        progress_every=max(1000, a.steps // 20),
+        workdir=a.workdir,
     )
     print_report(report)
     return 1 if report.violations else 0

@@ -44,7 +44,9 @@ def stage_profiles(stages: int):
         print("profile: simulated A100 (no shared data)")
     have = source.stages()
     return {
-        s: Profile({(s, k): source.points[(have[s % len(have)], k)] for k in ("forward", "backward")}, source.blocking_power_w)
+        s: Profile(
+            {(s, k): source.points[(have[s % len(have)], k)] for k in ("forward", "backward")}, source.blocking_power_w
+        )
         for s in range(stages)
     }
 
@@ -72,12 +74,12 @@ def main() -> int:
 
     import tempfile
 
+    from perseus.client import PlannerClient
     from perseus.planner import Planner
     from perseus.schedules import build_schedule
-    from perseus.client import PlannerClient
     from perseus.service import PlannerService
-    from perseus.wire import JobSpec, RankInfo
     from perseus.service.planning import merge_profiles
+    from perseus.wire import JobSpec, RankInfo
 
     pp, dp = args.stages, args.dp
     profiles = stage_profiles(pp)
@@ -87,7 +89,15 @@ def main() -> int:
         endpoint = service.bind()
         loop = threading.Thread(target=service.serve_forever, daemon=True)
         loop.start()
-        spec = JobSpec(pp * dp, pp, dp=dp, schedule_name="1f1b", num_microbatches=args.microbatches, gpu_model=GPU, rank_mapping="torch")
+        spec = JobSpec(
+            pp * dp,
+            pp,
+            dp=dp,
+            schedule_name="1f1b",
+            num_microbatches=args.microbatches,
+            gpu_model=GPU,
+            rank_mapping="torch",
+        )
         clients = [PlannerClient(endpoint, timeout_s=5.0, poll_interval_s=0.05) for _ in range(pp * dp)]
         try:
             job_id = clients[0].register_job(spec)
@@ -127,7 +137,9 @@ def main() -> int:
     print(f"{'step':<44}{'seconds':>10}")
     print(f"{'first plan (planner built, no slowdown)':<44}{first:>10.3f}")
     print(f"{'declared straggler -> all ranks re-planned':<44}{declared:>10.3f}")
-    print(f"{'  fresh Planner + plan(deadline), no service':<44}{fresh:>10.3f}   ratio service/fresh {declared / fresh:.2f}")
+    print(
+        f"{'  fresh Planner + plan(deadline), no service':<44}{fresh:>10.3f}   ratio service/fresh {declared / fresh:.2f}"
+    )
     print(f"{'  kept Planner, another deadline, no service':<44}{kept:>10.3f}")
     print(f"{'recovery -> no-slowdown plan (kept)':<44}{recovered:>10.3f}")
     return 0

@@ -49,8 +49,16 @@ class ServeProcess:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "perseus.cli.main", "serve",
-                "--bind", "tcp://127.0.0.1:0", "--state-dir", str(state_dir), "--log-level", log_level,
+                sys.executable,
+                "-m",
+                "perseus.cli.main",
+                "serve",
+                "--bind",
+                "tcp://127.0.0.1:0",
+                "--state-dir",
+                str(state_dir),
+                "--log-level",
+                log_level,
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -60,7 +68,9 @@ class ServeProcess:
         line = self.proc.stdout.readline() if ready else ""
         if "listening on" not in line:
             self.stop(signal.SIGKILL)
-            raise RuntimeError(f"perseus serve did not start within {START_TIMEOUT_S:.0f} s: {line!r}\n{self.log_tail()}")
+            raise RuntimeError(
+                f"perseus serve did not start within {START_TIMEOUT_S:.0f} s: {line!r}\n{self.log_tail()}"
+            )
         self.endpoint = line.split()[-1]
         self.pid = self.proc.pid
 
@@ -101,4 +111,3 @@ class ServeProcess:
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
             self._log.close()
-

@@ -82,10 +82,15 @@ def main() -> None:
 
     monitor = Monitor(gpus=[gpu], cpus=[] if simulated else None)
     optimizer = GlobalPowerLimitOptimizer(
-        monitor, MaxSlowdownConstraint(1.1), warmup_steps=args.warmup_steps,
-        profile_steps=args.profile_steps, profile_path=args.profile_path,
+        monitor,
+        MaxSlowdownConstraint(1.1),
+        warmup_steps=args.warmup_steps,
+        profile_steps=args.profile_steps,
+        profile_path=args.profile_path,
     )
-    reporter = CarbonReporter(monitor, StaticIntensity(args.intensity), os.path.join(args.out_dir, f"carbon-rank{rank}.jsonl"))
+    reporter = CarbonReporter(
+        monitor, StaticIntensity(args.intensity), os.path.join(args.out_dir, f"carbon-rank{rank}.jsonl")
+    )
     step_work = Work(args.sim_step_s, alpha=args.sim_alpha)
 
     with optimizer:  # restores the default power limit however training ends
@@ -106,15 +111,22 @@ def main() -> None:
             optimizer.on_epoch_end()
             record = reporter.on_epoch_end()
             if rank == 0:
-                print(f"epoch {epoch + 1}: loss {loss.item():.4f}, power limit {gpu.power_limit_mw() / 1000:.0f} W, "
-                      f"{record.energy_j:.0f} J, {record.carbon_g:.3f} g CO2e (rank 0's GPU)")
+                print(
+                    f"epoch {epoch + 1}: loss {loss.item():.4f}, power limit {gpu.power_limit_mw() / 1000:.0f} W, "
+                    f"{record.energy_j:.0f} J, {record.carbon_g:.3f} g CO2e (rank 0's GPU)"
+                )
         reporter.on_train_end()
 
     if rank == 0 and optimizer.measurements:
-        top, chosen = optimizer.measurements[0], next(m for m in optimizer.measurements if m.power_limit_mw == optimizer.selected_mw)
-        print(f"chose {chosen.power_limit_w:.0f} W for {optimizer.num_gpus} GPU(s): per step "
-              f"{chosen.time_s / top.time_s:.3f}x the time and {chosen.energy_j / top.energy_j:.3f}x the energy "
-              f"of {top.power_limit_w:.0f} W")
+        top, chosen = (
+            optimizer.measurements[0],
+            next(m for m in optimizer.measurements if m.power_limit_mw == optimizer.selected_mw),
+        )
+        print(
+            f"chose {chosen.power_limit_w:.0f} W for {optimizer.num_gpus} GPU(s): per step "
+            f"{chosen.time_s / top.time_s:.3f}x the time and {chosen.energy_j / top.energy_j:.3f}x the energy "
+            f"of {top.power_limit_w:.0f} W"
+        )
     if distributed:
         dist.destroy_process_group()
 

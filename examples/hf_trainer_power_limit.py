@@ -86,7 +86,11 @@ def main() -> None:
     provider = ElectricityMaps(args.zone) if args.zone else StaticIntensity(400.0)
     selector = CarbonCost(0.5, provider) if args.carbon_aware else MaxSlowdownConstraint(1.1)
     callback = PowerLimitCallback(
-        monitor=monitor, selector=selector, warmup_steps=2, profile_steps=5, pl_step_w=50,
+        monitor=monitor,
+        selector=selector,
+        warmup_steps=2,
+        profile_steps=5,
+        pl_step_w=50,
         carbon_reporter=CarbonReporter(monitor, provider, os.path.join(output_dir, "carbon.jsonl")),
     )
     callbacks.append(callback)
@@ -96,8 +100,14 @@ def main() -> None:
     trainer = transformers.Trainer(
         model=transformers.GPT2LMHeadModel(config),
         args=transformers.TrainingArguments(
-            output_dir=output_dir, per_device_train_batch_size=8, num_train_epochs=args.epochs,
-            use_cpu=simulated, report_to=[], save_strategy="no", logging_steps=16, disable_tqdm=True,
+            output_dir=output_dir,
+            per_device_train_batch_size=8,
+            num_train_epochs=args.epochs,
+            use_cpu=simulated,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=16,
+            disable_tqdm=True,
         ),
         train_dataset=TokenDataset(256, 32, 256),
         callbacks=callbacks,
@@ -107,9 +117,11 @@ def main() -> None:
     optimizer = callback.optimizer
     top = optimizer.measurements[0]
     chosen = next(m for m in optimizer.measurements if m.power_limit_mw == optimizer.selected_mw)
-    print(f"power limit {chosen.power_limit_w:.0f} W ({selector!r}): per step {chosen.time_s / top.time_s:.3f}x "
-          f"the time and {chosen.energy_j / top.energy_j:.3f}x the energy of {top.power_limit_w:.0f} W; "
-          f"now back to {gpus[0].power_limit_mw() / 1000:.0f} W")
+    print(
+        f"power limit {chosen.power_limit_w:.0f} W ({selector!r}): per step {chosen.time_s / top.time_s:.3f}x "
+        f"the time and {chosen.energy_j / top.energy_j:.3f}x the energy of {top.power_limit_w:.0f} W; "
+        f"now back to {gpus[0].power_limit_mw() / 1000:.0f} W"
+    )
     print(f"carbon report: {os.path.join(output_dir, 'carbon.jsonl')}")
 
 

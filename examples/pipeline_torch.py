@@ -49,7 +49,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers-per-stage", type=int, default=2)
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    parser.add_argument("--planner", default=None, help="planner address (default: $PERSEUS_PLANNER or tcp://127.0.0.1:7787)")
+    parser.add_argument(
+        "--planner", default=None, help="planner address (default: $PERSEUS_PLANNER or tcp://127.0.0.1:7787)"
+    )
     parser.add_argument("--no-planner", action="store_true", help="measure only: no planner, default clocks")
     args = parser.parse_args()
 
@@ -88,8 +90,11 @@ def main() -> None:
             # An iteration ends where the next step() starts: Perseus has just measured the previous one.
             record = stage.perseus.last_iteration
             if rank == world - 1 and record is not None:
-                print(f"iteration {record.iteration}: {record.phase}, {record.time_s:.3f} s, "
-                      f"{record.energy_j:.1f} J on this GPU, loss {previous_loss:.4f}", flush=True)
+                print(
+                    f"iteration {record.iteration}: {record.phase}, {record.time_s:.3f} s, "
+                    f"{record.energy_j:.1f} J on this GPU, loss {previous_loss:.4f}",
+                    flush=True,
+                )
             previous_loss = torch.stack(losses).mean().item() if losses else None
     finally:
         stage.perseus.close()  # finish the last iteration and put the GPU back at default clocks

@@ -36,7 +36,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="training iterations")
     parser.add_argument("--microbatches", type=int, default=4, help="gradient-accumulation microbatches per iteration")
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--planner", default=None, help="planner address, e.g. tcp://127.0.0.1:7787 (default: none, measure only)")
+    parser.add_argument(
+        "--planner", default=None, help="planner address, e.g. tcp://127.0.0.1:7787 (default: none, measure only)"
+    )
     args = parser.parse_args()
 
     gpu = get_gpus()[0]
@@ -68,8 +70,11 @@ def main() -> None:
             optimizer.step()
             rank.on_step_end()
             record = rank.last_iteration
-            print(f"iteration {record.iteration}: {record.phase}, {record.time_s * 1000:.1f} ms, "
-                  f"{record.energy_j:.2f} J, loss {loss.item() * args.microbatches:.4f}", flush=True)
+            print(
+                f"iteration {record.iteration}: {record.phase}, {record.time_s * 1000:.1f} ms, "
+                f"{record.energy_j:.2f} J, loss {loss.item() * args.microbatches:.4f}",
+                flush=True,
+            )
     finally:
         rank.close()  # reset the GPU's clocks and stop Perseus' background work
         if client is not None:

@@ -58,7 +58,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, fsync: bool = Tr
             os.fchmod(fd, (0o666 & ~_umask()) if mode is None else mode)
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             if fsync:
                 os.fsync(fd)
         finally:
@@ -92,6 +92,8 @@ def write_text_atomic(path: str | os.PathLike, text: str, *, fsync: bool = True,
     write_bytes_atomic(path, text.encode("utf-8"), fsync=fsync, mode=mode)
 
 
-def write_json_atomic(path: str | os.PathLike, doc: Any, *, indent: int | None = 1, fsync: bool = True, mode: int | None = None) -> None:
+def write_json_atomic(
+    path: str | os.PathLike, doc: Any, *, indent: int | None = 1, fsync: bool = True, mode: int | None = None
+) -> None:
     """Write `doc` as JSON atomically."""
     write_text_atomic(path, json.dumps(doc, indent=indent, sort_keys=True) + "\n", fsync=fsync, mode=mode)

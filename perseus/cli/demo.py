@@ -38,22 +38,60 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
-    parser.add_argument("--plot", metavar="DIR", default=None, help="write the measured timeline (timeline.png, timeline.json) to DIR")
-    parser.add_argument("--ranks", type=int, default=None, metavar="N",
-                        help="pipeline stages per pipeline, one rank each (2-8; default 4, or 2 with --dp above 1)")
-    parser.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel pipelines (1-4, at most 8 ranks in all; default 1)")
-    parser.add_argument("--straggler", type=float, default=1.0, metavar="F",
-                        help="the last pipeline's simulated GPUs take F times longer (e.g. 1.2; needs --dp 2 or more)")
-    parser.add_argument("--microbatches", type=int, default=8, metavar="N", help="microbatches per iteration (default 8)")
-    parser.add_argument("--iterations", type=int, default=4, metavar="N",
-                        help="measured iterations per phase, baseline and planned; each phase runs one more, unmeasured (default 4)")
-    parser.add_argument("--sweep-step", type=int, default=5, metavar="N", help="profile every N-th supported clock (default 5)")
-    parser.add_argument("--state-dir", metavar="DIR", default=None, help="planner state directory (default: a temporary one)")
-    parser.add_argument("--port", type=int, default=None, metavar="PORT", help="planner service port on 127.0.0.1 (default: a free one)")
+    parser.add_argument(
+        "--plot", metavar="DIR", default=None, help="write the measured timeline (timeline.png, timeline.json) to DIR"
+    )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pipeline stages per pipeline, one rank each (2-8; default 4, or 2 with --dp above 1)",
+    )
+    parser.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data-parallel pipelines (1-4, at most 8 ranks in all; default 1)",
+    )
+    parser.add_argument(
+        "--straggler",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="the last pipeline's simulated GPUs take F times longer (e.g. 1.2; needs --dp 2 or more)",
+    )
+    parser.add_argument(
+        "--microbatches", type=int, default=8, metavar="N", help="microbatches per iteration (default 8)"
+    )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=4,
+        metavar="N",
+        help="measured iterations per phase, baseline and planned; each phase runs one more, unmeasured (default 4)",
+    )
+    parser.add_argument(
+        "--sweep-step", type=int, default=5, metavar="N", help="profile every N-th supported clock (default 5)"
+    )
+    parser.add_argument(
+        "--state-dir", metavar="DIR", default=None, help="planner state directory (default: a temporary one)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=None, metavar="PORT", help="planner service port on 127.0.0.1 (default: a free one)"
+    )
     parser.add_argument("--seed", type=int, default=0, metavar="N", help="model and data seed (default 0)")
-    parser.add_argument("--time-scale", type=float, default=None, metavar="F",
-                        help="GPU work time scale (default: about 1.5 s per iteration at maximum clocks)")
-    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, per-rank records) and print its path")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        metavar="F",
+        help="GPU work time scale (default: about 1.5 s per iteration at maximum clocks)",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work folder (logs, per-rank records) and print its path"
+    )
     parser.set_defaults(func=run)
 
 

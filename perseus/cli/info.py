@@ -106,9 +106,7 @@ def _print_report(report: dict[str, Any]) -> None:
             f"  power limit      {_show(g['power_limit_w'], 'W')} (range {limits}, "
             f"default {_show(g['default_power_limit_w'], 'W')}); drawing {_show(g['power_w'], 'W')}"
         )
-        counter = {True: "yes", False: "no (energy from sampled power)", None: "unknown"}[
-            g["energy_counter"]
-        ]
+        counter = {True: "yes", False: "no (energy from sampled power)", None: "unknown"}[g["energy_counter"]]
         print(f"  energy counter   {counter}")
         may = {True: "yes", False: "no (needs root or CAP_SYS_ADMIN)", None: "unknown"}[g["can_change_clocks"]]
         print(f"  may set clocks   {may}")

@@ -29,12 +29,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--dir", default="perseus-keys", metavar="DIR", help="where to write the keys (default ./perseus-keys)")
     parser.add_argument(
-        "--client", action="append", default=None, metavar="NAME",
+        "--dir", default="perseus-keys", metavar="DIR", help="where to write the keys (default ./perseus-keys)"
+    )
+    parser.add_argument(
+        "--client",
+        action="append",
+        default=None,
+        metavar="NAME",
         help=f"a client to create keys for (repeatable; default one named {DEFAULT_CLIENT!r} when the folder is new)",
     )
-    parser.add_argument("--force", action="store_true", help="replace existing keys of the service and of the named clients")
+    parser.add_argument(
+        "--force", action="store_true", help="replace existing keys of the service and of the named clients"
+    )
     parser.set_defaults(func=run)
 
 

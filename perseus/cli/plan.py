@@ -38,24 +38,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--profile", required=True, type=Path, metavar="FILE", help="time-energy profile (.csv or .json)")
-    parser.add_argument("--blocking-power", type=float, metavar="W", help="watts a GPU draws while waiting on a peer (required for CSV profiles)")
+    parser.add_argument(
+        "--profile", required=True, type=Path, metavar="FILE", help="time-energy profile (.csv or .json)"
+    )
+    parser.add_argument(
+        "--blocking-power",
+        type=float,
+        metavar="W",
+        help="watts a GPU draws while waiting on a peer (required for CSV profiles)",
+    )
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
     parser.add_argument("--stages", type=int, required=True, metavar="N", help="number of pipeline stages (ranks)")
     parser.add_argument("--microbatches", type=int, required=True, metavar="M", help="microbatches per iteration")
-    parser.add_argument("--chunks", type=int, default=1, metavar="V", help="model chunks per rank (interleaved-1f1b; default 1)")
     parser.add_argument(
-        "--split-backward", type=float, metavar="F",
+        "--chunks", type=int, default=1, metavar="V", help="model chunks per rank (interleaved-1f1b; default 1)"
+    )
+    parser.add_argument(
+        "--split-backward",
+        type=float,
+        metavar="F",
         help="zb-h1 with a profile of whole backwards: derive input- and weight-gradient rows, F of each backward's "
         "time and energy to the input part (e.g. 0.5)",
     )
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--deadline", type=float, metavar="S", help="iteration time limit in seconds")
-    limit.add_argument("--max-slowdown", type=float, metavar="F", help="iteration time limit as a factor of the all-max-clock time, e.g. 1.1")
+    limit.add_argument(
+        "--max-slowdown",
+        type=float,
+        metavar="F",
+        help="iteration time limit as a factor of the all-max-clock time, e.g. 1.1",
+    )
     parser.add_argument("--out", type=Path, metavar="FILE", help="write the plan as JSON here")
     parser.add_argument("--frontier", type=Path, metavar="FILE", help="write the time-energy frontier as CSV here")
     parser.add_argument("--frontier-points", type=int, default=50, metavar="N", help="frontier points (default 50)")
-    parser.add_argument("--plot", type=Path, metavar="DIR", help="write timeline.png and frontier.png into DIR (needs matplotlib)")
+    parser.add_argument(
+        "--plot", type=Path, metavar="DIR", help="write timeline.png and frontier.png into DIR (needs matplotlib)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -71,12 +89,18 @@ def run(args: argparse.Namespace) -> int:
             "(watts a GPU draws while waiting on a peer, e.g. 83.64 for A100-SXM, 70.38 for A40)"
         )
     if args.split_backward is not None and not 0.0 < args.split_backward < 1.0:
-        raise ConfigError(f"--split-backward is the input part's share of each backward, strictly between 0 and 1; got {args.split_backward:g}")
+        raise ConfigError(
+            f"--split-backward is the input part's share of each backward, strictly between 0 and 1; got {args.split_backward:g}"
+        )
     if args.frontier_points < 2:
-        raise ConfigError(f"--frontier-points must be at least 2 (the fastest and the least-energy plan), got {args.frontier_points}")
+        raise ConfigError(
+            f"--frontier-points must be at least 2 (the fastest and the least-energy plan), got {args.frontier_points}"
+        )
     for flag, path in (("--out", args.out), ("--frontier", args.frontier)):
         if path is not None and path.is_dir():
-            raise ConfigError(f"{flag} {path} is a folder; give a file path, e.g. {path / ('plan.json' if flag == '--out' else 'frontier.csv')}")
+            raise ConfigError(
+                f"{flag} {path} is a folder; give a file path, e.g. {path / ('plan.json' if flag == '--out' else 'frontier.csv')}"
+            )
         if path is not None and not path.parent.exists():
             raise ConfigError(f"folder {path.parent} does not exist; create it or choose another path for {path.name}")
     if args.plot is not None and args.plot.exists() and not args.plot.is_dir():
@@ -109,11 +133,15 @@ def run(args: argparse.Namespace) -> int:
         except PlanError:
             missed.append(name)  # deadline below the all-max time: out of this baseline's reach
     base = _at_pace(rows[0].energy_j, rows[0].iteration_time_s, pace, ev)
-    print(f"{schedule.name}, {schedule.num_stages} stages x {schedule.num_microbatches} microbatches "
-          f"({planner.problem.num_nodes} instructions), blocking power {profile.blocking_power_w:g} W, "
-          f"deadline {plan.deadline_s:.6g} s")
+    print(
+        f"{schedule.name}, {schedule.num_stages} stages x {schedule.num_microbatches} microbatches "
+        f"({planner.problem.num_nodes} instructions), blocking power {profile.blocking_power_w:g} W, "
+        f"deadline {plan.deadline_s:.6g} s"
+    )
     print(f"{'plan':<22} {'iteration s':>12} {'energy J':>12} {'saving':>8}")
-    for name, t, e in [(r.name, r.iteration_time_s, r.energy_j) for r in rows] + [("Perseus", plan.iteration_time_s, plan.energy_j)]:
+    for name, t, e in [(r.name, r.iteration_time_s, r.energy_j) for r in rows] + [
+        ("Perseus", plan.iteration_time_s, plan.energy_j)
+    ]:
         saving = 100 * (1 - _at_pace(e, t, pace, ev) / base)
         print(f"{name:<22} {t:>12.6g} {e:>12.6g} {saving:>7.2f}%")
     for name in missed:
@@ -159,7 +187,9 @@ def _write_frontier(points, path: Path) -> None:
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(["deadline_s", "time_s", "energy_j", "lower_bound_j", "gap"])
     for p in points:
-        writer.writerow([repr(p.plan.deadline_s), repr(p.time_s), repr(p.energy_j), repr(p.lower_bound_j), repr(p.plan.gap)])
+        writer.writerow(
+            [repr(p.plan.deadline_s), repr(p.time_s), repr(p.energy_j), repr(p.lower_bound_j), repr(p.plan.gap)]
+        )
     write_text_atomic(path, buf.getvalue())
 
 
@@ -167,7 +197,10 @@ def _plots(folder: Path, planner, plan, frontier, baselines) -> None:
     from perseus.planner.plot import plot_frontier, plot_timeline  # lazy, as the planner in run()
 
     ev = planner.evaluator
-    panels = [("all GPUs at max clock", ev.evaluate(baselines[0].frequencies)), ("Perseus plan", ev.evaluate(plan.frequencies))]
+    panels = [
+        ("all GPUs at max clock", ev.evaluate(baselines[0].frequencies)),
+        ("Perseus plan", ev.evaluate(plan.frequencies)),
+    ]
     write_bytes_atomic(folder / "timeline.png", plot_timeline(panels, planner.schedule, planner.profile))
     points = {r.name: (r.iteration_time_s, r.energy_j) for r in baselines}
     points["Perseus plan"] = (plan.iteration_time_s, plan.energy_j)

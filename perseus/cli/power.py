@@ -20,8 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "power",
         help="stream GPU power readings until Ctrl-C",
-        description="Print the power draw of each GPU every INTERVAL seconds until Ctrl-C "
-        "(or COUNT samples).",
+        description="Print the power draw of each GPU every INTERVAL seconds until Ctrl-C (or COUNT samples).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -9,10 +9,10 @@ import sys
 
 from perseus.exceptions import ConfigError
 from perseus.service.budget import Budget
-from perseus.wire.limits import DEFAULT_ADDRESS
-from perseus.wire.security import PLAINTEXT, CurveServer, Security
 from perseus.service.service import PlannerService
 from perseus.service.state import default_state_dir
+from perseus.wire.limits import DEFAULT_ADDRESS
+from perseus.wire.security import PLAINTEXT, CurveServer, Security
 
 log = logging.getLogger(__name__)
 
@@ -42,51 +42,112 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--bind", default=DEFAULT_ADDRESS, metavar="ENDPOINT", help=f"ZeroMQ endpoint to listen on (default {DEFAULT_ADDRESS}; beyond loopback it needs --curve-keys or --insecure)")
-    parser.add_argument("--state-dir", default=None, metavar="DIR", help=f"where jobs, profiles and plans are kept (default {default_state_dir()})")
     parser.add_argument(
-        "--curve-keys", default=None, metavar="DIR",
+        "--bind",
+        default=DEFAULT_ADDRESS,
+        metavar="ENDPOINT",
+        help=f"ZeroMQ endpoint to listen on (default {DEFAULT_ADDRESS}; beyond loopback it needs --curve-keys or --insecure)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help=f"where jobs, profiles and plans are kept (default {default_state_dir()})",
+    )
+    parser.add_argument(
+        "--curve-keys",
+        default=None,
+        metavar="DIR",
         help="encrypt and authenticate with ZeroMQ CURVE: the service's keys from DIR/server, accepting only clients "
         "whose public keys are in DIR/clients (create them with `perseus keys --dir DIR`)",
     )
     parser.add_argument(
-        "--insecure", action="store_true",
+        "--insecure",
+        action="store_true",
         help="allow binding a non-loopback address without --curve-keys (anyone who can reach the port can change your GPUs' clocks)",
     )
-    limits = parser.add_argument_group("budgets", "what one service holds and does; a job over a budget is refused with over_budget")
+    limits = parser.add_argument_group(
+        "budgets", "what one service holds and does; a job over a budget is refused with over_budget"
+    )
     default = Budget()
-    limits.add_argument("--max-jobs", type=int, default=default.max_jobs, metavar="N", help=f"jobs held at once (default {default.max_jobs})")
     limits.add_argument(
-        "--memory-budget-mib", type=int, default=default.memory_bytes >> 20, metavar="MIB",
+        "--max-jobs",
+        type=int,
+        default=default.max_jobs,
+        metavar="N",
+        help=f"jobs held at once (default {default.max_jobs})",
+    )
+    limits.add_argument(
+        "--memory-budget-mib",
+        type=int,
+        default=default.memory_bytes >> 20,
+        metavar="MIB",
         help=f"estimated service memory of all jobs together (default {default.memory_bytes >> 20})",
     )
-    limits.add_argument("--max-job-ranks", type=int, default=default.max_job_ranks, metavar="N", help=f"ranks of one job (default {default.max_job_ranks})")
     limits.add_argument(
-        "--max-job-pipelines", type=int, default=default.max_job_pipelines, metavar="N",
+        "--max-job-ranks",
+        type=int,
+        default=default.max_job_ranks,
+        metavar="N",
+        help=f"ranks of one job (default {default.max_job_ranks})",
+    )
+    limits.add_argument(
+        "--max-job-pipelines",
+        type=int,
+        default=default.max_job_pipelines,
+        metavar="N",
         help=f"data-parallel pipelines of one job (default {default.max_job_pipelines})",
     )
     limits.add_argument(
-        "--max-plan-choices", type=int, default=default.max_plan_choices, metavar="N",
+        "--max-plan-choices",
+        type=int,
+        default=default.max_plan_choices,
+        metavar="N",
         help=f"(instruction, frequency) choices of one pipeline's plan, which size its planning time (default {default.max_plan_choices})",
     )
-    limits.add_argument("--planning-workers", type=int, default=default.planning_workers, metavar="N", help=f"plans solved at once (default {default.planning_workers})")
     limits.add_argument(
-        "--job-ttl-hours", type=float, default=default.job_ttl_s / 3600, metavar="H",
+        "--planning-workers",
+        type=int,
+        default=default.planning_workers,
+        metavar="N",
+        help=f"plans solved at once (default {default.planning_workers})",
+    )
+    limits.add_argument(
+        "--job-ttl-hours",
+        type=float,
+        default=default.job_ttl_s / 3600,
+        metavar="H",
         help=f"a job with no request for this long is evicted; its cached profile stays (default {default.job_ttl_s / 3600:g})",
     )
     limits.add_argument(
-        "--evict-idle-minutes", type=float, default=default.evict_idle_s / 60, metavar="M",
+        "--evict-idle-minutes",
+        type=float,
+        default=default.evict_idle_s / 60,
+        metavar="M",
         help=f"when --max-jobs or the memory budget is full, the least recently active job idle this long makes room (default {default.evict_idle_s / 60:g})",
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default info)")
-    parser.add_argument("--log-every", type=int, default=10, metavar="N", help="log predicted against measured every N planned iterations (default 10)")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (default info)",
+    )
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        metavar="N",
+        help="log predicted against measured every N planned iterations (default 10)",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.log_every < 1:
         raise ConfigError(f"--log-every must be 1 or more (log every N-th planned iteration), got {args.log_every}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     budget = Budget(
         max_jobs=args.max_jobs,
         memory_bytes=args.memory_budget_mib * (1 << 20),
@@ -98,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
         evict_idle_s=args.evict_idle_minutes * 60,
     )
     security = CurveServer(args.curve_keys) if args.curve_keys else PLAINTEXT
-    service = PlannerService(args.bind, args.state_dir, security=security, insecure=args.insecure, log_every=args.log_every, budget=budget)
+    service = PlannerService(
+        args.bind, args.state_dir, security=security, insecure=args.insecure, log_every=args.log_every, budget=budget
+    )
     try:
         endpoint = service.bind()
         previous = {sig: signal.signal(sig, lambda *_: service.stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -122,4 +185,8 @@ def _reload_keys(security: Security, keys_dir: str | None) -> None:
     if allowed is None:
         log.info("SIGHUP: no client keys to reload (the service runs without --curve-keys)")
     else:
-        log.info("SIGHUP: reloaded the client keys in %s: %d allowed; connections with other keys are refused and closed", keys_dir, allowed)
+        log.info(
+            "SIGHUP: reloaded the client keys in %s: %d allowed; connections with other keys are refused and closed",
+            keys_dir,
+            allowed,
+        )

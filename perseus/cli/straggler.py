@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from perseus.exceptions import ConfigError, ServiceError
 from perseus.client.planner_client import PlannerClient
+from perseus.exceptions import ConfigError, ServiceError
 from perseus.wire.envelope import ErrorCode
 from perseus.wire.limits import DEFAULT_ADDRESS, MAX_STRAGGLER_FACTOR
 from perseus.wire.messages import GetStatus, JobStatus
@@ -35,14 +35,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--job", required=True, metavar="ID", help="the job id (perseus serve logs it; job-<hex>)")
-    parser.add_argument("--pipeline", type=int, default=None, metavar="K", help="the straggling pipeline's data-parallel index")
+    parser.add_argument(
+        "--pipeline", type=int, default=None, metavar="K", help="the straggling pipeline's data-parallel index"
+    )
     action = parser.add_mutually_exclusive_group()
-    action.add_argument("--factor", type=float, default=None, metavar="F", help=f"its iteration time over its planned time, in [1, {MAX_STRAGGLER_FACTOR:g}]")
-    action.add_argument("--clear", action="store_true", help="withdraw the declaration (the others go back to their no-slowdown plans)")
-    parser.add_argument("--address", default=DEFAULT_ADDRESS, metavar="ENDPOINT", help=f"the planner service (default {DEFAULT_ADDRESS})")
-    parser.add_argument("--curve-keys", default=None, metavar="DIR", help="CURVE keys folder, for a service run with --curve-keys")
-    parser.add_argument("--client", default=DEFAULT_CLIENT, metavar="NAME", help=f"client key name in DIR/clients (default {DEFAULT_CLIENT})")
-    parser.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for the service (default 5)")
+    action.add_argument(
+        "--factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help=f"its iteration time over its planned time, in [1, {MAX_STRAGGLER_FACTOR:g}]",
+    )
+    action.add_argument(
+        "--clear", action="store_true", help="withdraw the declaration (the others go back to their no-slowdown plans)"
+    )
+    parser.add_argument(
+        "--address",
+        default=DEFAULT_ADDRESS,
+        metavar="ENDPOINT",
+        help=f"the planner service (default {DEFAULT_ADDRESS})",
+    )
+    parser.add_argument(
+        "--curve-keys", default=None, metavar="DIR", help="CURVE keys folder, for a service run with --curve-keys"
+    )
+    parser.add_argument(
+        "--client",
+        default=DEFAULT_CLIENT,
+        metavar="NAME",
+        help=f"client key name in DIR/clients (default {DEFAULT_CLIENT})",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for the service (default 5)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -58,9 +82,13 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.timeout <= 3600:
         raise ConfigError(f"--timeout is in seconds, more than 0 and at most 3600; got {args.timeout:g}")
     if args.factor is not None and not 1.0 <= args.factor <= MAX_STRAGGLER_FACTOR:
-        raise ConfigError(f"--factor is the straggler's iteration time over its planned time, in [1, {MAX_STRAGGLER_FACTOR:g}]; got {args.factor:g}")
+        raise ConfigError(
+            f"--factor is the straggler's iteration time over its planned time, in [1, {MAX_STRAGGLER_FACTOR:g}]; got {args.factor:g}"
+        )
     security = CurveClient.from_dir(args.curve_keys, args.client) if args.curve_keys else None
-    unreachable = ServiceError("unreachable", f"the planner service at {args.address} did not answer within {args.timeout:g} s; is it running?")
+    unreachable = ServiceError(
+        "unreachable", f"the planner service at {args.address} did not answer within {args.timeout:g} s; is it running?"
+    )
     # The client logs for training ranks ("training continues ..."); here every failure is raised
     # and reported once, as this command's error.
     client_log = logging.getLogger("perseus.client")  # the client package: its connection thread logs the timeouts
@@ -76,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
             status = client.status(args.job)
     except ServiceError as e:
         if e.code == ErrorCode.UNKNOWN_JOB.value:
-            raise ServiceError(e.code, f"no job {args.job} on the service at {args.address}; check --job (perseus serve logs each job's id)") from None
+            raise ServiceError(
+                e.code,
+                f"no job {args.job} on the service at {args.address}; check --job (perseus serve logs each job's id)",
+            ) from None
         raise
     finally:
         client_log.setLevel(level)

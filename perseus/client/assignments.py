@@ -97,7 +97,12 @@ class RankState:
         previous = old.previous if old is not None else None
         if version and table.frequencies is not None:
             plan = Assignment(Phase.PLANNED, list(table.frequencies), None, version)
-            if old is not None and old.plan is not None and old.plan.plan_version != version and self.iteration >= old.plan_start:
+            if (
+                old is not None
+                and old.plan is not None
+                and old.plan.plan_version != version
+                and self.iteration >= old.plan_start
+            ):
                 previous = old.plan
         elif version and old is not None and old.plan is not None and old.plan.plan_version == version:
             plan = old.plan
@@ -107,7 +112,9 @@ class RankState:
         self.view = View(
             warmup_iterations=table.warmup_iterations,
             iterations_per_frequency=table.iterations_per_frequency,
-            sweep=() if failed else tuple(Assignment(Phase.PROFILING, None, f, version) for f in table.sweep_frequencies),
+            sweep=()
+            if failed
+            else tuple(Assignment(Phase.PROFILING, None, f, version) for f in table.sweep_frequencies),
             stage_profiled=info.stage in table.profiled_stages,
             plan=plan,
             plan_start=table.plan_start_iteration,
@@ -117,7 +124,9 @@ class RankState:
             upload=table.upload,
         )
         if plan is not None and (old is None or old.plan is not plan):
-            log.info("rank %d: plan v%d received (applies from iteration %d)", info.rank, version, table.plan_start_iteration)
+            log.info(
+                "rank %d: plan v%d received (applies from iteration %d)", info.rank, version, table.plan_start_iteration
+            )
             self.plan_arrived.set()
         if failed and self.first_time("failed"):
             log.warning("planner service could not plan this job (%s); this rank runs at maximum clocks", table.error)

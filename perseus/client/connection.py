@@ -156,7 +156,11 @@ class Connection:
             self._release_held()
             if closing.is_set():
                 close_deadline = close_deadline or now + self.timeout_s
-                if now >= close_deadline or not (self.outbox or self.reports or self.inflight) or self.connected is False:
+                if (
+                    now >= close_deadline
+                    or not (self.outbox or self.reports or self.inflight)
+                    or self.connected is False
+                ):
                     break
             self._schedule(now)
             self._transmit(now)
@@ -204,7 +208,12 @@ class Connection:
             if due <= now:
                 self.delayed.remove((due, out))
                 self.outbox.append(out)
-        if self.register_due is not None and now >= self.register_due and rank.info is not None and rank.job_id is not None:
+        if (
+            self.register_due is not None
+            and now >= self.register_due
+            and rank.info is not None
+            and rank.job_id is not None
+        ):
             self.register_due = None
             if not any(isinstance(o.message, RegisterRank) for o in self._pending()):
                 self.outbox.appendleft(Outgoing(RegisterRank(rank.job_id, rank.info), reliable=True))
@@ -213,7 +222,12 @@ class Connection:
         polling = self.rank_registered and not self.handoff.closing.is_set() and now >= self.next_poll
         if polling and not any(isinstance(o.message, GetTable) for o in self._pending()):
             assert rank.info is not None and rank.job_id is not None
-            self.outbox.append(Outgoing(GetTable(rank.job_id, rank.info.rank, max(-1, rank.iteration), rank.known_plan_version()), reliable=False))
+            self.outbox.append(
+                Outgoing(
+                    GetTable(rank.job_id, rank.info.rank, max(-1, rank.iteration), rank.known_plan_version()),
+                    reliable=False,
+                )
+            )
             self.next_poll = now + self.poll_interval_s
 
     def _pending(self) -> list[Outgoing]:
@@ -248,7 +262,11 @@ class Connection:
 
     def _update_idle(self) -> None:
         handoff = self.handoff
-        busy = self.reports or self.delayed or any(o.reliable or isinstance(o.message, ReportIteration) for o in self._pending())
+        busy = (
+            self.reports
+            or self.delayed
+            or any(o.reliable or isinstance(o.message, ReportIteration) for o in self._pending())
+        )
         with handoff.idle_lock:
             if busy or not handoff.commands.empty():
                 handoff.idle.clear()
@@ -292,7 +310,11 @@ class Connection:
             if isinstance(message, UploadProfile):
                 self.delayed.append((time.monotonic() + self.poll_interval_s, out))
             if isinstance(message, RegisterRank) and rank.spec is None and rank.first_time("no-job"):
-                log.warning("job %s is not registered with the planner service yet; waiting for rank 0 (%s)", rank.job_id, reply.message)
+                log.warning(
+                    "job %s is not registered with the planner service yet; waiting for rank 0 (%s)",
+                    rank.job_id,
+                    reply.message,
+                )
             return
         if out.waiter is not None:
             out.waiter.set(reply)

@@ -24,7 +24,16 @@ from perseus.profiler.profile import Profile
 from perseus.wire.envelope import ErrorCode, encode_request
 from perseus.wire.fields import Message
 from perseus.wire.limits import DEFAULT_ADDRESS, MAX_MESSAGE_BYTES
-from perseus.wire.messages import Ack, DeclareStraggler, GetStatus, RegisterJob, RegisterRank, ReportIteration, Status, UploadProfile
+from perseus.wire.messages import (
+    Ack,
+    DeclareStraggler,
+    GetStatus,
+    RegisterJob,
+    RegisterRank,
+    ReportIteration,
+    Status,
+    UploadProfile,
+)
 from perseus.wire.security import Security, security_from_env
 from perseus.wire.spec import JobSpec, RankInfo
 
@@ -78,7 +87,9 @@ class PlannerClient:
         message = RegisterRank(job_id, info)
         rank = self._rank
         if rank.info is not None and (rank.info.rank != info.rank or rank.job_id != job_id):
-            raise ConfigError(f"this PlannerClient serves rank {rank.info.rank} of {rank.job_id}; create one client per rank")
+            raise ConfigError(
+                f"this PlannerClient serves rank {rank.info.rank} of {rank.job_id}; create one client per rank"
+            )
         rank.job_id, rank.info, rank.uploaded = job_id, info, False
         self._raise_if_refused(self._call(message, reliable=True))
 
@@ -98,12 +109,20 @@ class PlannerClient:
         message = UploadProfile(job_id, info.rank, stage, profile)
         size = len(encode_request(0, message))
         if size > MAX_MESSAGE_BYTES:
-            raise ConfigError(f"stage {stage}'s profile is {size} bytes, over the {MAX_MESSAGE_BYTES}-byte message limit; profile fewer frequencies")
+            raise ConfigError(
+                f"stage {stage}'s profile is {size} bytes, over the {MAX_MESSAGE_BYTES}-byte message limit; profile fewer frequencies"
+            )
         self._rank.uploaded = True
         self._handoff.send(Outgoing(message, reliable=True))
 
     def report_iteration(
-        self, job_id: str, rank: int, iteration: int, time_s: float, energy_j: float, compute_time_s: float | None = None
+        self,
+        job_id: str,
+        rank: int,
+        iteration: int,
+        time_s: float,
+        energy_j: float,
+        compute_time_s: float | None = None,
     ) -> None:
         """Queue one iteration's measured time and energy of this rank's GPU (`compute_time_s`:
         the time without waiting on other data-parallel pipelines, if known; it lets the service
@@ -172,8 +191,13 @@ class PlannerClient:
         context = zmq.Context()
         try:
             Connection(
-                self._rank, self._handoff, context,
-                address=self.address, security=self._security, timeout_s=self.timeout_s, poll_interval_s=self.poll_interval_s,
+                self._rank,
+                self._handoff,
+                context,
+                address=self.address,
+                security=self._security,
+                timeout_s=self.timeout_s,
+                poll_interval_s=self.poll_interval_s,
             ).run()
         except Exception:  # the thread's boundary: the traceback is logged, training goes on with what the rank has
             log.exception("planner client thread stopped; this rank keeps its current clocks and plan")

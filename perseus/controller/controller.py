@@ -210,8 +210,15 @@ class FrequencyController:
         logger.warning(
             "%r: instruction %s (microbatch %d, chunk %d) at position %d does not match plan v%d "
             "(expected %s); running at default clocks until the next plan",
-            self.gpu, kind, microbatch, chunk, index, self._plan_version,
-            "nothing more this iteration" if expected is None else f"{expected[0]} mb {expected[1]} chunk {expected[2]}",
+            self.gpu,
+            kind,
+            microbatch,
+            chunk,
+            index,
+            self._plan_version,
+            "nothing more this iteration"
+            if expected is None
+            else f"{expected[0]} mb {expected[1]} chunk {expected[2]}",
         )
 
     def _run(self) -> None:

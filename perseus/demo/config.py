@@ -59,7 +59,9 @@ class DemoConfig:
                 f"demo setting baseline_iterations must be >= 2 (the first one warms up), got {self.baseline_iterations}"
             )
         if not self.straggler >= 1.0 or (self.straggler > 1.0 and self.dp < 2):
-            raise ConfigError(f"demo setting straggler must be >= 1.0, and > 1.0 only with dp >= 2; got {self.straggler} with dp={self.dp}")
+            raise ConfigError(
+                f"demo setting straggler must be >= 1.0, and > 1.0 only with dp >= 2; got {self.straggler} with dp={self.dp}"
+            )
 
     @property
     def world_size(self) -> int:

@@ -51,8 +51,7 @@ class GPUEmulator:
     def __init__(self, gpu: GPU, works: dict[Kind, Work]) -> None:
         if not isinstance(gpu, SimGPU):
             raise ConfigError(
-                f"the demo emulates GPU execution on simulated GPUs, got {gpu!r}; "
-                "set PERSEUS_GPU=sim:a100-sxm:4"
+                f"the demo emulates GPU execution on simulated GPUs, got {gpu!r}; set PERSEUS_GPU=sim:a100-sxm:4"
             )
         self.gpu = gpu
         self.works = works

@@ -116,11 +116,15 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             config_path = os.path.join(work, "config.json")
             write_json_atomic(config_path, config.to_json())
             pipelines = f"{options.dp} data-parallel pipelines x " if options.dp > 1 else ""
-            say(f"torchrun: {world} ranks (gloo, CPU), {pipelines}{options.ranks} stages, each rank on a simulated "
-                f"A100-SXM; {options.microbatches} microbatches per iteration, Schedule1F1B")
+            say(
+                f"torchrun: {world} ranks (gloo, CPU), {pipelines}{options.ranks} stages, each rank on a simulated "
+                f"A100-SXM; {options.microbatches} microbatches per iteration, Schedule1F1B"
+            )
             if slow_ranks is not None:
                 throttle(slow_ranks, options.straggler, sim_dir)
-                say(f"straggler: pipeline {slow} (ranks {slow_ranks[0]}-{slow_ranks[-1]}) on GPUs {options.straggler:g}x slower")
+                say(
+                    f"straggler: pipeline {slow} (ranks {slow_ranks[0]}-{slow_ranks[-1]}) on GPUs {options.straggler:g}x slower"
+                )
             try:
                 rc = _run_job(options, world, config_path, sim_dir, os.path.join(work, "torchrun.log"), out_dir, say)
             finally:
@@ -131,7 +135,9 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
         finally:
             service.stop()
         if rc != 0:
-            raise PerseusError(f"the demo job failed (torchrun exit code {rc}); its log:\n{log_tail(os.path.join(work, 'torchrun.log'))}")
+            raise PerseusError(
+                f"the demo job failed (torchrun exit code {rc}); its log:\n{log_tail(os.path.join(work, 'torchrun.log'))}"
+            )
 
         iterations = load_iterations(out_dir, world)
         if not any(set(it.phases) == {"planned"} for it in iterations):
@@ -142,7 +148,9 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
         if slow_ranks is None:
             result = summarize(iterations, status)
         else:
-            result = summarize_straggler(iterations, status, options.ranks, options.dp, options.straggler, job_record(state_dir, job_id))
+            result = summarize_straggler(
+                iterations, status, options.ranks, options.dp, options.straggler, job_record(state_dir, job_id)
+            )
         result["gloo_latency_s"] = gloo_latency(out_dir, world)
         result.update(
             ranks=world,
@@ -157,7 +165,11 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
         )
         if options.plot_dir:
             phases = split_phases(iterations, slow_ranks)
-            panels = [(name, median_iteration(phases[name])) for name in ("baseline", "intrinsic", "planned") if phases.get(name)]
+            panels = [
+                (name, median_iteration(phases[name]))
+                for name in ("baseline", "intrinsic", "planned")
+                if phases.get(name)
+            ]
             if panels:
                 result["plots"] = write_timeline(panels, options.plot_dir)
         if options.keep_dir:
@@ -184,7 +196,11 @@ def demo_config(options: DemoOptions, out_dir: str, address: str | None) -> Demo
         planned_iterations=options.iterations,
         # A generous cap under Perseus: warm-up, the whole sweep, planning, (waiting for the
         # straggler-aware re-plan,) then the planned ones.
-        max_iterations=1 + len(sweep) * options.iterations_per_frequency + 20 + options.iterations + 1
+        max_iterations=1
+        + len(sweep) * options.iterations_per_frequency
+        + 20
+        + options.iterations
+        + 1
         + (DemoConfig.replan_wait_iterations if options.straggler > 1.0 else 0),
         server=address,
         iterations_per_frequency=options.iterations_per_frequency,
@@ -192,8 +208,15 @@ def demo_config(options: DemoOptions, out_dir: str, address: str | None) -> Demo
     )
 
 
-def _run_job(options: DemoOptions, world: int, config_path: str, sim_dir: str, log_path: str, out_dir: str,
-             say: Callable[[str], None]) -> int:
+def _run_job(
+    options: DemoOptions,
+    world: int,
+    config_path: str,
+    sim_dir: str,
+    log_path: str,
+    out_dir: str,
+    say: Callable[[str], None],
+) -> int:
     """Run torchrun to completion, reporting rank 0's finished iterations as they land."""
     proc = start_job(world, config_path, sim_dir, log_path)
     deadline = time.monotonic() + options.timeout_s
@@ -201,7 +224,9 @@ def _run_job(options: DemoOptions, world: int, config_path: str, sim_dir: str, l
     try:
         while proc.poll() is None:
             if time.monotonic() > deadline:
-                raise PerseusError(f"the demo job did not finish within {options.timeout_s:g} s; its log:\n{log_tail(log_path)}")
+                raise PerseusError(
+                    f"the demo job did not finish within {options.timeout_s:g} s; its log:\n{log_tail(log_path)}"
+                )
             time.sleep(0.25)
             seen = _report_progress(out_dir, seen, say)
         _report_progress(out_dir, seen, say)

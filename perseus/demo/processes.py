@@ -87,18 +87,31 @@ class ServiceProcess:
             proc.stdout.close()
 
 
-def start_job(ranks: int, config_path: str, sim_dir: str, log_path: str, max_restarts: int = 0) -> subprocess.Popen[bytes]:
+def start_job(
+    ranks: int, config_path: str, sim_dir: str, log_path: str, max_restarts: int = 0
+) -> subprocess.Popen[bytes]:
     """Start torchrun with `ranks` demo workers (in their own process group), output to `log_path`.
 
     Rank r runs on simulated GPU r, whose state lives in `sim_dir`. With `max_restarts`, torchrun
     restarts the whole group that many times after a rank fails.
     """
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-        "--max-restarts", str(max_restarts), "-m", "perseus.demo.worker", config_path,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "--max-restarts",
+        str(max_restarts),
+        "-m",
+        "perseus.demo.worker",
+        config_path,
     ]
     env = child_env(
-        PERSEUS_GPU=f"sim:{PRESET}:{ranks}", PERSEUS_SIM_DIR=sim_dir, OMP_NUM_THREADS="1",
+        PERSEUS_GPU=f"sim:{PRESET}:{ranks}",
+        PERSEUS_SIM_DIR=sim_dir,
+        OMP_NUM_THREADS="1",
         # A restarted group must not share torchrun's rendezvous store: gloo would read the
         # previous attempt's addresses from it and fail to connect (pytorch/pytorch#135712).
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
@@ -120,8 +133,9 @@ def stop_job(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def wait_for_job(proc: subprocess.Popen[bytes], predicate: Callable[[], Any], what: str, timeout_s: float,
-                 log_path: str) -> Any:
+def wait_for_job(
+    proc: subprocess.Popen[bytes], predicate: Callable[[], Any], what: str, timeout_s: float, log_path: str
+) -> Any:
     """Poll `predicate` while the job `proc` runs until it returns something truthy (returned);
     PerseusError with the job's log if the job exits or `timeout_s` passes first."""
     deadline = time.monotonic() + timeout_s

@@ -32,7 +32,9 @@ def summarize(iterations: list[Iteration], status: Any, phases: dict[str, list[I
     result["iterations_run"] = len(iterations)
     result["profiled"] = bool(phases["profiling"])
     result["measured_saving"] = _saving(baseline, planned)
-    result["iteration_time_change"] = (planned.iteration_time_s / baseline.iteration_time_s - 1.0) if baseline and planned else None
+    result["iteration_time_change"] = (
+        (planned.iteration_time_s / baseline.iteration_time_s - 1.0) if baseline and planned else None
+    )
     result["predicted_saving"] = status.predicted_saving if status is not None else None
     result["predicted"] = None
     if status is not None and status.predicted_energy_j is not None:
@@ -55,8 +57,9 @@ def summarize(iterations: list[Iteration], status: Any, phases: dict[str, list[I
     return result
 
 
-def summarize_straggler(iterations: list[Iteration], status: Any, stages: int, dp: int, slowdown: float,
-                        record: dict | None) -> dict:
+def summarize_straggler(
+    iterations: list[Iteration], status: Any, stages: int, dp: int, slowdown: float, record: dict | None
+) -> dict:
     """A job of `dp` pipelines of `stages` stages, the last one a straggler whose GPUs are
     `slowdown` times slower: per pipeline, its baseline, its intrinsic
     plan (no slowdown) and its straggler-aware plan, measured and predicted. The top-level
@@ -73,13 +76,20 @@ def summarize_straggler(iterations: list[Iteration], status: Any, stages: int, d
     predicted = predict_at_pace(record, pp, slow)
     rows = []
     for k, ranks in ranks_of.items():
-        stats = {name: phase_stats([it.of_ranks(ranks) for it in phases[name]]) for name in ("baseline", "intrinsic", "planned")}
+        stats = {
+            name: phase_stats([it.of_ranks(ranks) for it in phases[name]])
+            for name in ("baseline", "intrinsic", "planned")
+        }
         row: dict = {"pipeline": k, "straggler": k == slow, "slowdown": slowdown if k == slow else 1.0}
         for name, st in stats.items():
-            row[name] = None if st is None else {
-                **st.to_json(),
-                "compute_time_s": statistics.median(it.of_ranks(ranks).compute_time_s() for it in phases[name]),
-            }
+            row[name] = (
+                None
+                if st is None
+                else {
+                    **st.to_json(),
+                    "compute_time_s": statistics.median(it.of_ranks(ranks).compute_time_s() for it in phases[name]),
+                }
+            )
         row["measured_intrinsic_saving"] = _saving(stats["baseline"], stats["intrinsic"])
         row["measured_saving"] = _saving(stats["baseline"], stats["planned"])
         row.update(predicted.get(k, {"predicted_intrinsic_saving": None, "predicted_saving": None}))
@@ -91,7 +101,9 @@ def summarize_straggler(iterations: list[Iteration], status: Any, stages: int, d
     for key in ("predicted_intrinsic_saving", "predicted_saving"):
         values = [row[key] for row in rows if not row["straggler"]]
         result[key] = statistics.mean(values) if None not in values else None
-    result["measured_intrinsic_saving"] = _saving(phase_stats(fast_phases["baseline"]), phase_stats(fast_phases["intrinsic"]))
+    result["measured_intrinsic_saving"] = _saving(
+        phase_stats(fast_phases["baseline"]), phase_stats(fast_phases["intrinsic"])
+    )
     result["pipelines"] = rows
     result["saving_scope"] = f"pipelines {', '.join(str(k) for k in range(dp) if k != slow)} (not the straggler)"
     pipeline = status.pipelines[slow] if status is not None and len(status.pipelines) > slow else None
@@ -116,7 +128,10 @@ def predict_at_pace(record: dict | None, stages: int, slow: int) -> dict:
     out: dict = {}
     if slow in plans:
         p = plans[slow]
-        out[slow] = {"predicted_intrinsic_saving": 1 - p["energy_j"] / p["baseline_energy_j"], "predicted_saving": 1 - p["energy_j"] / p["baseline_energy_j"]}
+        out[slow] = {
+            "predicted_intrinsic_saving": 1 - p["energy_j"] / p["baseline_energy_j"],
+            "predicted_saving": 1 - p["energy_j"] / p["baseline_energy_j"],
+        }
     base = next((p for p in plans.values() if p.get("deadline_s") is None), None)
     if base is None:
         return out
@@ -193,9 +208,13 @@ def format_report(result: dict) -> str:
     if result.get("iteration_time_change") is not None:
         lines.append(f"iteration time: {result['iteration_time_change']:+.1%} planned against baseline")
     if result.get("model_time_gap") is not None:
-        lines.append(f"baseline against the planner's model: {result['model_time_gap']:+.1%} (what host work and hops take beyond the overheads below, which it counts)")
+        lines.append(
+            f"baseline against the planner's model: {result['model_time_gap']:+.1%} (what host work and hops take beyond the overheads below, which it counts)"
+        )
     if result.get("hop_latency_s") is not None:
-        gloo = f" (of which gloo's send: {result['gloo_latency_s'] * 1e3:.2f} ms)" if result.get("gloo_latency_s") else ""
+        gloo = (
+            f" (of which gloo's send: {result['gloo_latency_s'] * 1e3:.2f} ms)" if result.get("gloo_latency_s") else ""
+        )
         lines.append(f"pipeline hop, stage to stage: {result['hop_latency_s'] * 1e3:.1f} ms{gloo}")
     if result.get("instruction_gap_s") is not None:
         lines.append(f"host gap between instructions on a stage: {result['instruction_gap_s'] * 1e3:.1f} ms")
@@ -248,8 +267,11 @@ def write_timeline(panels: list[tuple[str, Iteration]], out_dir: str) -> list[st
     gantt = [
         Panel(
             f"{title}: iteration {it.index}, {it.time_s:.3f} s, {it.energy_j:.0f} J (all GPUs)",
-            [Bar(rank, s["start"], s["end"], f"{KIND_LETTERS.get(s['kind'], '?')}{s['microbatch']}", s["frequency"])
-             for rank, spans in enumerate(it.spans) for s in spans],
+            [
+                Bar(rank, s["start"], s["end"], f"{KIND_LETTERS.get(s['kind'], '?')}{s['microbatch']}", s["frequency"])
+                for rank, spans in enumerate(it.spans)
+                for s in spans
+            ],
         )
         for title, it in panels
     ]
@@ -259,7 +281,15 @@ def write_timeline(panels: list[tuple[str, Iteration]], out_dir: str) -> list[st
     write_bytes_atomic(png, plot_gantt(gantt, rows, "SM clock (MHz)", "seconds since the iteration started"))
     write_json_atomic(
         data,
-        [{"panel": title, "iteration": it.index, "time_s": it.time_s, "energy_j": it.energy_j, "ranks": [list(r) for r in it.spans]}
-         for title, it in panels],
+        [
+            {
+                "panel": title,
+                "iteration": it.index,
+                "time_s": it.time_s,
+                "energy_j": it.energy_j,
+                "ranks": [list(r) for r in it.spans],
+            }
+            for title, it in panels
+        ],
     )
     return [png, data]

@@ -86,7 +86,9 @@ def load_iterations(out_dir: str, world_size: int) -> list[Iteration]:
             with open(path, encoding="utf-8") as f:
                 docs.append(json.load(f))
         except (OSError, ValueError) as e:
-            raise MeasurementError(f"demo rank {rank} left no readable results in {path} ({e}); see its log above") from e
+            raise MeasurementError(
+                f"demo rank {rank} left no readable results in {path} ({e}); see its log above"
+            ) from e
     count = min(len(d["iterations"]) for d in docs)
     iterations = []
     for i in range(count):
@@ -210,7 +212,9 @@ def phase_stats(iterations: list[Iteration]) -> PhaseStats | None:
     if not iterations:
         return None
     return PhaseStats(
-        len(iterations), statistics.median(i.time_s for i in iterations), statistics.median(i.energy_j for i in iterations)
+        len(iterations),
+        statistics.median(i.time_s for i in iterations),
+        statistics.median(i.energy_j for i in iterations),
     )
 
 

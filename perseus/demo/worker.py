@@ -44,7 +44,9 @@ def run_rank(config: DemoConfig) -> None:
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if world != config.world_size:
-        raise ConfigError(f"torchrun started {world} ranks but the demo config needs {config.world_size} ({config.dp} x {config.num_stages})")
+        raise ConfigError(
+            f"torchrun started {world} ranks but the demo config needs {config.world_size} ({config.dp} x {config.num_stages})"
+        )
     stage_index, pipeline = rank % config.num_stages, rank // config.num_stages
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -131,7 +133,9 @@ def measured_overheads(config: DemoConfig, rank: int) -> tuple[float, float]:
     return float(values[0]), float(values[1])
 
 
-def _instrument(stage, schedule, gpu, client, config: DemoConfig, rank: int, pipeline: int, overheads: tuple[float, float]) -> None:
+def _instrument(
+    stage, schedule, gpu, client, config: DemoConfig, rank: int, pipeline: int, overheads: tuple[float, float]
+) -> None:
     """Perseus on this rank's stage, talking to the planner through `client`; the planner counts
     the measured host gap and hop (`overheads`) the GPU-only profile leaves out."""
     settings = ProfilingSettings(
@@ -140,8 +144,17 @@ def _instrument(stage, schedule, gpu, client, config: DemoConfig, rank: int, pip
         frequencies=tuple(config.sweep_frequencies) if config.sweep_frequencies else None,
     )
     perseus.instrument(
-        stage, schedule=schedule, client=client, gpu=gpu, tag=config.tag, profiling=settings,
-        rank=rank, dp=config.dp, dp_index=pipeline, instruction_overhead_s=overheads[0], hop_latency_s=overheads[1],
+        stage,
+        schedule=schedule,
+        client=client,
+        gpu=gpu,
+        tag=config.tag,
+        profiling=settings,
+        rank=rank,
+        dp=config.dp,
+        dp_index=pipeline,
+        instruction_overhead_s=overheads[0],
+        hop_latency_s=overheads[1],
     )
 
 
@@ -151,8 +164,17 @@ class _Trainer:
     iteration ends at a tiny all-reduce over all ranks, so each rank's measured window covers the
     whole iteration, its idle time included, and the ranks' windows line up."""
 
-    def __init__(self, config: DemoConfig, rank: int, stage: int, pipeline: int, schedule, model, emulator: GPUEmulator,
-                 replica_group) -> None:
+    def __init__(
+        self,
+        config: DemoConfig,
+        rank: int,
+        stage: int,
+        pipeline: int,
+        schedule,
+        model,
+        emulator: GPUEmulator,
+        replica_group,
+    ) -> None:
         self.config, self.rank, self.stage, self.pipeline = config, rank, stage, pipeline
         self.schedule, self.model, self.emulator, self.gpu = schedule, model, emulator, emulator.gpu
         self.replica_group = replica_group
@@ -188,7 +210,9 @@ class _Trainer:
                 plan = list(assigned) if assigned is not None else plan
                 first_version = version if first_version is None else first_version
             # A re-plan: the straggler keeps its plan, the others get one at its pace.
-            holds_final = phase == "planned" and (straggler is None or self.pipeline == straggler or version != first_version)
+            holds_final = phase == "planned" and (
+                straggler is None or self.pipeline == straggler or version != first_version
+            )
             # One all-reduce ends the iteration: MIN of (all planned, all at the final plan, not given up).
             flags = torch.tensor([int(phase == "planned"), int(holds_final), -int(profiled and phase == "unplanned")])
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
@@ -241,9 +265,14 @@ class _Trainer:
 
     def save(self) -> None:
         doc = {
-            "rank": self.rank, "stage": self.stage, "pipeline": self.pipeline, "pid": os.getpid(),
+            "rank": self.rank,
+            "stage": self.stage,
+            "pipeline": self.pipeline,
+            "pid": os.getpid(),
             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # torchrun's group restarts
-            "world_size": self.config.world_size, "job_id": self.job_id, "gloo_latency_s": self.gloo_latency_s,
+            "world_size": self.config.world_size,
+            "job_id": self.job_id,
+            "gloo_latency_s": self.gloo_latency_s,
             "iterations": self.records,
         }
         write_json_atomic(self.path, doc, indent=None, fsync=False)  # a progress record, rewritten every iteration

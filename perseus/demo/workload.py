@@ -61,12 +61,8 @@ def stage_works(num_stages: int, time_scale: float = DEFAULT_TIME_SCALE) -> list
         bwd = sum(g[2] for g in group)
         works.append(
             {
-                Kind.FORWARD: Work(
-                    fwd * time_scale, sum(g[0] * g[1] for g in group) / fwd, FORWARD_INTENSITY
-                ),
-                Kind.BACKWARD: Work(
-                    bwd * time_scale, sum(g[2] * g[3] for g in group) / bwd, BACKWARD_INTENSITY
-                ),
+                Kind.FORWARD: Work(fwd * time_scale, sum(g[0] * g[1] for g in group) / fwd, FORWARD_INTENSITY),
+                Kind.BACKWARD: Work(bwd * time_scale, sum(g[2] * g[3] for g in group) / bwd, BACKWARD_INTENSITY),
             }
         )
     return works

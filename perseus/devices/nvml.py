@@ -157,9 +157,7 @@ def visible_nvml_indices(nvml: ModuleType, cuda_visible_devices: str | None) -> 
                 uuids = [_uuid(nvml, i) for i in range(count)]
             index = _match_uuid(entry, uuids, cuda_visible_devices)
         if index in chosen:
-            raise ConfigError(
-                f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} lists GPU {entry!r} twice"
-            )
+            raise ConfigError(f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} lists GPU {entry!r} twice")
         chosen.append(index)
     return chosen
 
@@ -182,12 +180,8 @@ def _match_uuid(entry: str, uuids: list[str], env: str) -> int:
         return matches[0]
     listed = ", ".join(uuids) or "none"
     if not matches:
-        raise ConfigError(
-            f"CUDA_VISIBLE_DEVICES={env!r}: no GPU has a UUID starting {entry!r} (GPUs: {listed})"
-        )
-    raise ConfigError(
-        f"CUDA_VISIBLE_DEVICES={env!r}: {entry!r} matches {len(matches)} GPUs; give more of the UUID"
-    )
+        raise ConfigError(f"CUDA_VISIBLE_DEVICES={env!r}: no GPU has a UUID starting {entry!r} (GPUs: {listed})")
+    raise ConfigError(f"CUDA_VISIBLE_DEVICES={env!r}: {entry!r} matches {len(matches)} GPUs; give more of the UUID")
 
 
 def _text(value: str | bytes) -> str:

@@ -35,8 +35,7 @@ def parse_gpu_spec(spec: str) -> GPUSpec:
                 count = 0
             if count < 1:
                 raise ConfigError(
-                    f"GPU spec {spec!r}: the count {parts[2]!r} must be a positive integer, "
-                    "e.g. sim:a100-sxm:4"
+                    f"GPU spec {spec!r}: the count {parts[2]!r} must be a positive integer, e.g. sim:a100-sxm:4"
                 )
         return GPUSpec("sim", parts[1], count)
     raise ConfigError(

@@ -96,8 +96,7 @@ def get_preset(name: str | SimPreset) -> SimPreset:
         return PRESETS[name]
     except KeyError:
         raise ConfigError(
-            f"unknown simulated GPU preset {name!r}; available: {', '.join(PRESETS)} "
-            "(e.g. PERSEUS_GPU=sim:a100-sxm:4)"
+            f"unknown simulated GPU preset {name!r}; available: {', '.join(PRESETS)} (e.g. PERSEUS_GPU=sim:a100-sxm:4)"
         ) from None
 
 

@@ -62,8 +62,7 @@ class ActivityLog:
             self._append(start, end, busy_w)
         except OSError as e:
             raise DeviceError(
-                f"cannot log simulated GPU work to {self.path} ({e}); "
-                "set PERSEUS_SIM_DIR to a writable folder"
+                f"cannot log simulated GPU work to {self.path} ({e}); set PERSEUS_SIM_DIR to a writable folder"
             ) from e
 
     def _append(self, start: float, end: float, busy_w: float) -> None:

@@ -20,9 +20,7 @@ from typing import Any
 try:
     from transformers import TrainerCallback
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "perseus.integrations.huggingface needs transformers: pip install 'perseus[huggingface]'"
-    ) from e
+    raise ImportError("perseus.integrations.huggingface needs transformers: pip install 'perseus[huggingface]'") from e
 
 from perseus.exceptions import ConfigError
 from perseus.measurement.carbon import CarbonReporter

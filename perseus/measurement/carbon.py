@@ -21,9 +21,10 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Sequence
+from typing import Any
 
 from perseus.clock import REAL_CLOCK, Clock
 from perseus.exceptions import CarbonIntensityError, ConfigError
@@ -145,7 +146,9 @@ class IntensityTimeSeries(CarbonIntensityProvider):
         self._origin = clock.now() if clock is not None else 0.0
 
     @classmethod
-    def from_csv(cls, path: str | os.PathLike[str], clock: Clock | None = None, speedup: float = 1.0) -> IntensityTimeSeries:
+    def from_csv(
+        cls, path: str | os.PathLike[str], clock: Clock | None = None, speedup: float = 1.0
+    ) -> IntensityTimeSeries:
         """Read a CSV with the header `timestamp,g_per_kwh` (ISO 8601 times)."""
         try:
             with open(path, newline="", encoding="utf-8") as f:
@@ -153,7 +156,9 @@ class IntensityTimeSeries(CarbonIntensityProvider):
         except OSError as e:
             raise ConfigError(f"cannot read carbon-intensity CSV {path}: {e}") from e
         if not rows or [c.strip() for c in rows[0]] != ["timestamp", "g_per_kwh"]:
-            raise ConfigError(f"{path}: row 1 must be the header 'timestamp,g_per_kwh', got {rows[0] if rows else 'nothing'}")
+            raise ConfigError(
+                f"{path}: row 1 must be the header 'timestamp,g_per_kwh', got {rows[0] if rows else 'nothing'}"
+            )
         points = []
         for number, row in enumerate(rows[1:], start=2):
             if not row or all(not c.strip() for c in row):
@@ -163,13 +168,17 @@ class IntensityTimeSeries(CarbonIntensityProvider):
             try:
                 stamp = _parse_timestamp(row[0])
             except ValueError:
-                raise ConfigError(f"{path}: row {number}: {row[0]!r} is not an ISO 8601 timestamp (e.g. 2024-05-01T13:00Z)") from None
+                raise ConfigError(
+                    f"{path}: row {number}: {row[0]!r} is not an ISO 8601 timestamp (e.g. 2024-05-01T13:00Z)"
+                ) from None
             try:
                 value = float(row[1])
             except ValueError:
                 raise ConfigError(f"{path}: row {number}: {row[1]!r} is not a number of g/kWh") from None
             if points and stamp <= points[-1].timestamp:
-                raise ConfigError(f"{path}: row {number}: timestamps must increase ({row[0].strip()} is not after the row above)")
+                raise ConfigError(
+                    f"{path}: row {number}: timestamps must increase ({row[0].strip()} is not after the row above)"
+                )
             points.append(IntensityPoint(stamp, _check_intensity(value, f"{path}: row {number}")))
         if not points:
             raise ConfigError(f"{path}: no data rows after the header")
@@ -321,8 +330,7 @@ class ElectricityMaps(CarbonIntensityProvider):
 
     def _timeout(self, endpoint: str) -> CarbonIntensityError:
         return CarbonIntensityError(
-            f"Electricity Maps {endpoint} timed out after {self.timeout_s:g} s; "
-            "retry later or raise timeout_s"
+            f"Electricity Maps {endpoint} timed out after {self.timeout_s:g} s; retry later or raise timeout_s"
         )
 
     def _http_error(self, endpoint: str, error: urllib.error.HTTPError) -> CarbonIntensityError:
@@ -340,7 +348,11 @@ class ElectricityMaps(CarbonIntensityProvider):
             hint = f"unknown zone {self.zone!r} or endpoint"
         elif error.code == 429:
             retry = error.headers.get("Retry-After") if error.headers else None
-            hint = "rate limit reached; wait" + (f" {retry} s" if retry else "") + " or raise cache_ttl_s to call less often"
+            hint = (
+                "rate limit reached; wait"
+                + (f" {retry} s" if retry else "")
+                + " or raise cache_ttl_s to call less often"
+            )
         else:
             hint = "the service failed"
         return CarbonIntensityError(f"Electricity Maps {endpoint}: HTTP {error.code}: {hint} ({detail.strip()})")
@@ -367,7 +379,9 @@ class CarbonReporter:
     rank of a data-parallel job its own `path`.
     """
 
-    def __init__(self, monitor: Monitor, provider: CarbonIntensityProvider, path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, monitor: Monitor, provider: CarbonIntensityProvider, path: str | os.PathLike[str] | None = None
+    ) -> None:
         self.monitor = monitor
         self.provider = provider
         self.path = os.fspath(path) if path is not None else None
@@ -397,7 +411,11 @@ class CarbonReporter:
         self.epochs.append(record)
         logger.info(
             "epoch %d: %.1f s, %.1f J, %.3f g CO2e at %.0f g/kWh",
-            record.epoch, record.time_s, record.energy_j, record.carbon_g, record.g_per_kwh,
+            record.epoch,
+            record.time_s,
+            record.energy_j,
+            record.carbon_g,
+            record.g_per_kwh,
         )
         self._write(asdict(record))
         return record
@@ -421,7 +439,10 @@ class CarbonReporter:
         total = self.totals()
         logger.info(
             "training: %d epochs, %.1f s, %.1f J, %.3f g CO2e",
-            len(self.epochs), total.time_s, total.energy_j, total.carbon_g,
+            len(self.epochs),
+            total.time_s,
+            total.energy_j,
+            total.carbon_g,
         )
         line = asdict(total)
         del line["epoch"]

@@ -169,9 +169,7 @@ class Monitor:
     def begin_window(self, name: str, sync: bool | None = None) -> None:
         """Start window `name`; `sync` (default: the Monitor's) waits for the GPUs first."""
         if name in self._open:
-            raise MeasurementError(
-                f"measurement window {name!r} is already open; end it first or use another name"
-            )
+            raise MeasurementError(f"measurement window {name!r} is already open; end it first or use another name")
         if self.sync if sync is None else sync:
             self._synchronize()
         self._open[name] = self._snapshot()

@@ -86,7 +86,9 @@ def envpipe_plan(evaluator: Evaluator, deadline_s: float | None = None) -> Basel
                 choices[i] -= 1  # index 0 is the highest clock
                 raised = True
         if not raised:
-            raise PlanError(f"EnvPipe cannot meet the deadline {deadline_s:.6g} s: its critical path is all at the highest clock")
+            raise PlanError(
+                f"EnvPipe cannot meet the deadline {deadline_s:.6g} s: its critical path is all at the highest clock"
+            )
     return _evaluated("EnvPipe", evaluator, choices)
 
 

@@ -138,4 +138,6 @@ def dag_arrays(schedule_or_dag: Schedule | nx.DiGraph) -> DagArrays:
     levels = np.array([level[ins] for ins in nodes], dtype=np.int64)
     level_ptr = np.concatenate(([0], np.cumsum(np.bincount(levels)))).astype(np.int64)
     stage = np.array([ins.stage for ins in nodes], dtype=np.int64)
-    return DagArrays(schedule, nodes, index, src, dst, pred_ptr, src.copy(), succ_ptr, succ_idx, level_ptr, pred_pad, stage)
+    return DagArrays(
+        schedule, nodes, index, src, dst, pred_ptr, src.copy(), succ_ptr, succ_idx, level_ptr, pred_pad, stage
+    )

@@ -132,7 +132,9 @@ class Evaluator:
         out = np.empty(len(self.arrays.nodes), dtype=np.int64)
         for i, ins in enumerate(self.arrays.nodes):
             if ins not in frequencies:
-                raise ConfigError(f"no frequency given for instruction {ins}; the plan must cover every instruction of the schedule")
+                raise ConfigError(
+                    f"no frequency given for instruction {ins}; the plan must cover every instruction of the schedule"
+                )
             f = frequencies[ins]
             k = self._choice_index[self.choice_of[i]].get(int(f)) if float(f) == int(f) else None
             if k is None:
@@ -160,7 +162,9 @@ class Evaluator:
         """E = sum(e_i) + P_block * (N_ranks * T - sum(t_i)): compute plus every idle rank-second."""
         return energies.sum(axis=-1) + self.blocking_power_w * (self.num_stages * iteration_time - times.sum(axis=-1))
 
-    def evaluate_arrays(self, times: np.ndarray, energies: np.ndarray) -> tuple[float, float] | tuple[np.ndarray, np.ndarray]:
+    def evaluate_arrays(
+        self, times: np.ndarray, energies: np.ndarray
+    ) -> tuple[float, float] | tuple[np.ndarray, np.ndarray]:
         """(T, E) for node time and energy arrays of shape (n,) or (k, n) (k plans at once)."""
         times = np.asarray(times, dtype=float)
         energies = np.asarray(energies, dtype=float)
@@ -196,10 +200,14 @@ class Evaluator:
 
     def frequencies_of(self, indices: np.ndarray) -> dict[Instruction, int]:
         """The plan (instruction -> MHz) for per-node choice indices."""
-        return {ins: int(self.choices[self.choice_of[i]].frequency[indices[i]]) for i, ins in enumerate(self.arrays.nodes)}
+        return {
+            ins: int(self.choices[self.choice_of[i]].frequency[indices[i]]) for i, ins in enumerate(self.arrays.nodes)
+        }
 
 
-def evaluate(schedule_or_dag: Schedule | nx.DiGraph | DagArrays, frequencies: Mapping[Instruction, int], profile: Profile) -> Evaluation:
+def evaluate(
+    schedule_or_dag: Schedule | nx.DiGraph | DagArrays, frequencies: Mapping[Instruction, int], profile: Profile
+) -> Evaluation:
     """Evaluate one plan: a frequency (MHz, profiled) for every instruction of the schedule."""
     return Evaluator(schedule_or_dag, profile).evaluate(frequencies)
 

@@ -74,18 +74,22 @@ class HullLP:
         r_sink = e + np.arange(len(sinks))
         r_dur = e + len(sinks) + np.arange(n)
         rows = np.concatenate([np.repeat(r_edge, 3), np.repeat(r_sink, 3), r_dur, e + len(sinks) + seg])
-        cols = np.concatenate([
-            np.stack([dag.dst, dag.src, n + dag.src], 1).ravel(),
-            np.stack([np.full(len(sinks), self._t_col), sinks, n + sinks], 1).ravel(),
-            n + np.arange(n),
-            2 * n + np.arange(ns),
-        ])
-        vals = np.concatenate([
-            np.tile([1.0, -1.0, -1.0], e),
-            np.tile([1.0, -1.0, -1.0], len(sinks)),
-            np.ones(n),
-            -np.ones(ns),
-        ])
+        cols = np.concatenate(
+            [
+                np.stack([dag.dst, dag.src, n + dag.src], 1).ravel(),
+                np.stack([np.full(len(sinks), self._t_col), sinks, n + sinks], 1).ravel(),
+                n + np.arange(n),
+                2 * n + np.arange(ns),
+            ]
+        )
+        vals = np.concatenate(
+            [
+                np.tile([1.0, -1.0, -1.0], e),
+                np.tile([1.0, -1.0, -1.0], len(sinks)),
+                np.ones(n),
+                -np.ones(ns),
+            ]
+        )
         num_rows = e + len(sinks) + n
         a = sp.csc_matrix((vals, (rows, cols)), shape=(num_rows, self._t_col + 1))
         inf = highspy.kHighsInf

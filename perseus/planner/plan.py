@@ -74,29 +74,48 @@ class Plan:
             numbers[key] = _number(doc, key)
         stages = doc["stages"]
         if len(stages) != schedule.num_stages:
-            raise PlanError(f"plan has {len(stages)} stages, the schedule {schedule.num_stages}; plan again for this schedule")
+            raise PlanError(
+                f"plan has {len(stages)} stages, the schedule {schedule.num_stages}; plan again for this schedule"
+            )
         frequencies: dict[Instruction, int] = {}
         for s, (entry, row) in enumerate(zip(stages, schedule.stages)):
-            if not isinstance(entry, dict) or entry.get("stage") != s or not isinstance(entry.get("instructions"), list):
+            if (
+                not isinstance(entry, dict)
+                or entry.get("stage") != s
+                or not isinstance(entry.get("instructions"), list)
+            ):
                 raise PlanError(f"plan stages[{s}] must be {{'stage': {s}, 'instructions': [...]}}")
             items = entry["instructions"]
             if len(items) != len(row):
-                raise PlanError(f"plan stage {s} has {len(items)} instructions, the schedule {len(row)}; plan again for this schedule")
+                raise PlanError(
+                    f"plan stage {s} has {len(items)} instructions, the schedule {len(row)}; plan again for this schedule"
+                )
             for k, (item, ins) in enumerate(zip(items, row)):
                 where = f"plan stage {s} instruction {k}"
                 try:
-                    kind, mb, chunk, freq = Kind(item["kind"]), item["microbatch"], item.get("chunk", 0), item["frequency"]
+                    kind, mb, chunk, freq = (
+                        Kind(item["kind"]),
+                        item["microbatch"],
+                        item.get("chunk", 0),
+                        item["frequency"],
+                    )
                 except (KeyError, TypeError, ValueError):
-                    raise PlanError(f"{where}: needs kind (one of {[k.value for k in Kind]}), microbatch and frequency") from None
+                    raise PlanError(
+                        f"{where}: needs kind (one of {[k.value for k in Kind]}), microbatch and frequency"
+                    ) from None
                 if (kind, mb, chunk) != (ins.kind, ins.microbatch, ins.chunk):
-                    raise PlanError(f"{where} is {kind.value} microbatch {mb} chunk {chunk}, but the schedule runs {ins} there; plan again for this schedule")
+                    raise PlanError(
+                        f"{where} is {kind.value} microbatch {mb} chunk {chunk}, but the schedule runs {ins} there; plan again for this schedule"
+                    )
                 if not isinstance(freq, int) or isinstance(freq, bool) or freq <= 0:
                     raise PlanError(f"{where}: frequency must be a positive whole number of MHz, got {freq!r}")
                 frequencies[ins] = freq
         bound = numbers["lower_bound_j"]
         gap = doc.get("gap", (numbers["energy_j"] - bound) / bound if bound > 0 else math.inf)
         deadline = doc.get("deadline_s", numbers["iteration_time_s"])
-        return cls(frequencies, numbers["iteration_time_s"], numbers["energy_j"], bound, float(gap), float(deadline), schedule)
+        return cls(
+            frequencies, numbers["iteration_time_s"], numbers["energy_j"], bound, float(gap), float(deadline), schedule
+        )
 
 
 def _number(doc: dict, key: str) -> float:
@@ -104,4 +123,3 @@ def _number(doc: dict, key: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise PlanError(f"plan field {key!r} must be a finite number, got {value!r}")
     return float(value)
-

@@ -77,13 +77,26 @@ def plot_gantt(panels: Sequence[Panel], rows: Sequence[str], value_label: str, t
     norm = colors.Normalize(vmin=min(values, default=0.0), vmax=max(values, default=1.0))
     cmap = plt.get_cmap("RdYlBu_r")
     fig, axes = plt.subplots(
-        len(panels), 1, figsize=(14, 1.2 + 0.45 * len(rows) * len(panels)), sharex=True, squeeze=False, layout="constrained"
+        len(panels),
+        1,
+        figsize=(14, 1.2 + 0.45 * len(rows) * len(panels)),
+        sharex=True,
+        squeeze=False,
+        layout="constrained",
     )
     horizon = max((b.end for p in panels for b in p.bars), default=1.0)
     for ax, panel in zip(axes[:, 0], panels):
         labelled = len(panel.bars) <= MAX_LABELLED
         for b in panel.bars:
-            ax.barh(b.row, b.end - b.start, left=b.start, height=0.8, color=cmap(norm(b.value)), edgecolor="black", linewidth=0.3)
+            ax.barh(
+                b.row,
+                b.end - b.start,
+                left=b.start,
+                height=0.8,
+                color=cmap(norm(b.value)),
+                edgecolor="black",
+                linewidth=0.3,
+            )
             if labelled:
                 ax.text((b.start + b.end) / 2, b.row, b.label, ha="center", va="center", fontsize=6)
         if panel.path:
@@ -96,7 +109,14 @@ def plot_gantt(panels: Sequence[Panel], rows: Sequence[str], value_label: str, t
         ax.set_xlim(0, horizon * 1.01)
         ax.set_title(panel.title, fontsize=9)
     axes[-1, 0].set_xlabel(time_label)
-    fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[:, 0].tolist(), label=value_label, fraction=0.02, pad=0.01, aspect=30)
+    fig.colorbar(
+        cm.ScalarMappable(norm=norm, cmap=cmap),
+        ax=axes[:, 0].tolist(),
+        label=value_label,
+        fraction=0.02,
+        pad=0.01,
+        aspect=30,
+    )
     return _png(plt, fig)
 
 
@@ -123,7 +143,13 @@ def plot_frontier(frontier: Sequence, baselines: Mapping[str, tuple[float, float
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 5), tight_layout=True)
     ax.plot([p.time_s for p in frontier], [p.energy_j for p in frontier], "o-", markersize=3, label="Perseus frontier")
-    ax.plot([p.plan.deadline_s for p in frontier], [p.lower_bound_j for p in frontier], "--", color="gray", label="lower bound")
+    ax.plot(
+        [p.plan.deadline_s for p in frontier],
+        [p.lower_bound_j for p in frontier],
+        "--",
+        color="gray",
+        label="lower bound",
+    )
     markers = iter("s^vDPX*")
     for name, (t, e) in baselines.items():
         ax.plot([t], [e], next(markers, "o"), markersize=8, label=name)

@@ -61,7 +61,9 @@ class Walker:
         return latest
 
 
-def round_down(problem: Problem, finish_s: np.ndarray, slack_s: float = 0.0, walker: Walker | None = None) -> np.ndarray:
+def round_down(
+    problem: Problem, finish_s: np.ndarray, slack_s: float = 0.0, walker: Walker | None = None
+) -> np.ndarray:
     """Each node at the slowest choice that ends by its relaxed finish time (plus `slack_s`, a
     tolerance for the LP's own rounding). Nodes start no later than in the relaxation."""
     walker = walker or Walker(problem)
@@ -78,8 +80,9 @@ def fill_slack(problem: Problem, choice: np.ndarray, deadline_s: float, walker: 
     return np.array(walker.walk(latest), dtype=np.int64)
 
 
-
-def exchange(problem: Problem, choice: np.ndarray, deadline_s: float, walker: Walker | None = None, reach: int = 3) -> np.ndarray:
+def exchange(
+    problem: Problem, choice: np.ndarray, deadline_s: float, walker: Walker | None = None, reach: int = 3
+) -> np.ndarray:
     """Local search over dependent pairs (i -> j): re-choose both within `reach` steps of their
     current choices so that together they cost less and still fit, e.g. one instruction one step
     slower and its successor one step faster. Rounding leaves gaps shorter than any single step;

@@ -67,7 +67,8 @@ class Planner:
         # Per node, the Pareto choice that is no slower and no costlier than its highest clock:
         # a plan never worse than all-max, kept as a fallback candidate.
         self._max_frequency_dominated = np.array(
-            [self.problem.node_options(i).slowest_within(p.time) for i, p in enumerate(self._max_points())], dtype=np.int64
+            [self.problem.node_options(i).slowest_within(p.time) for i, p in enumerate(self._max_points())],
+            dtype=np.int64,
         )
         self._min_energy: Plan | None = None
         self._lock = threading.Lock()
@@ -173,7 +174,9 @@ class Planner:
             if (e, t) < (best_te[1], best_te[0]):
                 best, best_te = choice, (t, e)
         if best is None:
-            raise PlanError(f"no rounding of the relaxation met the deadline {deadline_s:.9g} s; report this with the profile")
+            raise PlanError(
+                f"no rounding of the relaxation met the deadline {deadline_s:.9g} s; report this with the profile"
+            )
         # Pair exchanges within the winner's own time: the iteration never gets longer.
         improved = exchange(self.problem, best, best_te[0], self._walker)
         t, e = self.problem.energy(improved)
@@ -182,10 +185,14 @@ class Planner:
         frequencies = self.problem.frequencies(best)
         evaluation = self.evaluator.evaluate(frequencies)
         if deadline_s is not None and evaluation.iteration_time_s > deadline_s:
-            raise PlanError(f"internal error: plan takes {evaluation.iteration_time_s!r} s, over the deadline {deadline_s!r} s")
+            raise PlanError(
+                f"internal error: plan takes {evaluation.iteration_time_s!r} s, over the deadline {deadline_s!r} s"
+            )
         # The LP optimum can exceed an optimal plan's energy only by the solver's tolerance.
         if relaxation.lower_bound_j > evaluation.energy_j * (1 + 1e-7):
-            raise PlanError(f"internal error: LP bound {relaxation.lower_bound_j!r} J above a plan's energy {evaluation.energy_j!r} J")
+            raise PlanError(
+                f"internal error: LP bound {relaxation.lower_bound_j!r} J above a plan's energy {evaluation.energy_j!r} J"
+            )
         bound = min(relaxation.lower_bound_j, evaluation.energy_j)
         return Plan(
             frequencies=frequencies,
@@ -200,7 +207,15 @@ class Planner:
 
 def _with_deadline(plan: Plan, lower_bound_j: float, deadline_s: float) -> Plan:
     bound = min(lower_bound_j, plan.energy_j)
-    return Plan(plan.frequencies, plan.iteration_time_s, plan.energy_j, bound, _gap(plan.energy_j, bound), deadline_s, plan.schedule)
+    return Plan(
+        plan.frequencies,
+        plan.iteration_time_s,
+        plan.energy_j,
+        bound,
+        _gap(plan.energy_j, bound),
+        deadline_s,
+        plan.schedule,
+    )
 
 
 def _gap(energy_j: float, bound_j: float) -> float:

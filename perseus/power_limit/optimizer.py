@@ -172,7 +172,8 @@ class GlobalPowerLimitOptimizer:
                 logger.warning(
                     "epochs have %d steps, fewer than warmup_steps + profile_steps = %d: profiling cannot "
                     "finish; lower warmup_steps or profile_steps",
-                    self._epoch_steps, self.warmup_steps + self.profile_steps,
+                    self._epoch_steps,
+                    self.warmup_steps + self.profile_steps,
                 )
             self.phase = Phase.WARMUP
             self._steps = 0
@@ -214,9 +215,7 @@ class GlobalPowerLimitOptimizer:
         m = self.monitor.end_window(self._window)
         energy_j = sum(m.gpu_energy_j[g.index] for g in self.gpus)
         limit = self.power_limits_mw[self._sweep_index]
-        self.local_measurements.append(
-            PowerLimitMeasurement(limit, m.time_s / self._steps, energy_j / self._steps)
-        )
+        self.local_measurements.append(PowerLimitMeasurement(limit, m.time_s / self._steps, energy_j / self._steps))
         logger.debug("%.0f W: %.4f s, %.2f J per step", limit / 1000, m.time_s / self._steps, energy_j / self._steps)
         self._sweep_index += 1
         self._steps = 0
@@ -323,7 +322,7 @@ def read_profile(path: str, limit_range_mw: tuple[int, int] | None = None) -> tu
     except ValueError as e:
         raise ProfileError(f"power-limit profile {path} is not valid JSON ({e}); {fix}") from None
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-        raise ProfileError(f"{path} is not a Perseus power-limit profile (no \"format\": \"{PROFILE_FORMAT}\"); {fix}")
+        raise ProfileError(f'{path} is not a Perseus power-limit profile (no "format": "{PROFILE_FORMAT}"); {fix}')
     if data.get("version") != PROFILE_VERSION:
         raise ProfileError(f"{path}: profile version {data.get('version')!r} is not {PROFILE_VERSION}; {fix}")
     num_gpus = data.get("num_gpus")
@@ -352,4 +351,3 @@ def read_profile(path: str, limit_range_mw: tuple[int, int] | None = None) -> tu
     if len({m.power_limit_mw for m in measurements}) != len(measurements):
         raise ProfileError(f"{path}: a power limit appears twice in 'measurements'; {fix}")
     return measurements, num_gpus
-

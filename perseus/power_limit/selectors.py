@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from perseus.exceptions import CarbonIntensityError, ConfigError, ProfileError
 from perseus.measurement.carbon import JOULES_PER_KWH, CarbonIntensityProvider
@@ -92,7 +92,10 @@ class ZeusCost(PowerLimitSelector):
 
     def cost(self, measurement: PowerLimitMeasurement, context: SelectionContext) -> float:
         max_power_w = context.max_power_limit_mw / 1000.0
-        return self.eta_knob * measurement.energy_j + (1 - self.eta_knob) * max_power_w * context.num_gpus * measurement.time_s
+        return (
+            self.eta_knob * measurement.energy_j
+            + (1 - self.eta_knob) * max_power_w * context.num_gpus * measurement.time_s
+        )
 
 
 class MaxSlowdownConstraint(PowerLimitSelector):
@@ -101,7 +104,9 @@ class MaxSlowdownConstraint(PowerLimitSelector):
 
     def __init__(self, factor: float) -> None:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
-            raise ConfigError(f"MaxSlowdownConstraint: factor must be >= 1.0 (1.1 = at most 10% slower), got {factor!r}")
+            raise ConfigError(
+                f"MaxSlowdownConstraint: factor must be >= 1.0 (1.1 = at most 10% slower), got {factor!r}"
+            )
         self.factor = float(factor)
 
     def select(self, measurements: Sequence[PowerLimitMeasurement], context: SelectionContext) -> int:
@@ -130,7 +135,11 @@ class CarbonCost(PowerLimitSelector):
         self.eta_knob = _check_eta(eta_knob, "CarbonCost")
         if not isinstance(provider, CarbonIntensityProvider):
             raise ConfigError(f"CarbonCost needs a CarbonIntensityProvider, got {type(provider).__name__}")
-        if not (isinstance(reference_g_per_kwh, (int, float)) and math.isfinite(reference_g_per_kwh) and reference_g_per_kwh > 0):
+        if not (
+            isinstance(reference_g_per_kwh, (int, float))
+            and math.isfinite(reference_g_per_kwh)
+            and reference_g_per_kwh > 0
+        ):
             raise ConfigError(f"CarbonCost: reference_g_per_kwh must be > 0, got {reference_g_per_kwh!r}")
         self.provider = provider
         self.reference_g_per_kwh = float(reference_g_per_kwh)

@@ -72,7 +72,9 @@ class Sweep:
         self._dropped = 1 if iterations_per_frequency > 1 else 0  # warm-up iterations per frequency
         self.early_stop_rises = early_stop_rises
         # frequency -> (virtual stage, kind) -> [(time s, energy J)]
-        self._samples: dict[int, dict[tuple[int, str], list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+        self._samples: dict[int, dict[tuple[int, str], list[tuple[float, float]]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
         self._measured_iterations: dict[int, int] = defaultdict(int)
         self._blocking: list[float] = []  # W, one per long-enough gap
         self._energy: dict[int, float] = {}  # J per iteration, per completed frequency
@@ -181,8 +183,7 @@ class Sweep:
     def _iteration_energy(self, frequency: int) -> float:
         n = self._measured_iterations[frequency]
         return sum(
-            statistics.median(s[1] for s in samples) * len(samples) / n
-            for samples in self._samples[frequency].values()
+            statistics.median(s[1] for s in samples) * len(samples) / n for samples in self._samples[frequency].values()
         )
 
 
@@ -243,5 +244,7 @@ class OnlineProfiler:
         try:
             return self.gpu.power_mw() / 1000.0
         except DeviceError as e:
-            logger.warning("stage %d: cannot read the GPU's power for the fallback blocking power (%s)", self.sweep.stage, e)
+            logger.warning(
+                "stage %d: cannot read the GPU's power for the fallback blocking power (%s)", self.sweep.stage, e
+            )
             return None

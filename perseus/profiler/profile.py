@@ -92,7 +92,9 @@ class Profile:
     def _points(self, stage: int, kind: Kind | str) -> list[ProfilePoint]:
         key = (stage, Kind(kind).value)
         if key not in self.points:
-            raise ProfileError(f"profile has no rows for stage {stage} instruction {key[1]}; profile that stage and kind")
+            raise ProfileError(
+                f"profile has no rows for stage {stage} instruction {key[1]}; profile that stage and kind"
+            )
         return self.points[key]
 
     def frequencies(self, stage: int, kind: Kind | str) -> list[int]:
@@ -140,7 +142,9 @@ class Profile:
                     raise ProfileError(f"{where} appears twice; keep one measurement per frequency")
                 seen.add(p.frequency)
             if [p.frequency for p in pts] != sorted(seen, reverse=True):
-                raise ProfileError(f"stage {stage} instruction {kind}: points must be sorted by frequency, highest first")
+                raise ProfileError(
+                    f"stage {stage} instruction {kind}: points must be sorted by frequency, highest first"
+                )
         if schedule is not None:
             self._check_covers(schedule)
 
@@ -155,9 +159,14 @@ class Profile:
                     f"{self.stages()}; profile every stage of the pipeline (or use a schedule with fewer stages)"
                 )
             hint = ""
-            if kind in (Kind.BACKWARD_INPUT.value, Kind.BACKWARD_WEIGHT.value) and (stage, Kind.BACKWARD.value) in self.points:
+            if (
+                kind in (Kind.BACKWARD_INPUT.value, Kind.BACKWARD_WEIGHT.value)
+                and (stage, Kind.BACKWARD.value) in self.points
+            ):
                 hint = "; profile I and W separately, or derive them with profile.with_split_backward(input_fraction)"
-            raise ProfileError(f"schedule {schedule.name!r} needs rows for stage {stage} instruction {kind}, which the profile lacks{hint}")
+            raise ProfileError(
+                f"schedule {schedule.name!r} needs rows for stage {stage} instruction {kind}, which the profile lacks{hint}"
+            )
 
     def with_split_backward(self, input_fraction: float = 0.5) -> Profile:
         """A copy with `backward_input` and `backward_weight` rows derived from `backward`: I takes
@@ -169,8 +178,13 @@ class Profile:
         for (stage, kind), pts in self.points.items():
             if kind != Kind.BACKWARD.value:
                 continue
-            for new_kind, share in ((Kind.BACKWARD_INPUT.value, input_fraction), (Kind.BACKWARD_WEIGHT.value, 1.0 - input_fraction)):
-                points.setdefault((stage, new_kind), [ProfilePoint(p.frequency, p.time * share, p.energy * share) for p in pts])
+            for new_kind, share in (
+                (Kind.BACKWARD_INPUT.value, input_fraction),
+                (Kind.BACKWARD_WEIGHT.value, 1.0 - input_fraction),
+            ):
+                points.setdefault(
+                    (stage, new_kind), [ProfilePoint(p.frequency, p.time * share, p.energy * share) for p in pts]
+                )
         return Profile(points, self.blocking_power_w, dict(self.meta))
 
     def with_overheads(self, instruction_s: float = 0.0, hop_s: float = 0.0, num_stages: int | None = None) -> Profile:
@@ -191,8 +205,15 @@ class Profile:
         stages = self.stages()
         if num_stages is None:
             num_stages = stages[-1] + 1 if stages else 1
-        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1 or (stages and stages[-1] >= num_stages):
-            raise ConfigError(f"num_stages must be a whole number covering the profile's stages {stages}, got {num_stages!r}")
+        if (
+            isinstance(num_stages, bool)
+            or not isinstance(num_stages, int)
+            or num_stages < 1
+            or (stages and stages[-1] >= num_stages)
+        ):
+            raise ConfigError(
+                f"num_stages must be a whole number covering the profile's stages {stages}, got {num_stages!r}"
+            )
         last = num_stages - 1
 
         def receives(stage: int, kind: str) -> bool:
@@ -203,7 +224,9 @@ class Profile:
         points = {}
         for (stage, kind), pts in self.points.items():
             added = instruction_s + (hop_s if receives(stage, kind) else 0.0)
-            points[(stage, kind)] = [ProfilePoint(p.frequency, p.time + added, p.energy + self.blocking_power_w * added) for p in pts]
+            points[(stage, kind)] = [
+                ProfilePoint(p.frequency, p.time + added, p.energy + self.blocking_power_w * added) for p in pts
+            ]
         return Profile(points, self.blocking_power_w, dict(self.meta))
 
 
@@ -214,7 +237,9 @@ def _show(value: object) -> str:
     if isinstance(value, (str, int, float)):
         text = repr(value)
         return text if len(text) <= 40 else text[:37] + "..."
-    return {list: "[...]", dict: "{...}"}.get(type(value), f"<{type(value).__name__}>")  # no repr: it could be huge or too deep
+    return {list: "[...]", dict: "{...}"}.get(
+        type(value), f"<{type(value).__name__}>"
+    )  # no repr: it could be huge or too deep
 
 
 def _value(raw: object, name: str) -> float:
@@ -228,7 +253,9 @@ def _value(raw: object, name: str) -> float:
     low, high, unit = LIMITS[name]
     if not low <= value <= high:  # nan fails too
         positive = "positive, " if low > 0 else ""
-        raise ProfileError(f"{name} is {value}, but it must be {positive}between {low:.10g} and {high:.10g}{unit}; fix or re-measure it")
+        raise ProfileError(
+            f"{name} is {value}, but it must be {positive}between {low:.10g} and {high:.10g}{unit}; fix or re-measure it"
+        )
     return value
 
 
@@ -239,7 +266,9 @@ def _whole(raw: object, name: str) -> int:
     return int(value)
 
 
-def _checked(stage: object, kind: object, frequency: object, time: object, energy: object) -> tuple[int, str, ProfilePoint]:
+def _checked(
+    stage: object, kind: object, frequency: object, time: object, energy: object
+) -> tuple[int, str, ProfilePoint]:
     """One row parsed and range-checked: the single check of every point, read from a file or
     validated in memory. Errors carry no location; the caller prefixes it."""
     if kind not in KINDS:
@@ -250,7 +279,13 @@ def _checked(stage: object, kind: object, frequency: object, time: object, energ
     return _whole(stage, "stage"), kind, point  # type: ignore[return-value]
 
 
-def _from_rows(path: Path, rows: Callable[[], Iterator[tuple[int, tuple]]], where: Callable[[int], str], power: object, meta: dict[str, str]) -> Profile:
+def _from_rows(
+    path: Path,
+    rows: Callable[[], Iterator[tuple[int, tuple]]],
+    where: Callable[[int], str],
+    power: object,
+    meta: dict[str, str],
+) -> Profile:
     """A Profile from the (location, row values) pairs `rows()` yields, each checked as it is
     read. `where` formats a location only for an error, and `rows()` runs again only to find
     where a duplicate first appeared: a valid file pays for neither."""
@@ -268,7 +303,9 @@ def _from_rows(path: Path, rows: Callable[[], Iterator[tuple[int, tuple]]], wher
     for count, (loc, values) in enumerate(rows(), 1):
         try:
             if count > MAX_ROWS:
-                raise ProfileError(f"more than {MAX_ROWS} rows, the limit for a profile; keep one row per stage, instruction and frequency")
+                raise ProfileError(
+                    f"more than {MAX_ROWS} rows, the limit for a profile; keep one row per stage, instruction and frequency"
+                )
             stage, kind, point = _checked(*values)
         except ProfileError as e:
             raise ProfileError(f"{where(loc)}: {e}") from None
@@ -305,7 +342,9 @@ def _read_csv(path: Path, data: bytes, blocking_power_w: float | None) -> Profil
             try:
                 yield line.decode()
             except UnicodeDecodeError as e:
-                raise ProfileError(f"{path}:{number}: byte {line[e.start]:#04x} is not UTF-8 text; save the profile as UTF-8") from None
+                raise ProfileError(
+                    f"{path}:{number}: byte {line[e.start]:#04x} is not UTF-8 text; save the profile as UTF-8"
+                ) from None
 
     def rows() -> Iterator[tuple[int, tuple]]:
         reader = csv.reader(lines())
@@ -322,10 +361,14 @@ def _read_csv(path: Path, data: bytes, blocking_power_w: float | None) -> Profil
                         continue  # a blank line
                     if len(row) != width:
                         problem = "more fields than the header" if len(row) > width else "too few fields for the header"
-                        raise ProfileError(f"{path}:{reader.line_num}: row has {problem}; expected {','.join(CSV_COLUMNS)}")
+                        raise ProfileError(
+                            f"{path}:{reader.line_num}: row has {problem}; expected {','.join(CSV_COLUMNS)}"
+                        )
                 yield reader.line_num, pick(row)
         except csv.Error as e:
-            raise ProfileError(f"{path}:{reader.line_num}: not valid CSV ({e}); expected {','.join(CSV_COLUMNS)}") from None
+            raise ProfileError(
+                f"{path}:{reader.line_num}: not valid CSV ({e}); expected {','.join(CSV_COLUMNS)}"
+            ) from None
 
     return _from_rows(path, rows, lambda line: f"{path}:{line}", blocking_power_w, {})
 
@@ -334,15 +377,21 @@ def _read_json(path: Path, data: bytes, blocking_power_w: float | None) -> Profi
     try:
         doc = json.loads(data)  # bytes: UTF-8 with or without a byte-order mark, or UTF-16/32
     except (ValueError, RecursionError) as e:  # ValueError: also bad UTF-8; RecursionError: nested too deep
-        raise ProfileError(f"{path}: not valid JSON ({type(e).__name__}: {e}); write it with perseus.profiler.save_profile") from None
+        raise ProfileError(
+            f"{path}: not valid JSON ({type(e).__name__}: {e}); write it with perseus.profiler.save_profile"
+        ) from None
     if not isinstance(doc, dict) or doc.get("format") != JSON_FORMAT or not isinstance(doc.get("points"), list):
-        raise ProfileError(f"{path}: not a Perseus profile (expected an object with format {JSON_FORMAT!r} and a 'points' list)")
+        raise ProfileError(
+            f"{path}: not a Perseus profile (expected an object with format {JSON_FORMAT!r} and a 'points' list)"
+        )
     power = blocking_power_w if blocking_power_w is not None else doc.get("blocking_power_w")
     if power is None:
         raise ProfileError(f"{path}: no blocking_power_w in the file; pass blocking_power_w")
     meta = doc.get("meta", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise ProfileError(f"{path}: meta must be an object mapping strings to strings, got {_show(meta)}; fix or remove it")
+        raise ProfileError(
+            f"{path}: meta must be an object mapping strings to strings, got {_show(meta)}; fix or remove it"
+        )
 
     def rows() -> Iterator[tuple[int, tuple]]:
         for i, row in enumerate(doc["points"]):
@@ -367,7 +416,9 @@ def load_profile(path: str | os.PathLike, blocking_power_w: float | None = None)
     except OSError as exc:
         raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
     if len(data) > MAX_BYTES:
-        raise ProfileError(f"{path}: larger than {MAX_BYTES >> 20} MiB, the limit for a profile; keep one row per stage, instruction and frequency")
+        raise ProfileError(
+            f"{path}: larger than {MAX_BYTES >> 20} MiB, the limit for a profile; keep one row per stage, instruction and frequency"
+        )
     reader = _read_csv if suffix == ".csv" else _read_json
     return reader(path, data, blocking_power_w)
 

@@ -57,7 +57,13 @@ class PlannerPort(Protocol):
         ...
 
     def report_iteration(
-        self, job_id: str, rank: int, iteration: int, time_s: float, energy_j: float, compute_time_s: float | None = None
+        self,
+        job_id: str,
+        rank: int,
+        iteration: int,
+        time_s: float,
+        energy_j: float,
+        compute_time_s: float | None = None,
     ) -> None:
         """One iteration's measured time and energy on this rank's GPU. Never raises."""
         ...

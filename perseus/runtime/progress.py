@@ -19,8 +19,14 @@ class Progress:
         self._last: tuple[Phase, int | None] | None = None
         self._open_line = False
 
-    def update(self, iteration: int, phase: Phase, frequency: int | None = None,
-               done: int | None = None, total: int | None = None) -> None:
+    def update(
+        self,
+        iteration: int,
+        phase: Phase,
+        frequency: int | None = None,
+        done: int | None = None,
+        total: int | None = None,
+    ) -> None:
         """`done`/`total`: progress through the profiling sweep (frequencies finished / planned)."""
         clock = "default clocks" if frequency is None else f"{frequency} MHz"
         sweep = f" [{done}/{total}]" if done is not None and total else ""

@@ -120,8 +120,15 @@ class PerseusRank:
         on_iteration: Callable[[IterationRecord], None] | None = None,
     ) -> None:
         self.parallelism = resolve_parallelism(
-            schedule, stage, parallelism,
-            rank=rank, dp=dp, dp_index=dp_index, tp=tp, tp_index=tp_index, rank_mapping=rank_mapping,
+            schedule,
+            stage,
+            parallelism,
+            rank=rank,
+            dp=dp,
+            dp_index=dp_index,
+            tp=tp,
+            tp_index=tp_index,
+            rank_mapping=rank_mapping,
         )
         self.gpu = gpu
         self.schedule = schedule
@@ -141,7 +148,8 @@ class PerseusRank:
 
         freqs = self.settings.frequencies or tuple(gpu.supported_frequencies())
         self.sweep = Sweep(
-            stage, freqs,
+            stage,
+            freqs,
             warmup_iterations=self.settings.warmup_iterations,
             iterations_per_frequency=self.settings.iterations_per_frequency,
             early_stop_rises=self.settings.early_stop_rises,
@@ -222,7 +230,9 @@ class PerseusRank:
             self._done, self._compute_end = 0, None
             self._step_start = (self.gpu.clock.now(), self.gpu.energy_mj())
         except Exception as e:
-            self._warn_once("step_begin", f"Perseus failed at the start of iteration {self.iteration}: {e!r}; training continues")
+            self._warn_once(
+                "step_begin", f"Perseus failed at the start of iteration {self.iteration}: {e!r}; training continues"
+            )
 
     def on_instruction_begin(self, kind: str, microbatch: int, chunk: int = 0) -> None:
         """Right before an instruction's computation (kind: forward, backward, backward_input, backward_weight)."""
@@ -237,7 +247,9 @@ class PerseusRank:
             if self._profiling:
                 self.profiler.before_instruction()
         except Exception as e:
-            self._warn_once("instruction_begin", f"Perseus failed before {kind} {microbatch}: {e!r}; training continues")
+            self._warn_once(
+                "instruction_begin", f"Perseus failed before {kind} {microbatch}: {e!r}; training continues"
+            )
 
     def on_instruction_end(self, kind: str, microbatch: int, chunk: int = 0) -> None:
         """Right after an instruction's computation was issued."""
@@ -261,7 +273,9 @@ class PerseusRank:
         try:
             self._end_iteration()
         except Exception as e:
-            self._warn_once("step_end", f"Perseus failed at the end of iteration {self.iteration}: {e!r}; training continues")
+            self._warn_once(
+                "step_end", f"Perseus failed at the end of iteration {self.iteration}: {e!r}; training continues"
+            )
 
     def pause(self) -> None:
         """Leave Perseus' control until the next step (e.g. evaluation): end the step, default clocks."""
@@ -343,7 +357,12 @@ class PerseusRank:
         # Only an iteration that ran exactly this rank's instructions has a compute part.
         compute = self._compute_end - t0 if self._compute_end is not None and self._done == len(self.order) else None
         record = IterationRecord(
-            self.iteration, self.phase, self._frequency, self.plan_version, t1 - t0, (e1 - e0) / 1000.0,
+            self.iteration,
+            self.phase,
+            self._frequency,
+            self.plan_version,
+            t1 - t0,
+            (e1 - e0) / 1000.0,
             compute if compute is not None and compute > 0 else None,
         )
         self.last_iteration = record
@@ -353,7 +372,12 @@ class PerseusRank:
         job_iteration = self.job_iteration
         if self._client is not None and self._job_id is not None and job_iteration is not None:
             self._client.report_iteration(
-                self._job_id, self.rank, job_iteration, record.time_s, record.energy_j, compute_time_s=record.compute_time_s
+                self._job_id,
+                self.rank,
+                job_iteration,
+                record.time_s,
+                record.energy_j,
+                compute_time_s=record.compute_time_s,
             )
         if self._on_iteration is not None:
             self._on_iteration(record)
@@ -362,8 +386,11 @@ class PerseusRank:
         profile = self.profiler.profile()
         self.controller.set_uniform(None)
         logger.info(
-            "rank %d: stage %d profiled at %d clocks (%s MHz)", self.rank, self.stage,
-            len(self.sweep.profiled_frequencies), profile.meta.get("frequencies", ""),
+            "rank %d: stage %d profiled at %d clocks (%s MHz)",
+            self.rank,
+            self.stage,
+            len(self.sweep.profiled_frequencies),
+            profile.meta.get("frequencies", ""),
         )
         if self._client is not None and self._job_id is not None:
             # Every replica offers it: the client sends it only if the planner's table names this
@@ -386,7 +413,10 @@ class PerseusRank:
                 self._offset = self.iteration
             return self._client.assignment(self.iteration - self._offset)
         except Exception as e:
-            self._warn_once("assignment", f"asking the planner for iteration {self.iteration} failed ({e!r}); keeping the current clocks")
+            self._warn_once(
+                "assignment",
+                f"asking the planner for iteration {self.iteration} failed ({e!r}); keeping the current clocks",
+            )
             return None
 
     def _await_planner(self) -> None:
@@ -428,7 +458,11 @@ class PerseusRank:
         """This rank as it registers itself."""
         layout = self.parallelism
         return RankInfo(
-            self.rank, layout.stage, dp_index=layout.dp_index, tp_index=layout.tp_index, gpu_model=self.gpu.name(),
+            self.rank,
+            layout.stage,
+            dp_index=layout.dp_index,
+            tp_index=layout.tp_index,
+            gpu_model=self.gpu.name(),
             frequencies=tuple(self.gpu.supported_frequencies()),
         )
 
@@ -445,13 +479,18 @@ class PerseusRank:
                 self._job_id = job_id
                 return
             except (ConfigError, ServiceError) as e:
-                logger.error("rank %d: the Perseus planner refused this job (%s); running at default clocks", self.rank, e)
+                logger.error(
+                    "rank %d: the Perseus planner refused this job (%s); running at default clocks", self.rank, e
+                )
                 return
             except Exception as e:
                 if not warned:
                     logger.warning(
                         "rank %d: cannot reach the Perseus planner (%r); training runs at default clocks "
-                        "and registration is retried every %g s", self.rank, e, retry_s,
+                        "and registration is retried every %g s",
+                        self.rank,
+                        e,
+                        retry_s,
                     )
                     warned = True
             self._stop.wait(retry_s)

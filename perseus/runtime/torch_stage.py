@@ -133,7 +133,15 @@ def instrument(
     if parallelism is None and rank is None:
         rank = _global_rank(pp_rank)
     layout = resolve_parallelism(
-        plan, pp_rank, parallelism, rank=rank, dp=dp, dp_index=dp_index, tp=tp, tp_index=tp_index, rank_mapping=rank_mapping
+        plan,
+        pp_rank,
+        parallelism,
+        rank=rank,
+        dp=dp,
+        dp_index=dp_index,
+        tp=tp,
+        tp_index=tp_index,
+        rank_mapping=rank_mapping,
     )
     own_client = client is None or isinstance(client, str)
     if security is not None and not own_client:
@@ -250,7 +258,9 @@ def _resolve_schedule(schedule: Any, num_microbatches: int | None, group_size: i
         plan = build_schedule(name, group_size, schedule._n_microbatches)
     elif getattr(schedule, "pipeline_order", None) is not None and hasattr(schedule, "_stages"):
         plan = from_torch_pipeline_order(
-            schedule.pipeline_order, schedule._n_microbatches, num_stages=stages[0].num_stages,
+            schedule.pipeline_order,
+            schedule._n_microbatches,
+            num_stages=stages[0].num_stages,
             name=type(schedule).__name__,
         )
     else:
@@ -268,7 +278,9 @@ def _resolve_schedule(schedule: Any, num_microbatches: int | None, group_size: i
     return plan
 
 
-def _resolve_client(client: PlannerPort | str | Literal[False] | None, security: Security | None = None) -> PlannerPort | None:
+def _resolve_client(
+    client: PlannerPort | str | Literal[False] | None, security: Security | None = None
+) -> PlannerPort | None:
     if client is False:
         return None
     if client is None or isinstance(client, str):
@@ -286,5 +298,7 @@ def _global_rank(default: int) -> int:
     try:
         return dist.get_rank()
     except (RuntimeError, ValueError) as e:  # the default group torn down meanwhile, or not usable
-        logger.warning("torch.distributed.get_rank() failed (%s); taking the pipeline rank %d as the global rank", e, default)
+        logger.warning(
+            "torch.distributed.get_rank() failed (%s); taking the pipeline rank %d as the global rank", e, default
+        )
         return default

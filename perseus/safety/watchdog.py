@@ -48,7 +48,7 @@ def backend_of(gpus: Sequence[GPU]) -> tuple[str, dict[str, str]]:
     backends = {(g.preset.name, os.path.dirname(g.state_path)) for g in sims}
     if len(sims) != len(gpus) or len(backends) != 1:
         raise ConfigError(f"one watchdog serves GPUs of one backend, preset and state folder; got {list(gpus)}")
-    (preset, folder), = backends
+    ((preset, folder),) = backends
     return f"sim:{preset}:{max(g.index for g in sims) + 1}", {SIM_DIR_ENV: folder}
 
 
@@ -143,7 +143,9 @@ def reset(gpus: Sequence[GPU], resets: Sequence[str]) -> int:
             try:
                 getattr(gpu, f"reset_{name}")()  # reset_sm_clock, reset_power_limit
             except Exception as e:
-                print(f"perseus watchdog: resetting the {name.replace('_', ' ')} of {gpu!r} failed: {e}", file=sys.stderr)
+                print(
+                    f"perseus watchdog: resetting the {name.replace('_', ' ')} of {gpu!r} failed: {e}", file=sys.stderr
+                )
                 failed = True
     return 1 if failed else 0
 

@@ -99,9 +99,13 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int) ->
         )
     rows = tuple(
         _rank_ops(
-            r, num_stages, num_microbatches, num_chunks,
+            r,
+            num_stages,
+            num_microbatches,
+            num_chunks,
             warmup=min((num_chunks - 1) * num_stages + 2 * (num_stages - 1 - r), num_chunks * num_microbatches),
-            backward_kind=B, weight_delay=None,
+            backward_kind=B,
+            weight_delay=None,
         )
         for r in range(num_stages)
     )
@@ -114,8 +118,13 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     the cool-down bubble. Same order as torch's ScheduleInterleavedZeroBubble with one stage per rank."""
     rows = tuple(
         _rank_ops(
-            r, num_stages, num_microbatches, 1,
-            warmup=min(num_stages - 1 - r, num_microbatches), backward_kind=I, weight_delay=r,
+            r,
+            num_stages,
+            num_microbatches,
+            1,
+            warmup=min(num_stages - 1 - r, num_microbatches),
+            backward_kind=I,
+            weight_delay=r,
         )
         for r in range(num_stages)
     )
@@ -139,5 +148,7 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"number of {what} must be a positive integer, got {value!r}")
     if num_chunks != 1 and name != "interleaved-1f1b":
-        raise ConfigError(f"schedule {name!r} runs one chunk per rank; num_chunks={num_chunks} needs 'interleaved-1f1b'")
+        raise ConfigError(
+            f"schedule {name!r} runs one chunk per rank; num_chunks={num_chunks} needs 'interleaved-1f1b'"
+        )
     return _BUILDERS[name](num_stages, num_microbatches, num_chunks)

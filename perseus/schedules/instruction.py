@@ -104,11 +104,17 @@ class Schedule:
         for rank, row in enumerate(self.stages):
             for ins in row:
                 if ins.stage != rank:
-                    raise ScheduleError(f"schedule {self.name!r}: {ins} is listed on stage {rank}; its stage field must equal the rank that runs it")
+                    raise ScheduleError(
+                        f"schedule {self.name!r}: {ins} is listed on stage {rank}; its stage field must equal the rank that runs it"
+                    )
                 if not 0 <= ins.chunk < self.num_chunks:
-                    raise ScheduleError(f"schedule {self.name!r}: {ins} has chunk {ins.chunk}, outside 0..{self.num_chunks - 1}")
+                    raise ScheduleError(
+                        f"schedule {self.name!r}: {ins} has chunk {ins.chunk}, outside 0..{self.num_chunks - 1}"
+                    )
                 if not 0 <= ins.microbatch < self.num_microbatches:
-                    raise ScheduleError(f"schedule {self.name!r}: {ins} has microbatch {ins.microbatch}, outside 0..{self.num_microbatches - 1}")
+                    raise ScheduleError(
+                        f"schedule {self.name!r}: {ins} has microbatch {ins.microbatch}, outside 0..{self.num_microbatches - 1}"
+                    )
                 key = (self.virtual_stage(ins), ins.kind, ins.microbatch)
                 seen[key] += 1
                 if seen[key] > 1:

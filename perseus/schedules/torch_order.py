@@ -75,7 +75,9 @@ def from_torch_pipeline_order(
     missing = sorted(set(range(num_stages)) - set(stage_rank))
     extra = sorted(set(stage_rank) - set(range(num_stages)))
     if missing or extra:
-        raise ScheduleError(f"pipeline_order lacks torch stages {missing} or has out-of-range stages {extra} (expected 0..{num_stages - 1})")
+        raise ScheduleError(
+            f"pipeline_order lacks torch stages {missing} or has out-of-range stages {extra} (expected 0..{num_stages - 1})"
+        )
     style = _style(stage_rank, num_ranks, num_stages)
 
     rows = []

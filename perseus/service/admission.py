@@ -26,7 +26,9 @@ class Admission:
     whether the job has work on the service's threads; `evict(job_id, why)`: forget a job
     everywhere (the service's hook; it calls `remove`)."""
 
-    def __init__(self, budget: Budget, clock: Callable[[], float], busy: Callable[[str], bool], evict: Callable[[str, str], None]) -> None:
+    def __init__(
+        self, budget: Budget, clock: Callable[[], float], busy: Callable[[str], bool], evict: Callable[[str, str], None]
+    ) -> None:
         self.budget = budget
         self.clock = clock
         self.jobs: dict[str, Job] = {}
@@ -38,7 +40,10 @@ class Admission:
     def get(self, job_id: str) -> Job:
         """The job a request names (now active); ServiceError (unknown_job) if there is none."""
         if job_id not in self.jobs:
-            raise ServiceError(ErrorCode.UNKNOWN_JOB.value, f"no job {job_id} on this service; rank 0 registers the job (register_job) first")
+            raise ServiceError(
+                ErrorCode.UNKNOWN_JOB.value,
+                f"no job {job_id} on this service; rank 0 registers the job (register_job) first",
+            )
         self.touch(job_id)
         return self.jobs[job_id]
 
@@ -54,10 +59,14 @@ class Admission:
             (spec.dp, budget.max_job_pipelines, "data-parallel pipelines (dp)", "--max-job-pipelines"),
         ):
             if value > limit:
-                raise _over_budget(f"job has {value} {what}; this service admits at most {limit} per job (operator: {flag})")
+                raise _over_budget(
+                    f"job has {value} {what}; this service admits at most {limit} per job (operator: {flag})"
+                )
         cost = job_cost_bytes(spec)
         if cost > budget.memory_bytes:
-            raise _over_budget(f"job needs about {cost >> 20} MiB of service memory; the budget is {budget.memory_bytes >> 20} MiB (operator: --memory-budget-mib)")
+            raise _over_budget(
+                f"job needs about {cost >> 20} MiB of service memory; the budget is {budget.memory_bytes >> 20} MiB (operator: --memory-budget-mib)"
+            )
         now = self.clock()
         while len(self.jobs) >= budget.max_jobs or sum(self._costs.values()) + cost > budget.memory_bytes:
             idle = [(self._active.get(j, now), j) for j in self.jobs if not self._busy(j)]

@@ -49,12 +49,21 @@ class Budget:
     evict_idle_s: float = 600.0
 
     def __post_init__(self) -> None:
-        for name in ("max_jobs", "memory_bytes", "max_job_ranks", "max_job_pipelines", "max_plan_choices", "planning_workers"):
+        for name in (
+            "max_jobs",
+            "memory_bytes",
+            "max_job_ranks",
+            "max_job_pipelines",
+            "max_plan_choices",
+            "planning_workers",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"budget {name} must be a positive integer, got {value!r}")
         if self.max_jobs > 100_000:
-            raise ConfigError(f"budget max_jobs is at most 100000 (one status reply lists every job), got {self.max_jobs}")
+            raise ConfigError(
+                f"budget max_jobs is at most 100000 (one status reply lists every job), got {self.max_jobs}"
+            )
         for name in ("job_ttl_s", "evict_idle_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
@@ -66,7 +75,9 @@ def job_cost_bytes(spec: JobSpec) -> int:
     if spec.stage_orders is not None:
         instructions = sum(map(len, spec.stage_orders))
     else:
-        instructions = 3 * spec.pp * spec.num_microbatches * spec.num_chunks  # forward, backward, and weight with zero bubble
+        instructions = (
+            3 * spec.pp * spec.num_microbatches * spec.num_chunks
+        )  # forward, backward, and weight with zero bubble
     rows = 3 * spec.pp * spec.num_chunks * len(spec.sweep_frequencies or range(PROFILED_FREQUENCIES))
     return (
         BYTES_PER_JOB

@@ -125,7 +125,9 @@ class Job:
         self.note_iteration(iteration)
         plan = self.plans.get(info.dp_index)
         if plan is not None and plan.models and plan.models[info.stage] != info.gpu_model:
-            plan = None  # planned for another GPU (the rank came back on a new one): max clocks until its plan is solved
+            plan = (
+                None  # planned for another GPU (the rank came back on a new one): max clocks until its plan is solved
+            )
         frequencies = plan.stage_frequencies[info.stage] if plan is not None and plan.version != known_version else None
         return Table(
             phase=self.phase.value,

@@ -37,7 +37,9 @@ class Measurements:
         spec = self.spec
         self.tally = IterationTally(spec.world_size)
         self.pipeline_tally = [IterationTally(spec.pp * spec.tp) for _ in range(spec.dp)]
-        self.history: list[deque[tuple[int, float]]] = [deque(maxlen=HISTORY) for _ in range(spec.dp)]  # (start, planned time)
+        self.history: list[deque[tuple[int, float]]] = [
+            deque(maxlen=HISTORY) for _ in range(spec.dp)
+        ]  # (start, planned time)
         for k, plan in plans.items():
             self.history[k].append((plan.start_iteration, plan.iteration_time_s))
         self.measured_time: list[deque[float]] = [deque(maxlen=RECENT) for _ in range(spec.dp)]
@@ -59,7 +61,11 @@ class Measurements:
         self.planned = Mean()
 
     def record(
-        self, info: RankInfo, report: ReportIteration, plans: dict[int, PublishedPlan], base_time_s: Callable[[int], float | None]
+        self,
+        info: RankInfo,
+        report: ReportIteration,
+        plans: dict[int, PublishedPlan],
+        base_time_s: Callable[[int], float | None],
     ) -> tuple[Measured, bool] | None:
         """Add one rank's report; (the iteration's total, whether it ran a plan) once complete.
         Each pipeline's iterations also feed the straggler detector, at the scale of its
@@ -76,7 +82,9 @@ class Measurements:
             self.baseline.add(measured)
         return measured, False
 
-    def _record_pipeline(self, info: RankInfo, report: ReportIteration, base_time_s: Callable[[int], float | None]) -> None:
+    def _record_pipeline(
+        self, info: RankInfo, report: ReportIteration, base_time_s: Callable[[int], float | None]
+    ) -> None:
         k = info.dp_index
         time_s = report.time_s if report.compute_time_s is None else report.compute_time_s
         measured = self.pipeline_tally[k].add(report.rank, report.iteration, time_s, report.energy_j)
@@ -113,14 +121,21 @@ class Measurements:
         if current is None:
             log.info("job %s: pipeline %d recovered; back to the no-slowdown plans", self.job_id, previous.pipeline)
         else:
-            log.info("job %s: pipeline %d straggles (%.3fx the others' iteration time)", self.job_id, current.pipeline, current.factor)
+            log.info(
+                "job %s: pipeline %d straggles (%.3fx the others' iteration time)",
+                self.job_id,
+                current.pipeline,
+                current.factor,
+            )
         return True
 
     def declare(self, pipeline: int, factor: float | None) -> None:
         """An operator's word that `pipeline` runs `factor` x its planned time (None: it no longer does)."""
         dp = self.spec.dp
         if pipeline >= dp:
-            raise bad_field(f"pipeline {pipeline} does not exist: job {self.job_id} has dp={dp} (pipelines 0..{dp - 1})")
+            raise bad_field(
+                f"pipeline {pipeline} does not exist: job {self.job_id} has dp={dp} (pipelines 0..{dp - 1})"
+            )
         if factor is None:
             self.declared.pop(pipeline, None)
         else:

@@ -64,9 +64,18 @@ def restore(job: Job, doc: dict[str, Any], stage_profiles: dict[str, Profile], c
             job.add_cached(model, cached[model])
     uploads = doc.get("uploads")
     if uploads is None:  # an earlier release: stage-<s> files of the job's model
-        uploads = [[spec.gpu_model, int(n.removeprefix("stage-")), 0, n] for n in stage_profiles if n.removeprefix("stage-").isdigit()]
+        uploads = [
+            [spec.gpu_model, int(n.removeprefix("stage-")), 0, n]
+            for n in stage_profiles
+            if n.removeprefix("stage-").isdigit()
+        ]
     for model, stage, tp_index, name in uploads:
-        if name in stage_profiles and 0 <= stage < spec.pp and 0 <= tp_index < spec.tp and stage not in profiling.stages_of(model):
+        if (
+            name in stage_profiles
+            and 0 <= stage < spec.pp
+            and 0 <= tp_index < spec.tp
+            and stage not in profiling.stages_of(model)
+        ):
             profiling.take(model, stage, tp_index, stage_profiles[name], name)
     if spec.gpu_model in profiling.cached:
         profiling.sweep = ()

@@ -22,7 +22,8 @@ def job_schedule(spec: JobSpec) -> Schedule:
             schedule = build_schedule(spec.schedule_name, spec.pp, spec.num_microbatches, spec.num_chunks)
         else:
             stages = tuple(
-                tuple(Instruction(s, Kind(kind), mb, chunk) for kind, mb, chunk in order) for s, order in enumerate(spec.stage_orders)
+                tuple(Instruction(s, Kind(kind), mb, chunk) for kind, mb, chunk in order)
+                for s, order in enumerate(spec.stage_orders)
             )
             schedule = Schedule(spec.schedule_name, spec.num_microbatches, stages, spec.num_chunks, spec.schedule_style)
         schedule.validate()
@@ -41,11 +42,15 @@ def check_stage_profile(schedule: Schedule, stage: int, profile: Profile) -> Non
     allowed = rank_profile_stages(schedule, stage)
     foreign = sorted({s for s, _ in profile.points} - allowed)
     if foreign:
-        raise ConfigError(f"profile of stage {stage} has rows for stages {foreign}; upload each stage's rows from its own rank")
+        raise ConfigError(
+            f"profile of stage {stage} has rows for stages {foreign}; upload each stage's rows from its own rank"
+        )
     for ins in schedule.stages[stage]:
         kind = ins.kind.value
         if (schedule.virtual_stage(ins), kind) not in profile.points and (stage, kind) not in profile.points:
-            raise ConfigError(f"profile of stage {stage} lacks {kind} rows, which {ins} needs; profile every instruction kind the stage runs")
+            raise ConfigError(
+                f"profile of stage {stage} lacks {kind} rows, which {ins} needs; profile every instruction kind the stage runs"
+            )
 
 
 def merge_profiles(stage_profiles: dict[int, Profile], blocking_power_w: float | None) -> Profile:
@@ -103,7 +108,9 @@ def plan_pipeline(planner: Any, deadline_s: float | None = None) -> tuple[PlanRe
     for s, row in enumerate(schedule.stages):
         freqs = tuple(int(f) for f in plan.stage_frequencies(s))
         if len(freqs) != len(row):
-            raise PlanError(f"planner returned {len(freqs)} frequencies for stage {s}, which runs {len(row)} instructions")
+            raise PlanError(
+                f"planner returned {len(freqs)} frequencies for stage {s}, which runs {len(row)} instructions"
+            )
         stage_frequencies.append(freqs)
     result = PlanResult(
         stage_frequencies=tuple(stage_frequencies),
@@ -116,10 +123,15 @@ def plan_pipeline(planner: Any, deadline_s: float | None = None) -> tuple[PlanRe
     return result, plan.to_json()
 
 
-
 def plan_choices(schedule: Schedule, profile: Profile) -> int:
     """(instruction, frequency) pairs of a pipeline's planning problem: what its planning time and
     memory grow with, and what the service's planning budget counts."""
     counts = {key: len(points) for key, points in profile.points.items()}
-    virtual = schedule.num_chunks > 1 and set(range(schedule.num_virtual_stages)) <= {s for s, _ in counts}  # as Profile.stage_for
-    return sum(counts.get((schedule.virtual_stage(ins) if virtual else ins.stage, ins.kind.value), 0) for row in schedule.stages for ins in row)
+    virtual = schedule.num_chunks > 1 and set(range(schedule.num_virtual_stages)) <= {
+        s for s, _ in counts
+    }  # as Profile.stage_for
+    return sum(
+        counts.get((schedule.virtual_stage(ins) if virtual else ins.stage, ins.kind.value), 0)
+        for row in schedule.stages
+        for ins in row
+    )

@@ -120,7 +120,9 @@ class PlanBook:
                 keys[k] = (self.models(k), deadline_key(pace))
         return keys
 
-    def missing(self, wanted: dict[int, PlanKey], profile: Callable[[Models], Profile | None]) -> list[tuple[PlanKey, Profile]]:
+    def missing(
+        self, wanted: dict[int, PlanKey], profile: Callable[[Models], Profile | None]
+    ) -> list[tuple[PlanKey, Profile]]:
         """Plans to solve (with their profile, once complete): base plans first, then `wanted` deadlines."""
         missing: dict[PlanKey, Profile] = {}
         for key in self.base_keys() + list(wanted.values()):
@@ -136,7 +138,9 @@ class PlanBook:
         self.results[key] = result
         if len(self.results) > MAX_RESULTS:
             keep = {plan.key for plan in self.plans.values()} | {key}
-            for old in [k for k in self.results if k[1] is not None and k not in keep][: len(self.results) - MAX_RESULTS]:
+            for old in [k for k in self.results if k[1] is not None and k not in keep][
+                : len(self.results) - MAX_RESULTS
+            ]:
                 del self.results[old]
 
     def publish(self, wanted: dict[int, PlanKey], start_iteration: int) -> list[int]:
@@ -157,7 +161,9 @@ class PlanBook:
         self.last_version += 1
         for k, ((models, deadline), result) in changed.items():
             base = {f.name: getattr(result, f.name) for f in fields(PlanResult)}
-            self.plans[k] = PublishedPlan(**base, version=self.last_version, start_iteration=start_iteration, models=models, deadline_s=deadline)
+            self.plans[k] = PublishedPlan(
+                **base, version=self.last_version, start_iteration=start_iteration, models=models, deadline_s=deadline
+            )
         return sorted(changed)
 
     def restart(self) -> None:

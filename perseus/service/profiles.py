@@ -60,7 +60,9 @@ class Profiling:
             check_stage_profile(schedule, stage, profile)
         except ConfigError as e:
             raise bad_field(str(e)) from None
-        unsupported = sorted({p.frequency for pts in profile.points.values() for p in pts} - set(info.frequencies), reverse=True)
+        unsupported = sorted(
+            {p.frequency for pts in profile.points.values() for p in pts} - set(info.frequencies), reverse=True
+        )
         if unsupported:
             raise bad_field(
                 f"profile of stage {stage} has rows at {unsupported[:8]} MHz, which rank {rank}'s GPU does not support "

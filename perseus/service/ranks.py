@@ -44,7 +44,9 @@ class Roster:
             ("tp_index", info.tp_index, spec.tp, "tp"),
         ):
             if value >= limit:
-                raise bad_field(f"RankInfo.{name} is {value}, but job {self.job_id} has {what}={limit}; use 0..{limit - 1}")
+                raise bad_field(
+                    f"RankInfo.{name} is {value}, but job {self.job_id} has {what}={limit}; use 0..{limit - 1}"
+                )
         coords = (info.stage, info.dp_index, info.tp_index)
         if spec.rank_mapping != "explicit":
             expected = rank_coordinates(spec.rank_mapping, info.rank, spec.pp, spec.dp, spec.tp)
@@ -56,7 +58,9 @@ class Roster:
                 )
         other = self._coords.get(coords)
         if other is not None and other != info.rank:
-            raise bad_field(f"rank {info.rank} and rank {other} both claim stage {info.stage}, dp_index {info.dp_index}, tp_index {info.tp_index}")
+            raise bad_field(
+                f"rank {info.rank} and rank {other} both claim stage {info.stage}, dp_index {info.dp_index}, tp_index {info.tp_index}"
+            )
         group = (info.stage, info.dp_index)
         peers = [r for r in self.ranks.values() if (r.stage, r.dp_index) == group and r.rank != info.rank]
         if peers and peers[0].gpu_model != info.gpu_model:
@@ -92,14 +96,19 @@ class Roster:
     def get(self, rank: int) -> RankInfo:
         """The rank's registration; ServiceError (unknown_rank) if it has none."""
         if rank not in self.ranks:
-            raise ServiceError(ErrorCode.UNKNOWN_RANK.value, f"rank {rank} has not registered with job {self.job_id}; call register_rank first")
+            raise ServiceError(
+                ErrorCode.UNKNOWN_RANK.value,
+                f"rank {rank} has not registered with job {self.job_id}; call register_rank first",
+            )
         return self.ranks[rank]
 
     def models(self, pipeline: int) -> Models:
         """The GPU model of each stage of `pipeline` (the job's model where no rank registered yet)."""
         models = self._models.get(pipeline)
         if models is None:
-            models = self._models[pipeline] = tuple(self._group_model.get((s, pipeline), self.spec.gpu_model) for s in range(self.spec.pp))
+            models = self._models[pipeline] = tuple(
+                self._group_model.get((s, pipeline), self.spec.gpu_model) for s in range(self.spec.pp)
+            )
         return models
 
     def uploads_profile(self, info: RankInfo) -> bool:

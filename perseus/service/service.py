@@ -122,7 +122,9 @@ class PlannerService:
     def bind(self) -> str:
         """Bind the ROUTER; returns the endpoint (with the real port)."""
         endpoint = self._transport.bind()
-        log.info("planner service listening on %s (state: %s, %d jobs resumed)", endpoint, self.state.root, len(self.jobs))
+        log.info(
+            "planner service listening on %s (state: %s, %d jobs resumed)", endpoint, self.state.root, len(self.jobs)
+        )
         return endpoint
 
     def serve_forever(self) -> None:
@@ -180,11 +182,22 @@ class PlannerService:
             code, message = ErrorCode(e.code), e.message
         except (ConfigError, ProfileError, ScheduleError) as e:
             code, message = ErrorCode.BAD_FIELD, str(e)
-        except Exception as e:  # a bug: this request gets an internal_error reply (traceback logged), the loop keeps serving
+        except (
+            Exception
+        ) as e:  # a bug: this request gets an internal_error reply (traceback logged), the loop keeps serving
             log.exception("internal error handling %s", request.TYPE)
-            code, message = ErrorCode.INTERNAL, f"internal error ({type(e).__name__}: {e}); the service log has the traceback"
+            code, message = (
+                ErrorCode.INTERNAL,
+                f"internal error ({type(e).__name__}: {e}); the service log has the traceback",
+            )
         quiet = code in (ErrorCode.UNKNOWN_JOB, ErrorCode.UNKNOWN_RANK, ErrorCode.NOT_READY)  # ranks retry these
-        log.log(logging.DEBUG if quiet else logging.INFO, "%s refused: [%s] %s", request.TYPE, code.value, clip(message, LOG_TEXT))
+        log.log(
+            logging.DEBUG if quiet else logging.INFO,
+            "%s refused: [%s] %s",
+            request.TYPE,
+            code.value,
+            clip(message, LOG_TEXT),
+        )
         return [identity, encode_error(request_id, code, message)]
 
     # ---- requests ------------------------------------------------------------------------------
@@ -204,8 +217,16 @@ class PlannerService:
             self.workers.build(spec)
             log.info(
                 "job %s registered: %s, %d stages x %d microbatches, dp %d, tp %d (world size %d, %s rank mapping), GPU %s%s",
-                job.job_id, spec.schedule_name, spec.pp, spec.num_microbatches, spec.dp, spec.tp, spec.world_size,
-                spec.rank_mapping, spec.gpu_model, "; profile cached, skipping profiling" if cached is not None else "",
+                job.job_id,
+                spec.schedule_name,
+                spec.pp,
+                spec.num_microbatches,
+                spec.dp,
+                spec.tp,
+                spec.world_size,
+                spec.rank_mapping,
+                spec.gpu_model,
+                "; profile cached, skipping profiling" if cached is not None else "",
             )
         self._plan(job)
         return JobRegistered(job.job_id, job.phase.value, spec.gpu_model in job.cached)
@@ -223,8 +244,18 @@ class PlannerService:
                 job.add_cached(model, cached)
                 log.info("job %s: profile of GPU model %s cached, skipping its profiling", job.job_id, model)
         level = logging.INFO if job.spec.world_size <= 64 or len(job.ranks) == job.spec.world_size else logging.DEBUG
-        log.log(level, "job %s: rank %d registered (stage %d, dp %d, tp %d, %s); %d of %d",
-                job.job_id, info.rank, info.stage, info.dp_index, info.tp_index, model, len(job.ranks), job.spec.world_size)
+        log.log(
+            level,
+            "job %s: rank %d registered (stage %d, dp %d, tp %d, %s); %d of %d",
+            job.job_id,
+            info.rank,
+            info.stage,
+            info.dp_index,
+            info.tp_index,
+            model,
+            len(job.ranks),
+            job.spec.world_size,
+        )
         if job.models(info.dp_index) != models or cached is not None:
             self._plan(job)  # the pipeline's GPU models changed, or a cached profile came in
         else:
@@ -241,8 +272,13 @@ class PlannerService:
             # crash while the schedule builds never loses one the rank believes delivered.
             job.rank(msg.rank)
             if job.error:
-                raise ServiceError(ErrorCode.BAD_FIELD.value, f"job {job.job_id} failed ({job.error}); fix it and register the job again")
-            raise ServiceError(ErrorCode.NOT_READY.value, f"job {job.job_id}'s schedule is still being built; the client retries")
+                raise ServiceError(
+                    ErrorCode.BAD_FIELD.value,
+                    f"job {job.job_id} failed ({job.error}); fix it and register the job again",
+                )
+            raise ServiceError(
+                ErrorCode.NOT_READY.value, f"job {job.job_id}'s schedule is still being built; the client retries"
+            )
         name = job.add_profile(msg.rank, msg.stage, msg.profile)
         if name is not None:
             try:
@@ -255,10 +291,19 @@ class PlannerService:
                 raise ServiceError(ErrorCode.NOT_READY.value, f"{reason}; the client retries") from None
             model = job.ranks[msg.rank].gpu_model
             if msg.stage in job.profiled_stages_of(model):
-                log.info("job %s: stage %d profiled on %s (%d of %d)", job.job_id, msg.stage, model, len(job.profiled_stages_of(model)), job.spec.pp)
+                log.info(
+                    "job %s: stage %d profiled on %s (%d of %d)",
+                    job.job_id,
+                    msg.stage,
+                    model,
+                    len(job.profiled_stages_of(model)),
+                    job.spec.pp,
+                )
             else:
                 shares = len(job.profiling.uploads[(model, msg.stage)])
-                log.info("job %s: stage %d tensor-parallel share %d of %d in", job.job_id, msg.stage, shares, job.spec.tp)
+                log.info(
+                    "job %s: stage %d tensor-parallel share %d of %d in", job.job_id, msg.stage, shares, job.spec.tp
+                )
             self._plan(job)
         return Ack(job.phase.value)
 
@@ -271,7 +316,13 @@ class PlannerService:
             if planned and (count <= LOG_FIRST or count % self.log_every == 0):
                 log.info("%s", job.describe(measured))
             else:
-                log.debug("job %s iteration %d: %.4f s, %.1f J", job.job_id, measured.iteration, measured.time_s, measured.energy_j)
+                log.debug(
+                    "job %s iteration %d: %.4f s, %.1f J",
+                    job.job_id,
+                    measured.iteration,
+                    measured.time_s,
+                    measured.energy_j,
+                )
         if job.update_stragglers():
             self._plan(job)
         return Ack(job.phase.value)
@@ -282,7 +333,12 @@ class PlannerService:
         if msg.factor is None:
             log.info("job %s: pipeline %d no longer declared a straggler", job.job_id, msg.pipeline)
         else:
-            log.info("job %s: pipeline %d declared a straggler (%.3fx its planned time)", job.job_id, msg.pipeline, msg.factor)
+            log.info(
+                "job %s: pipeline %d declared a straggler (%.3fx its planned time)",
+                job.job_id,
+                msg.pipeline,
+                msg.factor,
+            )
         self._plan(job)
         return Ack(job.phase.value)
 
@@ -298,8 +354,14 @@ class PlannerService:
         except Exception as e:  # fault isolation: the traceback is logged, the status says so
             log.exception("job %s: its status cannot be told", job.job_id)
             return JobStatus(
-                job_id=job.job_id, phase="failed", world_size=job.spec.world_size, ranks_registered=len(job.ranks), profiled_stages=(),
-                plan_version=0, last_iteration=-1, error=clip(f"status unavailable: internal error ({type(e).__name__}: {e})"),
+                job_id=job.job_id,
+                phase="failed",
+                world_size=job.spec.world_size,
+                ranks_registered=len(job.ranks),
+                profiled_stages=(),
+                plan_version=0,
+                last_iteration=-1,
+                error=clip(f"status unavailable: internal error ({type(e).__name__}: {e})"),
             )
 
     # ---- fault isolation -----------------------------------------------------------------------
@@ -316,7 +378,9 @@ class PlannerService:
             job.degrade(reason)
             self._unsaved.add(job.job_id)
         except Exception as e:  # fault isolation: the traceback is logged, the job says why it failed
-            log.exception("job %s: internal error while %s; the job is failed, its ranks run at maximum clocks", job.job_id, what)
+            log.exception(
+                "job %s: internal error while %s; the job is failed, its ranks run at maximum clocks", job.job_id, what
+            )
             job.fail(f"internal error while {what} ({type(e).__name__}: {e}); the service log has the traceback")
 
     # ---- schedules and plans -------------------------------------------------------------------
@@ -337,7 +401,12 @@ class PlannerService:
             log.error("job %s: %s; its ranks stay at maximum clocks", job.job_id, job.error, exc_info=result)
         else:
             job.set_schedule(result)
-            log.info("job %s: schedule built in %.2f s (%d instructions)", job.job_id, seconds, sum(len(r) for r in result.stages))
+            log.info(
+                "job %s: schedule built in %.2f s (%d instructions)",
+                job.job_id,
+                seconds,
+                sum(len(r) for r in result.stages),
+            )
         self._plan(job)
 
     def _plan(self, job: Job) -> None:
@@ -353,10 +422,18 @@ class PlannerService:
         for key, profile in job.missing_plans():
             choices = plan_choices(job.schedule, profile)
             if choices > self.budget.max_plan_choices:
-                job.add_result(key, f"the profile gives {choices} (instruction, frequency) choices, over the service's planning budget of "
-                                    f"{self.budget.max_plan_choices}; profile fewer frequencies (JobSpec.sweep_frequencies) or ask the "
-                                    "operator to raise --max-plan-choices")
-                log.error("job %s: %s (%s)", job.job_id, job.error or "a deadline is over the planning budget", _describe_key(key))
+                job.add_result(
+                    key,
+                    f"the profile gives {choices} (instruction, frequency) choices, over the service's planning budget of "
+                    f"{self.budget.max_plan_choices}; profile fewer frequencies (JobSpec.sweep_frequencies) or ask the "
+                    "operator to raise --max-plan-choices",
+                )
+                log.error(
+                    "job %s: %s (%s)",
+                    job.job_id,
+                    job.error or "a deadline is over the planning budget",
+                    _describe_key(key),
+                )
             else:
                 tasks.append((key, profile))
         if tasks:
@@ -371,11 +448,22 @@ class PlannerService:
             log.info(
                 "job %s: pipeline %d plan v%d from iteration %d (%s): iteration %.4f s (max clocks %.4f s), "
                 "energy %.1f J (max clocks %.1f J, saving %.1f%%, lower bound %.1f J)",
-                job.job_id, k, plan.version, plan.start_iteration, _describe_key(plan.key), plan.iteration_time_s,
-                plan.baseline_iteration_time_s, plan.energy_j, plan.baseline_energy_j, 100 * saving, plan.lower_bound_j,
+                job.job_id,
+                k,
+                plan.version,
+                plan.start_iteration,
+                _describe_key(plan.key),
+                plan.iteration_time_s,
+                plan.baseline_iteration_time_s,
+                plan.energy_j,
+                plan.baseline_energy_j,
+                100 * saving,
+                plan.lower_bound_j,
             )
         if len(changed) > 8:
-            log.info("job %s: plan v%d published for %d pipelines", job.job_id, job.plan_book.last_version, len(changed))
+            log.info(
+                "job %s: plan v%d published for %d pipelines", job.job_id, job.plan_book.last_version, len(changed)
+            )
 
     def _finish_plans(self) -> None:
         for job_id, done in self.workers.solved():
@@ -395,12 +483,26 @@ class PlannerService:
                     log.error("job %s: planner crashed", job_id, exc_info=result)
                     message = f"planning failed with an internal error ({type(result).__name__}: {result})"
                 job.add_result(key, message)
-                log.error("job %s: %s (%s); %s", job_id, clip(message), _describe_key(key),
-                          "its ranks stay at maximum clocks" if key[1] is None else "those pipelines keep their no-slowdown plans")
+                log.error(
+                    "job %s: %s (%s); %s",
+                    job_id,
+                    clip(message),
+                    _describe_key(key),
+                    "its ranks stay at maximum clocks"
+                    if key[1] is None
+                    else "those pipelines keep their no-slowdown plans",
+                )
                 continue
             result, document = result
             job.add_result(key, result)
-            log.info("job %s: solved %s in %.2f s: %.4f s, %.1f J per pipeline", job_id, _describe_key(key), seconds, result.iteration_time_s, result.energy_j)
+            log.info(
+                "job %s: solved %s in %.2f s: %.4f s, %.1f J per pipeline",
+                job_id,
+                _describe_key(key),
+                seconds,
+                result.iteration_time_s,
+                result.energy_j,
+            )
             # The plan is in force once published; its full document is a record for the operator,
             # so a write error here degrades the job (see _guard) and loses nothing the ranks need.
             self.state.save_plan_document(job_id, document, document_name(job.spec, key))
@@ -435,7 +537,11 @@ class PlannerService:
             try:
                 spec = JobSpec.from_wire(record["spec"])
                 models = ([spec.gpu_model] if record.get("cached") else []) + list(record.get("cached_models", []))
-                cached = {m: p for m in models if (p := self.state.load_cached_profile(spec.profile_key(m), spec.signature(m))) is not None}
+                cached = {
+                    m: p
+                    for m in models
+                    if (p := self.state.load_cached_profile(spec.profile_key(m), spec.signature(m))) is not None
+                }
                 job = Job.from_record(record, self.state.load_stage_profiles(folder), cached)
                 if job.job_id != folder.name:
                     raise ValueError(f"the folder of job {folder.name} holds the record of {job.job_id}")

@@ -49,7 +49,9 @@ class StateDir:
             (self.root / "jobs").mkdir(parents=True, exist_ok=True)
             (self.root / "profiles").mkdir(exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"cannot create the state directory {self.root}: {e.strerror or e}; pass a writable --state-dir") from None
+            raise ConfigError(
+                f"cannot create the state directory {self.root}: {e.strerror or e}; pass a writable --state-dir"
+            ) from None
         if not os.access(self.root, os.W_OK):
             raise ConfigError(f"state directory {self.root} is not writable; pass a writable --state-dir")
 
@@ -60,12 +62,21 @@ class StateDir:
 
     def quarantine(self, path: Path, reason: str) -> None:
         """Move an unreadable file or job folder to quarantine/, with one WARNING line naming it."""
-        target = self.root / "quarantine" / f"{path.name}.{time.strftime('%Y%m%dT%H%M%S')}.{time.monotonic_ns() % 1_000_000:06d}"
+        target = (
+            self.root
+            / "quarantine"
+            / f"{path.name}.{time.strftime('%Y%m%dT%H%M%S')}.{time.monotonic_ns() % 1_000_000:06d}"
+        )
         try:
             target.parent.mkdir(exist_ok=True)
             os.replace(path, target)
         except OSError as e:
-            log.warning("cannot read %s (%s); it could not be moved to quarantine either (%s): delete it", path, clip(reason, 500), e.strerror or e)
+            log.warning(
+                "cannot read %s (%s); it could not be moved to quarantine either (%s): delete it",
+                path,
+                clip(reason, 500),
+                e.strerror or e,
+            )
             return
         log.warning("quarantined %s: %s; moved to %s", path, clip(reason, 500), target)
 

@@ -90,7 +90,9 @@ class Transport:
         self.endpoint = endpoint
         return endpoint
 
-    def serve(self, handle: Callable[[list[bytes]], list[bytes]], tend: Callable[[], None], stop: threading.Event) -> None:
+    def serve(
+        self, handle: Callable[[list[bytes]], list[bytes]], tend: Callable[[], None], stop: threading.Event
+    ) -> None:
         """Until `stop` is set: answer each request with `handle` (frames in, frames out), and
         `tend` between batches of requests and at least every POLL_MS."""
         sock = self._socket
@@ -125,7 +127,10 @@ class Transport:
 def _refuse_revoked(frames: list[zmq.Frame]) -> list[bytes]:
     """The reply to a client whose CURVE key was revoked after its handshake; its connection
     is closed just after the reply goes out."""
-    log.warning("refused a request from client key %s: no longer in the accepted keys; closing its connection", peer_key(frames[-1]))
+    log.warning(
+        "refused a request from client key %s: no longer in the accepted keys; closing its connection",
+        peer_key(frames[-1]),
+    )
     drop_connection(frames[-1])
     try:
         request_id, _ = decode_request(frames[-1].bytes)
@@ -152,4 +157,6 @@ def _raise_file_limit() -> None:
         except (OSError, ValueError) as e:
             log.warning("cannot raise the open-file limit from %d to %d (%s)", soft, wanted, e)
     if soft != resource.RLIM_INFINITY and soft < 4096:
-        log.warning("the open-file limit is %d: each connected rank holds one; raise it (ulimit -n) for large jobs", soft)
+        log.warning(
+            "the open-file limit is %d: each connected rank holds one; raise it (ulimit -n) for large jobs", soft
+        )

@@ -76,7 +76,7 @@ class Workers:
             start = time.perf_counter()
             try:
                 result: Schedule | BaseException = job_schedule(spec)
-            except BaseException as e:  # noqa: BLE001 -- handed to the loop thread, which fails the job and logs it
+            except BaseException as e:
                 result = e
             self._built.put((spec, result, time.perf_counter() - start))
 
@@ -107,7 +107,7 @@ class Workers:
                 try:
                     planner = self._planner(job_id, key[0], schedule, profile)
                     result: tuple[PlanResult, dict] | BaseException = plan_pipeline(planner, key[1])
-                except BaseException as e:  # noqa: BLE001 -- handed to the loop thread, which records the failure and logs it
+                except BaseException as e:
                     result = e
                 done.append((key, result, time.perf_counter() - start))
             self._solved.put((job_id, done))
@@ -124,7 +124,8 @@ class Workers:
         with self._planners_lock:
             self._planners[(job_id, models)] = (planner, plan_choices(schedule, profile))
             while len(self._planners) > 1 and (
-                len(self._planners) > MAX_PLANNERS or sum(c for _, c in self._planners.values()) > self.budget.max_plan_choices
+                len(self._planners) > MAX_PLANNERS
+                or sum(c for _, c in self._planners.values()) > self.budget.max_plan_choices
             ):
                 self._planners.popitem(last=False)
         return planner

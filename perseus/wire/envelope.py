@@ -66,7 +66,9 @@ def encode_reply(request_id: int | None, message: Message) -> bytes:
 
 
 def encode_error(request_id: int | None, code: ErrorCode, message: str) -> bytes:
-    return _pack({"v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": {"code": code.value, "message": message}})
+    return _pack(
+        {"v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": {"code": code.value, "message": message}}
+    )
 
 
 def decode_request(payload: bytes) -> tuple[int, Message]:
@@ -79,9 +81,14 @@ def decode_request(payload: bytes) -> tuple[int, Message]:
     try:
         doc = _unpack(payload)
     except Exception as e:
-        raise RequestRejected(ErrorCode.BAD_FRAME, f"frame is not one msgpack map ({type(e).__name__}: {e}); send msgpack, never pickle") from None
+        raise RequestRejected(
+            ErrorCode.BAD_FRAME, f"frame is not one msgpack map ({type(e).__name__}: {e}); send msgpack, never pickle"
+        ) from None
     if not isinstance(doc, dict):
-        raise RequestRejected(ErrorCode.BAD_FRAME, f"frame holds a msgpack {type(doc).__name__}, not a map; send {{'v': {PROTOCOL_VERSION}, 'id': ..., 'type': ..., ...}}")
+        raise RequestRejected(
+            ErrorCode.BAD_FRAME,
+            f"frame holds a msgpack {type(doc).__name__}, not a map; send {{'v': {PROTOCOL_VERSION}, 'id': ..., 'type': ..., ...}}",
+        )
     request_id = doc.pop("id", None)
     if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id <= MAX_ID:
         raise RequestRejected(ErrorCode.BAD_FIELD, f"id must be an integer in [0, {MAX_ID}], got {show(request_id)}")
@@ -95,7 +102,9 @@ def decode_request(payload: bytes) -> tuple[int, Message]:
         )
     kind = doc.pop("type", None)
     if not isinstance(kind, str) or kind not in REQUESTS:
-        raise RequestRejected(ErrorCode.UNKNOWN_TYPE, f"unknown request type {show(kind)}; known: {', '.join(REQUESTS)}", request_id)
+        raise RequestRejected(
+            ErrorCode.UNKNOWN_TYPE, f"unknown request type {show(kind)}; known: {', '.join(REQUESTS)}", request_id
+        )
     try:
         return request_id, REQUESTS[kind][0].from_wire(doc)
     except (ConfigError, ProfileError) as e:
@@ -110,11 +119,17 @@ def decode_reply(payload: bytes) -> tuple[int | None, dict[str, Any] | ServiceEr
     except Exception as e:
         raise ServiceError(ErrorCode.BAD_FRAME.value, f"reply is not msgpack ({e})") from None
     if not isinstance(doc, dict) or doc.pop("v", None) != PROTOCOL_VERSION or not isinstance(doc.get("ok"), bool):
-        raise ServiceError(ErrorCode.BAD_VERSION.value, f"reply is not a protocol v{PROTOCOL_VERSION} reply: {show(doc)}")
+        raise ServiceError(
+            ErrorCode.BAD_VERSION.value, f"reply is not a protocol v{PROTOCOL_VERSION} reply: {show(doc)}"
+        )
     request_id = doc.pop("id", None)
     if not doc.pop("ok"):
         error = doc.get("error")
-        if not isinstance(error, dict) or not isinstance(error.get("code"), str) or not isinstance(error.get("message"), str):
+        if (
+            not isinstance(error, dict)
+            or not isinstance(error.get("code"), str)
+            or not isinstance(error.get("message"), str)
+        ):
             raise ServiceError(ErrorCode.BAD_FRAME.value, f"error reply without a code and message: {show(doc)}")
         return request_id, ServiceError(error["code"], error["message"])
     return request_id, doc

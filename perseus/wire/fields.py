@@ -42,11 +42,21 @@ def check_float(value: Any, name: str, lo: float, hi: float, *, open_lo: bool = 
     return float(value)
 
 
-def check_str(value: Any, name: str, max_len: int, *, min_len: int = 0, choices: tuple[str, ...] | None = None, printable: bool = True) -> str:
+def check_str(
+    value: Any,
+    name: str,
+    max_len: int,
+    *,
+    min_len: int = 0,
+    choices: tuple[str, ...] | None = None,
+    printable: bool = True,
+) -> str:
     if not isinstance(value, str) or not min_len <= len(value) <= max_len:
         raise ConfigError(f"{name} must be a string of {min_len} to {max_len} characters, got {show(value)}")
     if printable and not value.isprintable():  # names reach log lines: no newlines or terminal escapes
-        raise ConfigError(f"{name} must be printable text (no control characters such as newlines or escapes), got {show(value)}")
+        raise ConfigError(
+            f"{name} must be printable text (no control characters such as newlines or escapes), got {show(value)}"
+        )
     if choices is not None and value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
     return value
@@ -65,7 +75,9 @@ def check_seq(value: Any, name: str, max_len: int, *, min_len: int = 0) -> list 
 
 
 def check_ints(value: Any, name: str, lo: int, hi: int, max_len: int, *, min_len: int = 0) -> tuple[int, ...]:
-    return tuple(check_int(v, f"{name}[{i}]", lo, hi) for i, v in enumerate(check_seq(value, name, max_len, min_len=min_len)))
+    return tuple(
+        check_int(v, f"{name}[{i}]", lo, hi) for i, v in enumerate(check_seq(value, name, max_len, min_len=min_len))
+    )
 
 
 def check_frequencies(value: Any, name: str) -> tuple[int, ...]:
@@ -110,7 +122,9 @@ def fields_of(cls: type, doc: Any, where: str) -> dict[str, Any]:
     unknown = [k for k in doc if k not in known]
     if unknown:
         named = ", ".join(show(k) for k in unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
-        raise ConfigError(f"{where}: unknown field(s) {named}; protocol v{PROTOCOL_VERSION} fields are {', '.join(known)}")
+        raise ConfigError(
+            f"{where}: unknown field(s) {named}; protocol v{PROTOCOL_VERSION} fields are {', '.join(known)}"
+        )
     missing = [n for n, f in known.items() if n not in doc and f.default is MISSING and f.default_factory is MISSING]
     if missing:
         raise ConfigError(f"{where}: missing field(s) {', '.join(missing)}")

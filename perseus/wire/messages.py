@@ -136,12 +136,20 @@ class Table(Message):
         check_str(self.phase, "table.phase", 16, choices=JOB_PHASES)
         check_int(self.warmup_iterations, "table.warmup_iterations", 0, 1_000_000)
         check_int(self.iterations_per_frequency, "table.iterations_per_frequency", 1, 10_000)
-        set_fields(self, sweep_frequencies=check_ints(self.sweep_frequencies, "table.sweep_frequencies", 1, MAX_FREQUENCY_MHZ, MAX_FREQUENCIES))
+        set_fields(
+            self,
+            sweep_frequencies=check_ints(
+                self.sweep_frequencies, "table.sweep_frequencies", 1, MAX_FREQUENCY_MHZ, MAX_FREQUENCIES
+            ),
+        )
         set_fields(self, profiled_stages=check_ints(self.profiled_stages, "table.profiled_stages", 0, 4095, 4096))
         check_int(self.plan_version, "table.plan_version", 0, MAX_ITERATION)
         check_int(self.plan_start_iteration, "table.plan_start_iteration", 0, MAX_ITERATION)
         if self.frequencies is not None:
-            set_fields(self, frequencies=check_ints(self.frequencies, "table.frequencies", 1, MAX_FREQUENCY_MHZ, MAX_INSTRUCTIONS))
+            set_fields(
+                self,
+                frequencies=check_ints(self.frequencies, "table.frequencies", 1, MAX_FREQUENCY_MHZ, MAX_INSTRUCTIONS),
+            )
         check_str(self.error, "table.error", 4096, printable=False)
         check_bool(self.upload, "table.upload")
 
@@ -206,7 +214,12 @@ class ReportIteration(Message):
             energy_j=check_float(self.energy_j, "report_iteration.energy_j", 0.0, MAX_ENERGY_J),
         )
         if self.compute_time_s is not None:
-            set_fields(self, compute_time_s=check_float(self.compute_time_s, "report_iteration.compute_time_s", MIN_TIME_S, MAX_TIME_S))
+            set_fields(
+                self,
+                compute_time_s=check_float(
+                    self.compute_time_s, "report_iteration.compute_time_s", MIN_TIME_S, MAX_TIME_S
+                ),
+            )
 
     def to_wire(self) -> dict[str, Any]:
         doc = super().to_wire()
@@ -324,7 +337,10 @@ class JobStatus(Message):
         ):
             set_fields(self, **{name: check_opt_float(getattr(self, name), f"job.{name}")})
         pipelines = check_seq(self.pipelines, "job.pipelines", MAX_RANKS)
-        set_fields(self, pipelines=tuple(p if isinstance(p, PipelineStatus) else PipelineStatus.from_wire(p) for p in pipelines))
+        set_fields(
+            self,
+            pipelines=tuple(p if isinstance(p, PipelineStatus) else PipelineStatus.from_wire(p) for p in pipelines),
+        )
 
     def to_wire(self) -> dict[str, Any]:
         doc = {**super().to_wire(), "profiled_stages": list(self.profiled_stages)}

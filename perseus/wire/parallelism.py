@@ -34,7 +34,9 @@ def rank_coordinates(mapping: str, rank: int, pp: int, dp: int, tp: int) -> tupl
         return rest // dp, rest % dp, tp_index
     if mapping == "torch":
         return rest % pp, rest // pp, tp_index
-    raise ConfigError(f"rank mapping {mapping!r} has no formula; use one of megatron, torch (explicit: ranks state their coordinates)")
+    raise ConfigError(
+        f"rank mapping {mapping!r} has no formula; use one of megatron, torch (explicit: ranks state their coordinates)"
+    )
 
 
 def rank_of(mapping: str, stage: int, dp_index: int, tp_index: int, pp: int, dp: int, tp: int) -> int:
@@ -75,9 +77,11 @@ class Parallelism:
             raise ConfigError(f"pp must be a positive integer (the number of pipeline stages), got {pp!r}")
         if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp:
             raise ConfigError(f"stage {stage!r} is outside the pipeline's stages 0..{pp - 1}")
-        object.__setattr__(self, "rank", _checked_rank(
-            self.rank, stage, pp, self.dp, self.dp_index, self.tp, self.tp_index, self.rank_mapping
-        ))
+        object.__setattr__(
+            self,
+            "rank",
+            _checked_rank(self.rank, stage, pp, self.dp, self.dp_index, self.tp, self.tp_index, self.rank_mapping),
+        )
 
     @classmethod
     def from_rank(cls, rank: int, pp: int, dp: int = 1, tp: int = 1, rank_mapping: str = "megatron") -> Parallelism:
@@ -86,7 +90,9 @@ class Parallelism:
             raise ConfigError(f"rank_mapping must be one of {', '.join(RANK_MAPPINGS)}, got {rank_mapping!r}")
         for name, value in (("rank", rank), ("pp", pp), ("dp", dp), ("tp", tp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "rank" else 1):
-                raise ConfigError(f"{name} must be a {'non-negative' if name == 'rank' else 'positive'} integer, got {value!r}")
+                raise ConfigError(
+                    f"{name} must be a {'non-negative' if name == 'rank' else 'positive'} integer, got {value!r}"
+                )
         stage, dp_index, tp_index = rank_coordinates(rank_mapping, rank, pp, dp, tp)
         return cls(pp, stage, dp=dp, dp_index=dp_index, tp=tp, tp_index=tp_index, rank_mapping=rank_mapping, rank=rank)
 
@@ -117,10 +123,14 @@ def _checked_rank(
         if dp == tp == 1:
             return stage
         if mapping == "explicit":
-            raise ConfigError("with dp > 1 or tp > 1 pass rank= (the global rank) or a named rank_mapping ('megatron' or 'torch')")
+            raise ConfigError(
+                "with dp > 1 or tp > 1 pass rank= (the global rank) or a named rank_mapping ('megatron' or 'torch')"
+            )
         return rank_of(mapping, stage, dp_index, tp_index, pp, dp, tp)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < pp * dp * tp:
-        raise ConfigError(f"rank must be an integer in 0..{pp * dp * tp - 1} (pp={pp} x dp={dp} x tp={tp}), got {rank!r}")
+        raise ConfigError(
+            f"rank must be an integer in 0..{pp * dp * tp - 1} (pp={pp} x dp={dp} x tp={tp}), got {rank!r}"
+        )
     if mapping != "explicit":
         expected = rank_coordinates(mapping, rank, pp, dp, tp)
         if expected != (stage, dp_index, tp_index):
@@ -153,9 +163,12 @@ def merge_tensor_parallel(uploads: list[Profile]) -> Profile:
         by_freq = [{p.frequency: p for p in profile.points[key]} for profile in uploads]
         common = set(by_freq[0]).intersection(*by_freq[1:])
         if not common:
-            raise ConfigError(f"tensor-parallel ranks share no profiled frequency for {key}; sweep the same frequencies on every rank")
+            raise ConfigError(
+                f"tensor-parallel ranks share no profiled frequency for {key}; sweep the same frequencies on every rank"
+            )
         points[key] = [
-            ProfilePoint(f, max(b[f].time for b in by_freq), sum(b[f].energy for b in by_freq)) for f in sorted(common, reverse=True)
+            ProfilePoint(f, max(b[f].time for b in by_freq), sum(b[f].energy for b in by_freq))
+            for f in sorted(common, reverse=True)
         ]
     meta = {**uploads[0].meta, "tensor_parallel": str(len(uploads))}
     return Profile(points, sum(p.blocking_power_w for p in uploads), meta)

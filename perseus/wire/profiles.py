@@ -27,11 +27,19 @@ def profile_to_wire(profile: Profile) -> dict[str, Any]:
 
 def profile_from_wire(doc: Any, name: str) -> Profile:
     """A validated Profile from `{"blocking_power_w", "rows": [[stage, kind, MHz, s, J], ...], "meta"}`."""
-    if not isinstance(doc, dict) or set(doc) - {"blocking_power_w", "rows", "meta"} or not {"blocking_power_w", "rows"} <= set(doc):
+    if (
+        not isinstance(doc, dict)
+        or set(doc) - {"blocking_power_w", "rows", "meta"}
+        or not {"blocking_power_w", "rows"} <= set(doc)
+    ):
         raise ConfigError(f"{name} must be a map with blocking_power_w, rows and optionally meta, got {show(doc)}")
     power = check_float(doc["blocking_power_w"], f"{name}.blocking_power_w", 0.0, 100_000.0)
     meta = doc.get("meta", {})
-    if not isinstance(meta, dict) or len(meta) > 64 or not all(isinstance(k, str) and isinstance(v, str) and len(k) + len(v) <= 1024 for k, v in meta.items()):
+    if (
+        not isinstance(meta, dict)
+        or len(meta) > 64
+        or not all(isinstance(k, str) and isinstance(v, str) and len(k) + len(v) <= 1024 for k, v in meta.items())
+    ):
         raise ConfigError(f"{name}.meta must be a map of at most 64 short strings to strings")
     points: dict[tuple[int, str], list[ProfilePoint]] = {}
     for i, row in enumerate(check_seq(doc["rows"], f"{name}.rows", MAX_PROFILE_ROWS, min_len=1)):

@@ -74,7 +74,9 @@ class _Refusals:
                 return
             self._last[reason] = now
             more = self._suppressed.pop(reason, 0)
-        log.warning("%s%s", reason, f" ({more} more like it in the last {REFUSAL_LOG_INTERVAL_S:.0f} s)" if more else "")
+        log.warning(
+            "%s%s", reason, f" ({more} more like it in the last {REFUSAL_LOG_INTERVAL_S:.0f} s)" if more else ""
+        )
 
 
 class Security(Protocol):
@@ -181,7 +183,9 @@ def _secret_pair(path: Path) -> tuple[bytes, bytes]:
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the CURVE key pair {path}: {e}; create keys with `perseus keys --dir DIR`") from None
+        raise ConfigError(
+            f"cannot read the CURVE key pair {path}: {e}; create keys with `perseus keys --dir DIR`"
+        ) from None
     if secret is None:
         raise ConfigError(f"{path} holds no secret key; pass the <name>.key_secret file `perseus keys` wrote")
     _warn_if_shared(path)
@@ -195,7 +199,12 @@ def _warn_if_shared(path: Path) -> None:
     except OSError:
         return
     if mode & 0o077:
-        log.warning("the secret key %s is mode %04o, open to other users (who could pose as its owner): run chmod 600 %s", path, mode, path)
+        log.warning(
+            "the secret key %s is mode %04o, open to other users (who could pose as its owner): run chmod 600 %s",
+            path,
+            mode,
+            path,
+        )
 
 
 def _read_client_keys(folder: Path, refusals: _Refusals) -> frozenset[bytes]:
@@ -218,7 +227,9 @@ def _public_key(path: Path) -> bytes:
     try:
         public, _ = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the CURVE public key {path}: {e}; create keys with `perseus keys --dir DIR`") from None
+        raise ConfigError(
+            f"cannot read the CURVE public key {path}: {e}; create keys with `perseus keys --dir DIR`"
+        ) from None
     return public
 
 
@@ -232,7 +243,9 @@ class _AllowList:
     def callback(self, domain: str, key: bytes) -> bool:
         allowed = key in self.server._load()
         if not allowed:
-            self.server._refusals.log(f"refused a client: its CURVE public key {key.decode(errors='replace')} is not in {self.server.clients}")
+            self.server._refusals.log(
+                f"refused a client: its CURVE public key {key.decode(errors='replace')} is not in {self.server.clients}"
+            )
         return allowed
 
 
@@ -246,7 +259,9 @@ class CurveServer:
         root = Path(keys_dir).expanduser()
         self.clients = root / "clients"
         if not self.clients.is_dir():
-            raise ConfigError(f"{root} has no clients/ folder of accepted client keys; create keys with `perseus keys --dir {root}`")
+            raise ConfigError(
+                f"{root} has no clients/ folder of accepted client keys; create keys with `perseus keys --dir {root}`"
+            )
         self.public, self.secret = _secret_pair(root / "server" / f"{SERVER_NAME}.key_secret")
         self._refusals = _Refusals()
         self._auth: ThreadAuthenticator | None = None
@@ -314,7 +329,9 @@ class CurveServer:
         address = f"inproc://perseus-monitor-{id(self)}"
         socket.monitor(address, sum(_REFUSALS))
         self._socket = socket
-        self._monitor = threading.Thread(target=self._watch, args=(socket.context, address), name="perseus-curve-monitor", daemon=True)
+        self._monitor = threading.Thread(
+            target=self._watch, args=(socket.context, address), name="perseus-curve-monitor", daemon=True
+        )
         self._monitor.start()
 
     def _watch(self, context: zmq.Context, address: str) -> None:
@@ -328,7 +345,9 @@ class CurveServer:
                     return
                 reason = _REFUSALS.get(event["event"])
                 if reason is not None:
-                    self._refusals.log(f"refused a connection on {event['endpoint'].decode(errors='replace')}: {reason}")
+                    self._refusals.log(
+                        f"refused a connection on {event['endpoint'].decode(errors='replace')}: {reason}"
+                    )
         except zmq.ZMQError:
             return  # the context is closing
         finally:
@@ -411,7 +430,9 @@ def create_keys(keys_dir: str | os.PathLike, clients: list[str], *, force: bool 
         todo = [] if server_secret.exists() and not force else [(root / "server", SERVER_NAME)]
         for name in clients:
             if (root / "clients" / f"{name}.key").exists() and not force:
-                raise ConfigError(f"client {name!r} already has keys in {root / 'clients'}; pick another name or pass --force")
+                raise ConfigError(
+                    f"client {name!r} already has keys in {root / 'clients'}; pick another name or pass --force"
+                )
             todo.append((root / "clients", name))
         for folder, name in todo:
             public, secret = zmq.curve_keypair()
@@ -430,8 +451,9 @@ def _certificate(public: bytes, secret: bytes | None = None) -> str:
     lines = [
         f"#   ****  Generated on {datetime.datetime.now()} by perseus keys  ****",
         f"#   ZeroMQ CURVE {kind} Certificate",
-        "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions." if secret else
-        "#   Exchange securely, or use a secure mechanism to verify the contents of this file after exchange.",
+        "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions."
+        if secret
+        else "#   Exchange securely, or use a secure mechanism to verify the contents of this file after exchange.",
         "",
         "metadata",
         "curve",

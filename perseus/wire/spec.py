@@ -84,18 +84,26 @@ class JobSpec(Message):
             tag=check_str(self.tag, f"{n}.tag", 128),
             gpu_model=check_str(self.gpu_model, f"{n}.gpu_model", 128, min_len=1),
             warmup_iterations=check_int(self.warmup_iterations, f"{n}.warmup_iterations", 0, 1_000_000),
-            iterations_per_frequency=check_int(self.iterations_per_frequency, f"{n}.iterations_per_frequency", 1, 10_000),
+            iterations_per_frequency=check_int(
+                self.iterations_per_frequency, f"{n}.iterations_per_frequency", 1, 10_000
+            ),
             rank_mapping=check_str(self.rank_mapping, f"{n}.rank_mapping", 16, choices=RANK_MAPPINGS),
         )
         if self.stage_orders is not None:
-            set_fields(self, stage_orders=_stage_orders(self.stage_orders, f"{n}.stage_orders", pp, microbatches, chunks))
+            set_fields(
+                self, stage_orders=_stage_orders(self.stage_orders, f"{n}.stage_orders", pp, microbatches, chunks)
+            )
         elif self.schedule_name not in SCHEDULES:  # checked here: the service builds the schedule later, off its loop
-            raise ConfigError(f"{n}.schedule_name {self.schedule_name!r} is not a schedule perseus builds ({', '.join(SCHEDULES)}); "
-                              "name one of those or give stage_orders")
+            raise ConfigError(
+                f"{n}.schedule_name {self.schedule_name!r} is not a schedule perseus builds ({', '.join(SCHEDULES)}); "
+                "name one of those or give stage_orders"
+            )
         if self.sweep_frequencies is not None:
             set_fields(self, sweep_frequencies=check_frequencies(self.sweep_frequencies, f"{n}.sweep_frequencies"))
         if self.blocking_power_w is not None:
-            set_fields(self, blocking_power_w=check_float(self.blocking_power_w, f"{n}.blocking_power_w", 0.0, 100_000.0))
+            set_fields(
+                self, blocking_power_w=check_float(self.blocking_power_w, f"{n}.blocking_power_w", 0.0, 100_000.0)
+            )
         for name in ("instruction_overhead_s", "hop_latency_s"):
             value = check_float(getattr(self, name), f"{n}.{name}", 0.0, 1.0)
             if value >= 1.0:
@@ -158,7 +166,9 @@ def _stage_orders(value: Any, name: str, pp: int, microbatches: int, chunks: int
             raise ConfigError(f"{name}: more than {MAX_INSTRUCTIONS} instructions in all")
         row = _valid_order(order, microbatches, chunks)
         if row is None:  # something is wrong: find and name it
-            row = tuple(_instruction(triple, f"{name}[{s}][{i}]", microbatches, chunks) for i, triple in enumerate(order))
+            row = tuple(
+                _instruction(triple, f"{name}[{s}][{i}]", microbatches, chunks) for i, triple in enumerate(order)
+            )
         out.append(row)
     return tuple(out)
 
@@ -216,7 +226,6 @@ class RankInfo(Message):
 
     def to_wire(self) -> dict[str, Any]:
         return {**super().to_wire(), "frequencies": list(self.frequencies)}
-
 
 
 def _canonical(doc: Any) -> bytes:
