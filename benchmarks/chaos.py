@@ -119,7 +119,8 @@ def run_chaos(
             }
         )
         say(
-            f"service killed while {during}: down {back - killed:.2f} s, rank 0 trained {outages[-1]['iterations_trained']} iterations meanwhile"
+            f"service killed while {during}: down {back - killed:.2f} s, "
+            f"rank 0 trained {outages[-1]['iterations_trained']} iterations meanwhile"
         )
 
     try:
@@ -140,7 +141,8 @@ def run_chaos(
         until(lambda: records.of(1, 0), "torchrun restarting the group")
         rejoined_s = time.monotonic() - killed
         say(
-            f"rank {victim} SIGKILLed: its GPU at default clocks after {reset_s:.2f} s, the group training again after {rejoined_s:.1f} s"
+            f"rank {victim} SIGKILLed: its GPU at default clocks after {reset_s:.2f} s, "
+            f"the group training again after {rejoined_s:.1f} s"
         )
 
         until(lambda: all(records.of(1, r, "planned") for r in range(RANKS)), "the restarted ranks running the plan")
@@ -253,15 +255,18 @@ def main() -> int:
         downs = ", ".join(f"{o['down_s']:.2f} s" for o in result["outages"])
         trained = ", ".join(str(o["iterations_trained"]) for o in result["outages"])
         print(
-            f"service killed and restarted: {result['service_kills']} times, down {downs}; rank 0 trained {trained} iterations through them"
+            f"service killed and restarted: {result['service_kills']} times, down {downs}; "
+            f"rank 0 trained {trained} iterations through them"
         )
         print(
-            f"rank SIGKILLed: {result['rank_kills']}; its GPU at default clocks after {result['killed_rank_gpu_reset_s']:.2f} s; "
+            f"rank SIGKILLed: {result['rank_kills']}; "
+            f"its GPU at default clocks after {result['killed_rank_gpu_reset_s']:.2f} s; "
             f"torchrun restarted the group, training again after {result['group_rejoined_s']:.1f} s"
         )
         print(
             f"profiles: {', '.join(result['stage_profiles_saved'])} kept; re-profiled after the restarts: "
-            f"{'YES' if result['reprofiled_after_restart'] else 'no'} (restarted group's phases: {', '.join(result['restart_phases'])})"
+            f"{'YES' if result['reprofiled_after_restart'] else 'no'} "
+            f"(restarted group's phases: {', '.join(result['restart_phases'])})"
         )
         down = result["max_stall_while_down_s"]
         print(
@@ -269,7 +274,8 @@ def main() -> int:
             f"{'-' if down is None else f'{down:.3f} s'}); client timeout {result['client_timeout_s']:g} s"
         )
         print(
-            f"clocks reset at the end: {'yes' if result['clocks_reset'] else 'NO'}; job exit code {result['job_exit_code']}; "
+            f"clocks reset at the end: {'yes' if result['clocks_reset'] else 'NO'}; "
+            f"job exit code {result['job_exit_code']}; "
             f"wall time {result['wall_time_s']:.0f} s"
         )
         for failure in failures:

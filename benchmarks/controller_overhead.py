@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     worst = med["PerseusRank begin+end, planned, new clock each"]
     ok = worst <= TARGET_US
     print(
-        f"\nPerseusRank per instruction: {worst:.2f} us median (target <= {TARGET_US:g} us): {'met' if ok else 'MISSED'}"
+        f"\nPerseusRank per instruction: {worst:.2f} us median (target <= {TARGET_US:g} us): "
+        f"{'met' if ok else 'MISSED'}"
     )
     return 0 if ok else 1
 

@@ -51,7 +51,7 @@ def run_lowtime(evaluator: Evaluator, budget_s: float = float("inf"), batch: int
     logging.getLogger("lowtime").setLevel(logging.WARNING)
     started = time.perf_counter()
     specs = []
-    for k, choice in enumerate(evaluator.choices):
+    for choice in evaluator.choices:
         options = [
             ExecutionOption[int](real_time=float(t), unit_time=UNIT_TIME_S, cost=float(e), knob=int(f))
             for f, t, e in zip(choice.frequency, choice.time, choice.energy)

@@ -132,7 +132,7 @@ def bench_case(name, profile, stages, microbatches, schedule_name, lowtime_budge
         plan = planner.plan(deadline=deadline)
         ours_s = time.perf_counter() - tick
 
-        def saving(energy, t):
+        def saving(energy, t, deadline=deadline):
             return 100.0 * (
                 1.0
                 - padded(energy, t, deadline, power, n)
@@ -240,8 +240,9 @@ def main() -> int:
                 ratio = None if lt_s is None else lt_s / (setup_s + r.ours_s)
                 lt_note = "" if run is None or run.finished else "*"
                 print(
-                    f"{name:<22} {args.stages:>3}x{m:<3} {planner.problem.num_nodes:>6} {r.factor:>6.2f}T {setup_s + r.ours_s:>7.2f} "
-                    f"{fmt(lt_s, '.1f') + lt_note:>9} {fmt(ratio, '.0f') + ('x' if ratio else ''):>6} {r.ours:>7.2f} {fmt(r.lowtime):>9} "
+                    f"{name:<22} {args.stages:>3}x{m:<3} {planner.problem.num_nodes:>6} {r.factor:>6.2f}T "
+                    f"{setup_s + r.ours_s:>7.2f} {fmt(lt_s, '.1f') + lt_note:>9} "
+                    f"{fmt(ratio, '.0f') + ('x' if ratio else ''):>6} {r.ours:>7.2f} {fmt(r.lowtime):>9} "
                     f"{r.envpipe:>9.2f} {r.uniform:>9.2f} {r.gap:>6.3f}"
                 )
             rows.extend(case_rows)
@@ -295,7 +296,8 @@ def report_targets(rows: list[Row], speed: dict[str, float]) -> int:
         worst = max(target, key=lambda r: r.gap)
         checks.append(
             (
-                f"gap to the lower bound <= 0.3% at every deadline (worst {worst.gap:.3f}% at 8x{worst.microbatches}, {worst.factor}T)",
+                f"gap to the lower bound <= 0.3% at every deadline "
+                f"(worst {worst.gap:.3f}% at 8x{worst.microbatches}, {worst.factor}T)",
                 worst.gap <= 0.3,
             )
         )

@@ -128,8 +128,8 @@ def main() -> int:
         baseline = optimizer.measurements[0].energy_j * epoch_steps if optimizer.measurements else record.energy_j
         baseline_g += baseline / 3.6e6 * record.g_per_kwh
         print(
-            f"{epoch:5d} {start_h:6.2f}h {record.g_per_kwh:6.0f} {limit_w:5.0f}W {record.energy_j / 1e3:9.1f}kJ {record.carbon_g:7.1f}g"
-            + ("" if done else "  (profiling)")
+            f"{epoch:5d} {start_h:6.2f}h {record.g_per_kwh:6.0f} {limit_w:5.0f}W "
+            f"{record.energy_j / 1e3:9.1f}kJ {record.carbon_g:7.1f}g" + ("" if done else "  (profiling)")
         )
     reporter.on_train_end()
     optimizer.close()

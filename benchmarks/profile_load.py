@@ -93,11 +93,13 @@ def main() -> None:
         floor, ours = results["csv module"], results["perseus"]
         print(
             f"perseus / csv module: {ours['seconds'] / floor['seconds']:.2f}x the time, "
-            f"{(ours['peak_mb'] - ours['base_mb']) / (floor['peak_mb'] - floor['base_mb']):.2f}x the memory above imports"
+            f"{(ours['peak_mb'] - ours['base_mb']) / (floor['peak_mb'] - floor['base_mb']):.2f}x "
+            "the memory above imports"
         )
         capped = measure("perseus", path, lift=False)
         print(
-            f"with the limits: {capped['outcome']} in {capped['seconds'] * 1000:.0f} ms, peak RSS {capped['peak_mb']:.0f} MB"
+            f"with the limits: {capped['outcome']} in {capped['seconds'] * 1000:.0f} ms, "
+            f"peak RSS {capped['peak_mb']:.0f} MB"
         )
 
 

@@ -52,14 +52,16 @@ def measure(pp: int, dp: int, microbatches: int) -> tuple[int, int]:
 
 def main() -> int:
     print(
-        f"{'stages':>6} {'pipelines':>9} {'microbatches':>12} {'ranks':>6} {'measured KiB':>13} {'estimate KiB':>13} {'estimate/measured':>18}"
+        f"{'stages':>6} {'pipelines':>9} {'microbatches':>12} {'ranks':>6} "
+        f"{'measured KiB':>13} {'estimate KiB':>13} {'estimate/measured':>18}"
     )
     worst = float("inf")
     for pp, dp, microbatches in SHAPES:
         measured, estimate = measure(pp, dp, microbatches)
         worst = min(worst, estimate / measured)
         print(
-            f"{pp:>6} {dp:>9} {microbatches:>12} {pp * dp:>6} {measured / 1024:>13.0f} {estimate / 1024:>13.0f} {estimate / measured:>18.2f}"
+            f"{pp:>6} {dp:>9} {microbatches:>12} {pp * dp:>6} "
+            f"{measured / 1024:>13.0f} {estimate / 1024:>13.0f} {estimate / measured:>18.2f}"
         )
     print(f"lowest estimate/measured: {worst:.2f} ({'an upper bound' if worst >= 1 else 'UNDER the measurement'})")
     return 0 if worst >= 1 else 1

@@ -746,14 +746,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     sent, dropped, answered = report.over_hard_limit
     print(
-        f"frames over zmq's {HARD_MESSAGE_BYTES >> 20} MiB hard limit (no reply by design): {sent}; connection dropped by the service {dropped}, "
+        f"frames over zmq's {HARD_MESSAGE_BYTES >> 20} MiB hard limit (no reply by design): {sent}; "
+        f"connection dropped by the service {dropped}, "
         f"service answered a new connection after {answered}"
     )
     print(
-        f"service alive afterwards: {alive}; RSS {rss_before:.0f} MiB before the frames, {rss_after:.0f} MiB after the real job (peak {peak:.0f} MiB; planning imports the planner)"
+        f"service alive afterwards: {alive}; RSS {rss_before:.0f} MiB before the frames, "
+        f"{rss_after:.0f} MiB after the real job (peak {peak:.0f} MiB; planning imports the planner)"
     )
     print(
-        f"real job afterwards (register, upload, plan, fetch): {'completed' if job_problem is None else 'FAILED: ' + job_problem}"
+        "real job afterwards (register, upload, plan, fetch): "
+        f"{'completed' if job_problem is None else 'FAILED: ' + job_problem}"
     )
     if report.failures:
         print(f"\n{len(report.failures)} failures (first 30):", *report.failures[:30], sep="\n  ")

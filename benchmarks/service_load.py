@@ -230,7 +230,8 @@ def run_phases(ranks: Ranks, barrier: Callable[[], None]) -> dict[str, int]:
             stage = local // layout.dp
             if len(freqs) != instructions[stage] or not set(freqs) <= supported:
                 raise RankFailed(
-                    f"rank slot {slot}: plan has {len(freqs)} frequencies for {instructions[stage]} instructions, or unsupported ones"
+                    f"rank slot {slot}: plan has {len(freqs)} frequencies for {instructions[stage]} instructions, "
+                    "or unsupported ones"
                 )
             counts["verified"] += poll_s is None
             return None
@@ -306,7 +307,8 @@ def run(layout_args: argparse.Namespace) -> int:
         print(
             f"service {service.endpoint} (pid {service.pid}); {layout.ranks} ranks in {layout.processes} processes "
             f"x {layout.ranks // layout.processes} DEALER sockets; {layout.jobs} jobs x {layout.ranks_per_job} ranks "
-            f"(pp {layout.pp} x dp {layout.dp}, {SCHEDULE}, {layout.microbatches} microbatches, {PRESET.product} profiles); "
+            f"(pp {layout.pp} x dp {layout.dp}, {SCHEDULE}, {layout.microbatches} microbatches, "
+            f"{PRESET.product} profiles); "
             f"ranks poll every {layout.poll_interval_s} s",
             flush=True,
         )
@@ -369,13 +371,15 @@ def run(layout_args: argparse.Namespace) -> int:
     ok_time = planned_s <= TARGET_PLANNED_S and len(planned) == layout.jobs and verified == layout.ranks
     ok_memory = peak_mb < TARGET_MEMORY_MB
     print(
-        f"\njobs planned: {len(planned)} of {layout.jobs}; ranks whose fetched plan was checked: {verified} of {layout.ranks}"
+        f"\njobs planned: {len(planned)} of {layout.jobs}; "
+        f"ranks whose fetched plan was checked: {verified} of {layout.ranks}"
     )
     if savings:
         print(f"predicted energy saving per job (no slowdown): {100 * min(savings):.1f}% to {100 * max(savings):.1f}%")
     print(f"\n{'figure':<42} {'measured':>12} {'target':>12}")
     print(
-        f"{'all ranks planned (register+upload+plan)':<42} {planned_s:10.2f} s {'<= 20 s':>12}  {'OK' if ok_time else 'MISSED'}"
+        f"{'all ranks planned (register+upload+plan)':<42} {planned_s:10.2f} s {'<= 20 s':>12}  "
+        f"{'OK' if ok_time else 'MISSED'}"
     )
     print(f"{'  + fetch (every rank once more)':<42} {planned_s + walls['fetch']:10.2f} s")
     print(

@@ -111,7 +111,8 @@ def main() -> None:
             time.sleep(1.0)
             idle = pinger.worst(0.0, time.perf_counter())
             print(
-                f"{'spec':<14} {'wire':>9} {'idle ping':>10} {'ping while registering':>23} {'register_job':>13} {'schedule build':>15}"
+                f"{'spec':<14} {'wire':>9} {'idle ping':>10} {'ping while registering':>23} "
+                f"{'register_job':>13} {'schedule build':>15}"
             )
             for name, spec in specs.items():
                 payload = encode_request(1, RegisterJob(spec))

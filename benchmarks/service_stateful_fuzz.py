@@ -305,7 +305,8 @@ class Req:
     kind: str
     fields: dict[str, Any]
     job: JobModel | None = None
-    valid: bool = True  # set on sending: whether the protocol accepts it (then errors outside STRICT_ALLOWED[kind] | allow are violations)
+    # Set on sending: whether the protocol accepts it (then errors outside STRICT_ALLOWED[kind] | allow are violations).
+    valid: bool = True
     allow: frozenset = frozenset()  # further error codes this (state-dependent) request may get
     nearly: bool = False  # drawn as nearly valid (one field off): its acceptance is noted
     on_reply: Callable[[dict[str, Any], float, float], None] | None = None  # (reply, sent at, received at)
@@ -559,7 +560,7 @@ class StatefulFuzz:
         self.sentinel_sock: Fuzzer | None = None
         self.ping_sock: Fuzzer | None = None
         self.jobs: list[JobModel] = []
-        for i in range(INITIAL_JOBS):
+        for _ in range(INITIAL_JOBS):
             self._new_job()
         sentinel_spec = JobSpec(
             2,
@@ -1299,7 +1300,8 @@ class StatefulFuzz:
             )
 
     def _sentinel_lost(self, what: str, reply: dict, rank: int) -> None:
-        """The service does not know the sentinel's job or `rank`: forgiven only if that registration may have been lost."""
+        """The service does not know the sentinel's job or `rank`: forgiven only if that registration
+        may have been lost."""
         s = self.sentinel
         code = reply["error"]["code"]
         if code == "unknown_job":
@@ -1307,7 +1309,8 @@ class StatefulFuzz:
                 self.report.violation(
                     "c:job-lost",
                     self.step,
-                    f"sentinel {what}: the service lost the acknowledged sentinel job (registered at step {s.registered.step})",
+                    f"sentinel {what}: the service lost the acknowledged sentinel job "
+                    f"(registered at step {s.registered.step})",
                 )
             self.s_phase = "register_job"
             s.registered = None
@@ -1383,7 +1386,8 @@ class StatefulFuzz:
                         "c:profile-lost",
                         self.step,
                         f"job {job.job_id}{' (sentinel)' if job.sentinel else ''} stage {stage}: "
-                        f"profile acknowledged at step {last.step}{f' ({how})' if how else ''} is gone after the restart "
+                        f"profile acknowledged at step {last.step}{f' ({how})' if how else ''} "
+                        "is gone after the restart "
                         f"(status: phase {got['phase']}, profiled {got['profiled_stages']})",
                     )
                     for t in range(job.spec.tp):
@@ -1410,7 +1414,8 @@ class StatefulFuzz:
         self.report.violation(
             "a:crash",
             self.step,
-            f"the service exited (code {code}) outside a deliberate restart; log tail: {self._log_tail(self.service, 14)}",
+            f"the service exited (code {code}) outside a deliberate restart; "
+            f"log tail: {self._log_tail(self.service, 14)}",
         )
         self.restart("crash", corrupt=False)
 
@@ -1476,8 +1481,9 @@ class StatefulFuzz:
                     r.disk_peak_kb = max(r.disk_peak_kb, self.disk.used_kb() if self.disk.fault != "enospc" else 0)
                 if self.progress_every and self.step % self.progress_every == 0:
                     print(
-                        f"  step {self.step}: {sum(r.restarts.values())} restarts, {sum(r.faults.values())} disk faults, "
-                        f"{len(r.violations)} violations, RSS {r.max_rss_mb:.0f} MiB, {time.monotonic() - self.started_at:.0f} s",
+                        f"  step {self.step}: {sum(r.restarts.values())} restarts, "
+                        f"{sum(r.faults.values())} disk faults, {len(r.violations)} violations, "
+                        f"RSS {r.max_rss_mb:.0f} MiB, {time.monotonic() - self.started_at:.0f} s",
                         flush=True,
                     )
             r.steps = steps
@@ -1531,7 +1537,8 @@ class StatefulFuzz:
             self.report.violation(
                 "a:latency",
                 self.step,
-                f"ping p99 {p99:.1f} ms over {self.ping_p99_ms:.0f} ms ({len(self.report.ping_ms)} pings, max {max(self.report.ping_ms):.1f} ms)",
+                f"ping p99 {p99:.1f} ms over {self.ping_p99_ms:.0f} ms "
+                f"({len(self.report.ping_ms)} pings, max {max(self.report.ping_ms):.1f} ms)",
             )
 
     ping_p99_ms = 100.0
@@ -1571,7 +1578,8 @@ def print_report(r: Report) -> None:
     print(f"disk faults ({r.fault_mode}): {dict(r.faults) or 'none'}")
     print(f"restarts: {dict(r.restarts) or 'none'}; exit codes of deliberate stops: {dict(r.exit_codes) or '-'}")
     print(
-        f"state files corrupted before restarts: {sum(r.corruptions.values())} {dict(r.corruptions) if r.corruptions else ''}"
+        f"state files corrupted before restarts: {sum(r.corruptions.values())} "
+        f"{dict(r.corruptions) if r.corruptions else ''}"
     )
     for line in r.corrupted[:20]:
         print(f"  {line}")
@@ -1583,11 +1591,13 @@ def print_report(r: Report) -> None:
     for label in sorted(r.labels):
         print(f"{label:<36} {r.labels[label]:7d} {r.labels_ok[label]:7d}")
     print(
-        f"\nping round trip ({len(r.ping_ms)} pings): p50 {percentile(r.ping_ms, 0.5):.2f} ms, p99 {percentile(r.ping_ms, 0.99):.2f} ms, "
+        f"\nping round trip ({len(r.ping_ms)} pings): p50 {percentile(r.ping_ms, 0.5):.2f} ms, "
+        f"p99 {percentile(r.ping_ms, 0.99):.2f} ms, "
         f"max {max(r.ping_ms, default=math.nan):.2f} ms"
     )
     print(
-        f"every reply ({len(r.reply_ms)}): p50 {percentile(r.reply_ms, 0.5):.2f} ms, p99 {percentile(r.reply_ms, 0.99):.2f} ms, "
+        f"every reply ({len(r.reply_ms)}): p50 {percentile(r.reply_ms, 0.5):.2f} ms, "
+        f"p99 {percentile(r.reply_ms, 0.99):.2f} ms, "
         f"max {max(r.reply_ms, default=math.nan):.2f} ms"
     )
     print(f"service max RSS {r.max_rss_mb:.0f} MiB")

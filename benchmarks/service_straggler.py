@@ -138,7 +138,8 @@ def main() -> int:
     print(f"{'first plan (planner built, no slowdown)':<44}{first:>10.3f}")
     print(f"{'declared straggler -> all ranks re-planned':<44}{declared:>10.3f}")
     print(
-        f"{'  fresh Planner + plan(deadline), no service':<44}{fresh:>10.3f}   ratio service/fresh {declared / fresh:.2f}"
+        f"{'  fresh Planner + plan(deadline), no service':<44}{fresh:>10.3f}   "
+        f"ratio service/fresh {declared / fresh:.2f}"
     )
     print(f"{'  kept Planner, another deadline, no service':<44}{kept:>10.3f}")
     print(f"{'recovery -> no-slowdown plan (kept)':<44}{recovered:>10.3f}")
