@@ -127,7 +127,8 @@ def server():
 
 def client(server: FakeElectricityMaps, **kwargs: object) -> ElectricityMaps:
     kwargs.setdefault("api_key", KEY)
-    return ElectricityMaps("DE", base_url=server.url, timeout_s=2.0, **kwargs)  # type: ignore[arg-type]
+    # Generous: the loopback server answers at once, but a loaded machine may be slow to run it.
+    return ElectricityMaps("DE", base_url=server.url, timeout_s=30.0, **kwargs)  # type: ignore[arg-type]
 
 
 # Emissions

@@ -72,14 +72,19 @@ def test_errors_name_the_problem():
 
 
 def test_background_sampling_on_the_real_clock():
-    """Real threads and time: about 0.3 s (kept short)."""
+    """Real threads and time: about 0.1 s (waits for 5 background samples, at most 30 s on a
+    loaded machine). The GPUs idle, so the power is flat and the energy exact however the
+    samples fall."""
     gpus = [SimGPU("a100-sxm", 0), SimGPU("a40", 1)]
     with PowerMonitor(gpus, interval_s=0.02) as pm:
         start = time.monotonic()
-        time.sleep(0.3)
+        deadline = start + 30.0
+        while len(pm.timeline()[0]) < 6 and time.monotonic() < deadline:  # start() takes the first
+            time.sleep(0.01)
         end = time.monotonic()
+        assert pm._thread is not None and pm._thread.is_alive()
     timeline = pm.timeline()
-    assert len(timeline[0]) >= 5 and len(timeline[1]) == len(timeline[0])
+    assert len(timeline[0]) >= 6 and len(timeline[1]) == len(timeline[0])
     assert pm.energy_j(0, start, end) == pytest.approx(IDLE_W * (end - start), rel=0.01)
     assert pm.energy_j(1, start, end) == pytest.approx(70.38 * (end - start), rel=0.01)
     n = len(pm.timeline()[0])

@@ -288,7 +288,7 @@ def test_watchdog_restores_the_default_after_sigkill():
     assert [g.power_limit_mw() for g in gpus] == [375_000, 375_000]
     child.kill()
     child.communicate(timeout=10)
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 30.0  # ends once reset; the watchdog reacts at once, a loaded machine slowly
     while any(g.power_limit_mw() != 400_000 for g in gpus) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [g.power_limit_mw() for g in gpus] == [400_000, 400_000]

@@ -23,14 +23,14 @@ from torch.distributed.pipelining.schedules import (  # noqa: E402
 )
 
 import perseus  # noqa: E402
+from perseus.client.planner_client import Assignment  # noqa: E402
 from perseus.devices.sim import SimGPU  # noqa: E402
 from perseus.exceptions import ConfigError  # noqa: E402
 from perseus.runtime import ProfilingSettings  # noqa: E402
 from perseus.runtime.torch_stage import check_torch_version  # noqa: E402
 from perseus.schedules import build_schedule  # noqa: E402
-from perseus.server.client import Assignment  # noqa: E402
-from perseus.server.protocol import Phase  # noqa: E402
-from perseus.server.security import CurveClient, create_keys  # noqa: E402
+from perseus.wire.phases import Phase  # noqa: E402
+from perseus.wire.security import CurveClient, create_keys  # noqa: E402
 
 MICROBATCHES = 4
 
@@ -199,6 +199,7 @@ def test_profiles_then_applies_the_plan_on_a_real_stage(gpu):
     for _ in range(5):
         schedule.step(x, target=y)
     schedule.eval(x, target=y)  # not a training iteration: default clocks, not counted
+    assert rank.controller.wait_applied(30.0)  # pause() waits 0.1 s at most; a loaded machine may take longer
     eval_clock = gpu.sm_clock()
     schedule.step(x, target=y)
     rank.close()

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 
 import pytest
 
+from perseus.client.planner_client import Assignment
 from perseus.clock import VirtualClock
 from perseus.devices.sim import SimGPU, Work
 from perseus.exceptions import ConfigError
 from perseus.runtime import PerseusRank, Progress
 from perseus.schedules import build_schedule
-from perseus.server.client import Assignment
-from perseus.server.protocol import Phase
+from perseus.wire.phases import Phase
 
 SCHEDULE = build_schedule("1f1b", 2, 4)
 WORK = Work(0.01)
@@ -43,8 +44,10 @@ class PlannedClient:
 class BrokenClient(PlannedClient):
     def __init__(self):
         super().__init__(None)
+        self.tried = threading.Event()  # the rank's registrar made its first attempt
 
     def register_rank(self, job_id, info):
+        self.tried.set()
         raise RuntimeError("network on fire")
 
     def assignment(self, iteration):
@@ -56,11 +59,19 @@ def gpu(tmp_path):
     return SimGPU("a100-sxm", 1, clock=VirtualClock(), state_dir=str(tmp_path))
 
 
+# How long a background thread may take on a loaded machine; waits end as soon as it is done.
+DEADLINE_S = 30.0
+
+
 def make_rank(gpu, client=None, **kwargs):
+    """A rank whose background registration is over (a broken client's: its first attempt made)."""
     rank = PerseusRank(gpu, SCHEDULE, 1, client=client, progress=False, handle_signals=False,
                        watchdog=False, wait_for_clock=True, retry_s=0.01, startup_wait_s=0.2, **kwargs)
-    if rank._registrar is not None:
-        rank._registrar.join(0.5)
+    if isinstance(client, BrokenClient):
+        assert client.tried.wait(DEADLINE_S)  # it retries until closed: wait for its first try
+    elif rank._registrar is not None:
+        rank._registrar.join(DEADLINE_S)
+        assert not rank._registrar.is_alive()
     return rank
 
 

@@ -5,27 +5,45 @@ Each instruction first waits for its pipeline peer (a forward for the previous s
 of its microbatch, a backward for the next stage's backward), as activations and gradients
 would; a barrier after each rank's last instruction stands for the gradient all-reduce, so
 every rank waits for the slowest pipeline before its iteration ends. One service for the module (it
-imports the solver stack once); about 8 s in all, most of it the first plan's solver import
+imports the solver stack once); about 10 s in all, most of it the first plan's solver import
 and the plans' start leads (1 s of iterations each).
+
+Wall-clock measurements here include host work (hooks, clock changes, thread wake-ups), which a
+loaded machine stretches: checks compare pipelines where such delays hit both alike, and
+energies net of the idle power over the iteration's time (the GPU work's own energy, which only
+its clocks decide), never one measured time against a tight bound.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from test_rank_service import WORKS, serve
 
-from perseus.devices.sim import SimGPU
+from perseus.client import PlannerClient
+from perseus.devices.sim import PRESETS, SimGPU
 from perseus.runtime import PerseusRank, ProfilingSettings
 from perseus.schedules import build_schedule
-from perseus.server import PlannerClient
 
 SWEEP = (1410, 1200, 1005, 810)
 SCHEDULE = build_schedule("1f1b", 2, 4)
+IDLE_W = PRESETS["a100-sxm"].idle_w
+# For the throttled pipeline: 4x the work, so that host work in compute_time_s (hooks, clock
+# changes, thread wake-ups: milliseconds per iteration, tens on a loaded machine) stays small
+# beside the 20% throttle the service must tell from it -- or its factor sinks towards its
+# thresholds (5% to detect, 2.5% to recover) and the plans flap.
+LONG_WORKS = {
+    stage: {kind: dataclasses.replace(work, time_s=4 * work.time_s) for kind, work in kinds.items()}
+    for stage, kinds in WORKS.items()
+}
+# Waits end as soon as what they wait for happens; this only bounds a broken run.
+DEADLINE_S = 240.0
 
 
 @pytest.fixture(autouse=True)
@@ -45,13 +63,15 @@ def service(tmp_path_factory):
 class Cluster:
     """`len(coords)` ranks, (stage, dp_index, tp_index) each, in lockstep through an all-reduce."""
 
-    def __init__(self, endpoint: str, coords: list[tuple[int, int, int]], tag: str, **job) -> None:
+    def __init__(self, endpoint: str, coords: list[tuple[int, int, int]], tag: str, works=WORKS, **job) -> None:
+        self.works = works
         self.gpus = [SimGPU("a100-sxm", r) for r in range(len(coords))]
         self.clients = [PlannerClient(endpoint, timeout_s=0.5, poll_interval_s=0.05) for _ in coords]
         self.ranks = [
             PerseusRank(
                 self.gpus[r], SCHEDULE, stage, rank=r, dp_index=dp_index, tp_index=tp_index, tag=tag, client=self.clients[r],
                 close_client=True, progress=False, wait_for_clock=True, handle_signals=False, watchdog=False,
+                startup_wait_s=DEADLINE_S,
                 profiling=ProfilingSettings(warmup_iterations=1, iterations_per_frequency=1, frequencies=SWEEP), **job,
             )
             for r, (stage, dp_index, tp_index) in enumerate(coords)
@@ -71,11 +91,16 @@ class Cluster:
         if 0 <= peer < SCHEDULE.num_stages:
             self._event((rank.dp_index, rank.tp_index, rank.iteration, peer, kind, microbatch)).wait(30)
 
-    def run(self, until, limit: int = 600) -> None:
-        """Iterate until `until()` holds at an all-reduce (checked once, by one thread, for all)."""
+    def run(self, until, then=None):
+        """Iterate until `until()` holds at an all-reduce (checked once, by one thread, for all);
+        returns what `then()` returns, called there while every rank waits."""
+        deadline = time.monotonic() + DEADLINE_S
+        seen = []
 
         def decide() -> None:
-            self.done = until() or len(self.logs[0]) >= limit
+            self.done = until() or time.monotonic() > deadline
+            if self.done and then is not None:
+                seen.append(then())
 
         barrier = threading.Barrier(len(self.ranks), action=decide)
 
@@ -89,7 +114,7 @@ class Cluster:
                     self._receive(rank, kind, ins.microbatch)
                     rank.on_instruction_begin(kind, ins.microbatch)
                     clocks.append(gpu.sm_clock())
-                    gpu.execute(WORKS[rank.stage][kind])
+                    gpu.execute(self.works[rank.stage][kind])
                     rank.on_instruction_end(kind, ins.microbatch)
                     self._event((rank.dp_index, rank.tp_index, rank.iteration, rank.stage, kind, ins.microbatch)).set()
                 barrier.wait(30)  # the gradient all-reduce: every pipeline waits for the slowest
@@ -102,10 +127,12 @@ class Cluster:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(120)
+            t.join(DEADLINE_S + 60)
         for rank in self.ranks:
             rank.close()
-        assert len(self.logs[0]) < limit, "the planner never got there"
+        assert not any(t.is_alive() for t in threads), "a rank never finished"
+        assert until(), f"the planner never got there in {DEADLINE_S:.0f} s"
+        return seen[0] if seen else None
 
     def planned(self, r: int, version: int) -> list[tuple]:
         return [(rec, clocks) for rec, clocks in self.logs[r] if rec.phase == "planned" and rec.plan_version == version]
@@ -114,22 +141,33 @@ class Cluster:
 def test_a_throttled_pipeline_is_seen_by_compute_time_and_the_other_is_replanned_to_its_pace(service):
     endpoint, state = service
     # Torch order, dp=2 x pp=2: rank = stage + 2 * dp_index. Pipeline 1 (ranks 2, 3) is 20% slower.
-    cluster = Cluster(endpoint, [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)], "straggler", dp=2, rank_mapping="torch")
+    cluster = Cluster(endpoint, [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)], "straggler", works=LONG_WORKS,
+                      dp=2, rank_mapping="torch")
     for gpu in cluster.gpus[2:]:
         gpu.set_slowdown(1.2)
     fast = cluster.ranks[:2]
-    cluster.run(lambda: all(r.plan_version >= 2 for r in fast) and len(cluster.planned(0, fast[0].plan_version)) >= 3)
     job_id = cluster.ranks[0].job_spec().job_id()
-    with PlannerClient(endpoint) as client:
-        status = client.status(job_id).jobs[0]
-    record = json.loads((Path(state) / "jobs" / job_id / "job.json").read_text())
+
+    def service_view():
+        """The service's status and record of the job, taken while the ranks wait."""
+        status = client.status(job_id)
+        return status.jobs[0], json.loads((Path(state) / "jobs" / job_id / "job.json").read_text())
+
+    with PlannerClient(endpoint, timeout_s=DEADLINE_S) as client:
+        status, record = cluster.run(
+            lambda: all(r.plan_version >= 2 for r in fast) and len(cluster.planned(0, fast[0].plan_version)) >= 3,
+            service_view,
+        )
 
     slow, quick = status.pipelines[1], status.pipelines[0]
-    assert slow.straggler == "detected" and 1.1 < slow.straggler_factor < 1.3
+    # Detected: more than the detector's 5% over the others. Host work in compute_time_s (more of
+    # it on a loaded machine) pulls the measured factor from the true 1.2 towards 1, not above.
+    assert slow.straggler == "detected" and quick.straggler == "" and slow.straggler_factor < 1.4
     assert slow.deadline_s is None and quick.deadline_s is not None
     plans = record["plans"]
     base = plans["1"]  # the straggler keeps the no-slowdown plan
-    assert plans["0"]["deadline_s"] == pytest.approx(quick.deadline_s) and quick.deadline_s > 1.1 * base["iteration_time_s"]
+    # The other pipeline's deadline: the straggler's pace, slower than its no-slowdown plan.
+    assert plans["0"]["deadline_s"] == pytest.approx(quick.deadline_s) and quick.deadline_s > base["iteration_time_s"]
     assert plans["0"]["energy_j"] < base["energy_j"] and plans["0"]["iteration_time_s"] > base["iteration_time_s"]
     # Under plan v1, through the all-reduce, both pipelines take the straggler's time; only
     # compute_time_s tells them apart.
@@ -137,15 +175,21 @@ def test_a_throttled_pipeline_is_seen_by_compute_time_and_the_other_is_replanned
     v1 = [i for i, (rec, _) in enumerate(cluster.logs[0]) if rec.phase == "planned" and rec.plan_version == 1][1:]
     times = [statistics.median(cluster.logs[r][i][0].time_s for i in v1) for r in range(4)]
     computes = [statistics.median(cluster.logs[r][i][0].compute_time_s for i in v1) for r in range(4)]
-    assert len(v1) >= 5 and max(times) / min(times) < 1.05
-    assert max(computes[2:]) / max(computes[:2]) == pytest.approx(1.2, abs=0.08)
+    time_gap = max(times[2:]) / max(times[:2]) - 1
+    compute_gap = max(computes[2:]) / max(computes[:2]) - 1
+    assert len(v1) >= 5
+    assert compute_gap > 0.05, computes  # the straggler shows in compute_time_s...
+    assert abs(time_gap) < compute_gap / 2, (times, computes)  # ...far less in time_s
     # Pipeline 0's ranks run the re-plan together: slower clocks, less energy than under plan v1.
+    # Its iteration time is the straggler's under both plans (on a loaded machine, also host
+    # delays), so compare the energy beyond idle power over the iteration: the GPU work's own.
     assert fast[1].plan_version == version and cluster.ranks[2].plan_version == cluster.ranks[3].plan_version < version
     for r in (0, 1):
         before, after = cluster.planned(r, 1), cluster.planned(r, version)
         assert before and after and before[-1][1] != after[-1][1]
         assert sum(after[-1][1]) <= sum(before[-1][1])
-        assert statistics.median(rec.energy_j for rec, _ in after) < statistics.median(rec.energy_j for rec, _ in before)
+        work_j = [statistics.median(rec.energy_j - IDLE_W * rec.time_s for rec, _ in runs) for runs in (before, after)]
+        assert 0 < work_j[1] < work_j[0]
     assert all(g.sm_clock() == g.max_frequency() for g in cluster.gpus)
     for gpu in cluster.gpus:
         gpu.reset_slowdown()
