@@ -111,7 +111,9 @@ class Local:
     def settle(self) -> None:
         """Tend the service until its schedule builder and planners are idle."""
         self.service.tend()
+        deadline = time.monotonic() + 120
         while self.service.busy:
+            assert time.monotonic() < deadline, "the service's workers did not finish"
             time.sleep(0.01)
             self.service.tend()
 
