@@ -9,9 +9,12 @@ A simulated GPU behaves like a real one where Perseus can tell:
   takes about 1.24x the time and 0.74x the energy of 1410 MHz).
 - The energy counter (mJ) integrates idle power plus the busy power of the work issued
   through `execute`, analytically over the GPU's clock (real or virtual), so it never
-  decreases and needs no background thread. On the real clock it counts work from every
-  process, as hardware does (see perseus.devices.sim_activity): `perseus monitor -- CMD`
-  measures the simulated work CMD runs. On a virtual clock (tests) work stays in-process.
+  decreases and needs no background thread. Like hardware, a GPU counts the work of every
+  SimGPU object for it: on the real clock, in any process (see perseus.devices.sim_activity;
+  `perseus monitor -- CMD` measures the simulated work CMD runs); on a virtual clock, in this
+  process, among the objects sharing that clock.
+- `synchronize` is a device sync: it waits until all work queued on the GPU has finished,
+  whichever SimGPU object (or, on the real clock, process) issued it.
 - The locked SM clock, the power limit and a throttle factor (`slowdown`, a straggler whose
   work takes that many times longer) persist in a small JSON file per GPU in a runtime
   folder ($PERSEUS_SIM_DIR, default /tmp/perseus-sim-<uid>), shared by every process: a
@@ -20,6 +23,16 @@ A simulated GPU behaves like a real one where Perseus can tell:
 
 Two SimGPUs running work on the same GPU at once both add their power (real GPUs would
 time-share); the counter's origin is when the SimGPU object was made.
+
+Making a simulated GPU do work in your own script (e.g. what one training step would cost on
+the GPU, so that the power limit and clocks change its time and energy):
+
+    from perseus.devices.sim import Work, emulate
+
+    emulate(monitor.gpus, Work(0.05, alpha=0.3))  # 50 ms at full clock on each simulated GPU
+
+`emulate` skips real GPUs, so the same script runs on both; `SimGPU.execute(work,
+blocking=False)` queues work on one GPU as a CUDA kernel launch would.
 """
 
 from __future__ import annotations
@@ -31,12 +44,14 @@ import os
 import threading
 import time
 import uuid as uuid_lib
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from perseus.atomic import write_json_atomic
 from perseus.clock import REAL_CLOCK, Clock, RealClock
 from perseus.devices.gpu import GPU
-from perseus.devices.sim_activity import ActivityLog
+from perseus.devices.sim_activity import ActivityLog, Record
 from perseus.exceptions import ConfigError, DeviceError
 
 SIM_DIR_ENV = "PERSEUS_SIM_DIR"
@@ -102,9 +117,14 @@ def get_preset(name: str | SimPreset) -> SimPreset:
 
 @dataclass(frozen=True)
 class Work:
-    """A piece of GPU work: `time_s` at f_max, of which fraction `alpha` scales with 1/f.
+    """A piece of GPU work for a simulated GPU (`SimGPU.execute`, `emulate`).
 
-    `intensity` scales dynamic power (1.0: a large matmul-heavy training step).
+    time_s: seconds it takes at the highest SM clock with no power cap.
+    alpha: the compute-bound fraction, whose time scales with 1/clock (the rest, e.g. memory
+    traffic, does not): 0.78 is a GPT-3 stage on an A100; lower is more memory-bound, whose
+    time barely moves as the power limit drops.
+    intensity: scales dynamic power (1.0: a large matmul-heavy training step).
+    What it costs at a given clock and power limit: `predict` or `SimGPU.predict`.
     """
 
     time_s: float
@@ -173,6 +193,55 @@ class _State:
 _DEFAULT_STATE = _State()
 
 
+class _Feed:
+    """The work queued on one GPU on one virtual clock, shared by its SimGPUs in this process."""
+
+    TRIM = 4096  # records kept before dropping those every reader has taken in
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.records: list[Record] = []
+        self.base = 0  # the sequence number of records[0]
+        self.readers: weakref.WeakSet[_SharedActivity] = weakref.WeakSet()
+
+
+_feeds: weakref.WeakKeyDictionary[Clock, dict[str, _Feed]] = weakref.WeakKeyDictionary()
+_feeds_lock = threading.Lock()
+
+
+class _SharedActivity:
+    """One SimGPU's view of a `_Feed`: what ActivityLog is on the real clock, kept in memory."""
+
+    def __init__(self, clock: Clock, path: str) -> None:
+        with _feeds_lock:
+            try:
+                feed = _feeds.setdefault(clock, {}).setdefault(path, _Feed())
+            except TypeError:  # a clock that cannot be weakly referenced: this object's own feed
+                feed = _Feed()
+        self._feed = feed
+        with feed.lock:
+            self._next = feed.base  # work still running when this object was made counts too
+            feed.readers.add(self)
+
+    def append(self, start: float, end: float, busy_w: float) -> None:
+        feed = self._feed
+        with feed.lock:
+            feed.records.append((start, end, busy_w))
+            if len(feed.records) >= 2 * feed.TRIM:
+                done = min((r._next for r in feed.readers), default=feed.base + len(feed.records))
+                drop = min(done - feed.base, len(feed.records) - feed.TRIM)
+                if drop > 0:
+                    del feed.records[:drop]
+                    feed.base += drop
+
+    def read_new(self, now: float) -> tuple[list[Record], float]:
+        feed = self._feed
+        with feed.lock:
+            new = feed.records[max(0, self._next - feed.base) :]
+            self._next = feed.base + len(feed.records)
+        return new, 0.0
+
+
 class SimGPU(GPU):
     """A simulated GPU; see the module docstring for the model."""
 
@@ -200,11 +269,14 @@ class SimGPU(GPU):
         self._extra_j = 0.0
         self._pending: list[tuple[float, float, float]] = []
         self._busy_until = self._origin
-        # On the real clock, work is shared with other processes through the activity log.
-        self._activity: ActivityLog | None = None
+        # Work is shared by every SimGPU of this GPU: on the real clock with other processes
+        # through the activity log, on a virtual clock with this process's objects on that clock.
+        self._activity: ActivityLog | _SharedActivity
         if isinstance(self._clock, RealClock):
             log = os.path.join(os.path.dirname(self._path), "activity", f"{self.preset.name}-{index}.log")
             self._activity = ActivityLog(log, self._idle_w)
+        else:
+            self._activity = _SharedActivity(self._clock, self._path)
 
     @property
     def clock(self) -> Clock:
@@ -239,15 +311,15 @@ class SimGPU(GPU):
         return (self._idle_w + extra_w) * 1000.0
 
     def _settle(self, now: float) -> float:
-        """Take in work other processes logged, fold finished work into the total, and return
-        the energy (J) running work has added so far. Call with the lock held."""
-        if self._activity is not None:
-            records, missed_j = self._activity.read_new(now)
-            self._extra_j += missed_j
-            origin, idle = self._origin, self._idle_w
-            for start, end, busy_w in records:
-                if end > origin:
-                    self._pending.append((max(start, origin), end, busy_w - idle))
+        """Take in work issued since the last call (by any SimGPU of this GPU), fold finished
+        work into the total, and return the energy (J) running work has added so far. Call
+        with the lock held."""
+        records, missed_j = self._activity.read_new(now)
+        self._extra_j += missed_j
+        origin, idle = self._origin, self._idle_w
+        for start, end, busy_w in records:
+            if end > origin:
+                self._pending.append((max(start, origin), end, busy_w - idle))
         if not self._pending:
             return 0.0
         partial = 0.0
@@ -329,8 +401,11 @@ class SimGPU(GPU):
     def execute(self, work: Work, blocking: bool = True) -> float:
         """Run `work` at the current SM clock, power limit and slowdown (read at issue time).
 
-        Work queues behind earlier non-blocking work, as on a CUDA stream. With `blocking`,
-        wait on the GPU's clock until it has finished. Returns its duration in seconds.
+        Work queues behind earlier non-blocking work of this object, as on a CUDA stream. With
+        `blocking`, wait on the GPU's clock until all work queued on the GPU has finished (see
+        `synchronize`); without it, return at once, as a kernel launch does. Returns the
+        work's duration in seconds. Its energy lands in the energy counter of every SimGPU of
+        this GPU. To run work on several GPUs at once, see `emulate`.
         """
         duration, energy_j = self.predict(work)
         with self._lock:
@@ -338,18 +413,22 @@ class SimGPU(GPU):
             end = start + duration
             self._busy_until = end
             if duration > 0:
-                if self._activity is not None:
-                    self._activity.append(start, end, energy_j / duration)
-                else:
-                    self._pending.append((start, end, energy_j / duration - self._idle_w))
+                self._activity.append(start, end, energy_j / duration)
         if blocking:
             self.synchronize()
         return duration
 
     def synchronize(self) -> None:
-        wait = self._busy_until - self._now()
-        if wait > 0:
-            self._clock.sleep(wait)
+        """Wait until all work queued on this GPU has finished, like a device sync: this
+        object's, and that of every other SimGPU of the same GPU (in any process on the real
+        clock; in this process, on the same clock, on a virtual one)."""
+        with self._lock:
+            now = self._now()
+            self._settle(now)
+            until = max((end for _, end, _ in self._pending), default=self._busy_until)
+            until = max(until, self._busy_until)
+        if until > now:
+            self._clock.sleep(until - now)
 
     # Persistent state
     def _nearest(self, mhz: float) -> str:
@@ -437,6 +516,31 @@ class SimGPU(GPU):
         # an inode is reused); a reader that stats between the rename and this re-reads after it.
         stamp = time.time_ns()
         os.utime(self._path, ns=(stamp, stamp))
+
+
+def emulate(gpus: GPU | Iterable[GPU], work: Work | float, blocking: bool = True) -> float:
+    """Make every simulated GPU among `gpus` do `work` at once, as one data-parallel step would.
+
+    work: a `Work`, or seconds at the highest clock (`Work(seconds)`: alpha 0.78, intensity 1).
+    Each GPU runs it under its own power limit, clock and slowdown, so a GlobalPowerLimitOptimizer
+    or Monitor measuring these GPUs sees what that work would cost there. Real GPUs are skipped
+    (they do the real work), so the same script runs on both. With `blocking` (default), wait
+    until all of it has finished. Returns the longest duration in seconds (0.0 without
+    simulated GPUs).
+
+        monitor = Monitor()                      # this rank's GPU(s)
+        for batch in loader:
+            train_step(batch)
+            emulate(monitor.gpus, Work(0.05, alpha=0.3))
+    """
+    if not isinstance(work, Work):
+        work = Work(float(work))
+    simulated = [g for g in ([gpus] if isinstance(gpus, GPU) else gpus) if isinstance(g, SimGPU)]
+    longest = max((g.execute(work, blocking=False) for g in simulated), default=0.0)
+    if blocking:
+        for gpu in simulated:
+            gpu.synchronize()
+    return longest
 
 
 def sim_gpus(preset: str, count: int = 1, clock: Clock | None = None) -> list[SimGPU]:
