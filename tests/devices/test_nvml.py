@@ -31,12 +31,15 @@ def _no_env(monkeypatch):
 
 
 def four_gpus() -> list[FakeGPU]:
-    return [FakeGPU(uuid=u) for u in (
-        "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6",
-        "GPU-8932aaaa-0000-0000-0000-000000000001",
-        "GPU-11112222-0000-0000-0000-000000000002",
-        "GPU-33334444-0000-0000-0000-000000000003",
-    )]
+    return [
+        FakeGPU(uuid=u)
+        for u in (
+            "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6",
+            "GPU-8932aaaa-0000-0000-0000-000000000001",
+            "GPU-11112222-0000-0000-0000-000000000002",
+            "GPU-33334444-0000-0000-0000-000000000003",
+        )
+    ]
 
 
 # --- CUDA_VISIBLE_DEVICES -----------------------------------------------------------------
@@ -241,7 +244,9 @@ def test_synchronize_waits_for_cuda_only_where_torch_drives_the_gpu(monkeypatch)
                 raise RuntimeError("CUDA driver initialization failed")
             return initialized
 
-        cuda = types.SimpleNamespace(is_initialized=is_initialized, device_count=lambda: count, synchronize=synced.append)
+        cuda = types.SimpleNamespace(
+            is_initialized=is_initialized, device_count=lambda: count, synchronize=synced.append
+        )
         return types.SimpleNamespace(cuda=cuda)
 
     with installed([FakeGPU(), FakeGPU()]):
@@ -399,8 +404,6 @@ def test_zeus_monitor_runs_on_the_fake():
     NVML binding and GPUs in globals; importing zeus takes a few seconds (skipped without it)."""
     pytest.importorskip("zeus")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    result = subprocess.run(
-        [sys.executable, "-c", ZEUS_ON_FAKE], env=env, capture_output=True, text=True, timeout=120
-    )
+    result = subprocess.run([sys.executable, "-c", ZEUS_ON_FAKE], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "{0: 168.0, 1: 400.0}"

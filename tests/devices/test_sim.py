@@ -69,7 +69,10 @@ def test_calibration_against_measured_gpt3_profiles():
     measured = defaultdict(dict)
     with open(DATA / "gpt3-175b+a100_sxm_bf16.csv") as f:
         for row in csv.DictReader(f):
-            measured[(row["stage"], row["instruction"])][int(row["frequency"])] = (float(row["time"]), float(row["energy"]))
+            measured[(row["stage"], row["instruction"])][int(row["frequency"])] = (
+                float(row["time"]),
+                float(row["energy"]),
+            )
     t_hi, e_hi = predict("a100-sxm", Work(1.0), 1410)
     t_lo, e_lo = predict("a100-sxm", Work(1.0), 1080)
     time_ratio, energy_ratio = t_lo / t_hi, e_lo / e_hi

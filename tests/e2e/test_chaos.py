@@ -40,8 +40,11 @@ def stalls_during_outages(records, outages: list[dict]) -> list[float]:
             for phase in {r["phase"] for r in rows}:
                 same = [r for r in rows if r["phase"] == phase]
                 median = statistics.median(r["end"] - r["start"] for r in same)
-                stalls += [r["end"] - r["start"] - median for r in same
-                           if any(o["killed"] < r["end"] and r["start"] < o["back"] for o in outages)]
+                stalls += [
+                    r["end"] - r["start"] - median
+                    for r in same
+                    if any(o["killed"] < r["end"] and r["start"] < o["back"] for o in outages)
+                ]
     return stalls
 
 

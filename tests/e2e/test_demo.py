@@ -176,6 +176,7 @@ def test_restarted_service_resumes_without_profiling_and_training_survives_its_s
     # A new service process on the first job's state: the same job skips profiling.
     job = _Job(tmp_path, state_dir, planned_iterations=10, max_iterations=SPARE_ITERATIONS)
     try:
+
         def planned_pids():
             docs = [job.records(r) for r in range(RANKS)]
             if all(d and any(i["phase"] == "planned" for i in d["iterations"]) for d in docs):

@@ -11,12 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from perseus.clock import VirtualClock
+from perseus.demo.config import ModelConfig
 from perseus.demo.emulation import EmulatedStage, GPUEmulator
 from perseus.demo.launcher import DemoOptions
+from perseus.demo.model import build_stage, lm_loss, make_batch
 from perseus.demo.processes import stop_job, wait_for_job
 from perseus.demo.report import plan_applied, predict_at_pace, summarize
-from perseus.demo.config import ModelConfig
-from perseus.demo.model import build_stage, lm_loss, make_batch
 from perseus.demo.results import Iteration, model_overheads, read_rank_record, split_phases
 from perseus.demo.workload import DEFAULT_TIME_SCALE, GPT3_A100_STAGES, default_time_scale, stage_works
 from perseus.devices.sim import SimGPU, predict
@@ -94,16 +94,25 @@ def test_last_stage_loss_trains():
 
 
 def _it(index, phases, time_s, energy_j, freqs=(), plans=()):
-    spans = tuple(tuple({"kind": "forward", "microbatch": i, "start": 0.0, "end": 0.1, "frequency": f}
-                        for i, f in enumerate(row)) for row in freqs)
+    spans = tuple(
+        tuple({"kind": "forward", "microbatch": i, "start": 0.0, "end": 0.1, "frequency": f} for i, f in enumerate(row))
+        for row in freqs
+    )
     return Iteration(index, tuple(phases), time_s, energy_j, spans, 0.0, tuple(plans))
 
 
 def test_phases_drop_warmup_and_switch_iterations_and_summarize():
     plan = [[1410, 1200], [1000, 1410]]
     status = JobStatus(
-        job_id="job-0123456789abcdef", phase="planned", world_size=2, ranks_registered=2, profiled_stages=(0, 1),
-        plan_version=1, last_iteration=8, predicted_iteration_time_s=1.0, predicted_energy_j=90.0,
+        job_id="job-0123456789abcdef",
+        phase="planned",
+        world_size=2,
+        ranks_registered=2,
+        profiled_stages=(0, 1),
+        plan_version=1,
+        last_iteration=8,
+        predicted_iteration_time_s=1.0,
+        predicted_energy_j=90.0,
         predicted_baseline_energy_j=100.0,
     )
     its = [
@@ -148,9 +157,20 @@ def test_options_are_checked():
 
 def _dp_it(index, phases, versions, windows):
     """Two pipelines x 2 stages: ranks 0, 1 (pipeline 0) and 2, 3 (the straggler)."""
-    spans = tuple(({"kind": "backward", "microbatch": 0, "start": 0.0, "end": t, "frequency": 1410},) for t, _ in windows)
-    return Iteration(index, tuple(phases), max(t for t, _ in windows), sum(e for _, e in windows), spans, 0.0,
-                     (None,) * 4, tuple(versions), tuple(windows))
+    spans = tuple(
+        ({"kind": "backward", "microbatch": 0, "start": 0.0, "end": t, "frequency": 1410},) for t, _ in windows
+    )
+    return Iteration(
+        index,
+        tuple(phases),
+        max(t for t, _ in windows),
+        sum(e for _, e in windows),
+        spans,
+        0.0,
+        (None,) * 4,
+        tuple(versions),
+        tuple(windows),
+    )
 
 
 def test_straggler_phases_split_intrinsic_from_straggler_aware_and_predict_at_its_pace():
@@ -173,8 +193,20 @@ def test_straggler_phases_split_intrinsic_from_straggler_aware_and_predict_at_it
     record = {
         "blocking_power_w": 50.0,
         "plans": {
-            "0": {"energy_j": 500.0, "iteration_time_s": 1.2, "deadline_s": 1.2, "baseline_energy_j": 600.0, "baseline_iteration_time_s": 1.0},
-            "1": {"energy_j": 580.0, "iteration_time_s": 1.0, "deadline_s": None, "baseline_energy_j": 600.0, "baseline_iteration_time_s": 1.0},
+            "0": {
+                "energy_j": 500.0,
+                "iteration_time_s": 1.2,
+                "deadline_s": 1.2,
+                "baseline_energy_j": 600.0,
+                "baseline_iteration_time_s": 1.0,
+            },
+            "1": {
+                "energy_j": 580.0,
+                "iteration_time_s": 1.0,
+                "deadline_s": None,
+                "baseline_energy_j": 600.0,
+                "baseline_iteration_time_s": 1.0,
+            },
         },
     }
     predicted = predict_at_pace(record, stages=2, slow=1)
@@ -187,20 +219,30 @@ def test_straggler_phases_split_intrinsic_from_straggler_aware_and_predict_at_it
 def _hop_it(index, phase, hop):
     """Two pipelines x 2 stages, one microbatch; pipeline k's hops take `hop * (k + 1)`, and
     stage 1 waits 1 ms between its forward and its backward (host work)."""
+
     def span(kind, start, end):
         return {"kind": kind, "microbatch": 0, "start": start, "end": end, "frequency": 1410}
 
     spans = []
     for k in (1, 2):
         h = hop * k
-        spans += [(span("forward", 0.0, 1.0), span("backward", 3.0 + 2 * h, 4.0)),
-                  (span("forward", 1.0 + h, 2.0), span("backward", 2.001, 3.0 + h))]
+        spans += [
+            (span("forward", 0.0, 1.0), span("backward", 3.0 + 2 * h, 4.0)),
+            (span("forward", 1.0 + h, 2.0), span("backward", 2.001, 3.0 + h)),
+        ]
     windows = ((4.0, 1.0),) * 4
-    return Iteration(index, (phase,) * 4, 4.0, 4.0, tuple(tuple(r) for r in spans), 0.0, (None,) * 4, (None,) * 4, windows)
+    return Iteration(
+        index, (phase,) * 4, 4.0, 4.0, tuple(tuple(r) for r in spans), 0.0, (None,) * 4, (None,) * 4, windows
+    )
 
 
 def test_model_overheads_are_the_baseline_medians_over_every_pipeline():
-    its = [_hop_it(0, "baseline", 0.1), _hop_it(1, "baseline", 0.001), _hop_it(2, "baseline", 0.001), _hop_it(3, "planned", 0.1)]
+    its = [
+        _hop_it(0, "baseline", 0.1),
+        _hop_it(1, "baseline", 0.001),
+        _hop_it(2, "baseline", 0.001),
+        _hop_it(3, "planned", 0.1),
+    ]
     gap, hop = model_overheads(its, num_stages=2)
     assert gap == pytest.approx(0.001)  # stage 1's forward -> backward; stage 0's backward waited on stage 1
     # Hops: 1 ms in pipeline 0, 2 ms in pipeline 1 (the warm-up and planned ones left out), median

@@ -15,13 +15,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from perseus.clock import VirtualClock  # noqa: E402
-from perseus.devices.sim import Work, predict, sim_gpus  # noqa: E402
-from perseus.exceptions import ConfigError  # noqa: E402
-from perseus.integrations.huggingface import PowerLimitCallback  # noqa: E402
-from perseus.measurement import Monitor  # noqa: E402
-from perseus.measurement.carbon import CarbonReporter, StaticIntensity  # noqa: E402
-from perseus.power_limit import MaxSlowdownConstraint, Phase  # noqa: E402
+from perseus.clock import VirtualClock
+from perseus.devices.sim import Work, predict, sim_gpus
+from perseus.exceptions import ConfigError
+from perseus.integrations.huggingface import PowerLimitCallback
+from perseus.measurement import Monitor
+from perseus.measurement.carbon import CarbonReporter, StaticIntensity
+from perseus.power_limit import MaxSlowdownConstraint, Phase
 
 WORK = Work(0.1, alpha=0.3)
 STEPS_PER_EPOCH = 8  # 32 samples, batch 4
@@ -91,7 +91,11 @@ def test_trainer_applies_the_selected_limit_to_every_gpu_and_restores_it(tmp_pat
     workload = GPUWorkload(gpus)
     report = tmp_path / "carbon.jsonl"
     callback = PowerLimitCallback(
-        monitor=monitor, selector=MaxSlowdownConstraint(1.1), warmup_steps=1, profile_steps=2, pl_step_w=50,
+        monitor=monitor,
+        selector=MaxSlowdownConstraint(1.1),
+        warmup_steps=1,
+        profile_steps=2,
+        pl_step_w=50,
         carbon_reporter=CarbonReporter(monitor, StaticIntensity(300), report),
     )
     result = trainer(tmp_path, [workload, callback], epochs=5).train()

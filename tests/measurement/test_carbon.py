@@ -244,7 +244,9 @@ def write_csv(tmp_path, text: str):
 
 
 def test_time_series_replays_on_a_clock(tmp_path):
-    path = write_csv(tmp_path, "timestamp,g_per_kwh\n2024-05-01T00:00Z,100\n2024-05-01T01:00Z,700\n2024-05-01T02:00Z,300\n")
+    path = write_csv(
+        tmp_path, "timestamp,g_per_kwh\n2024-05-01T00:00Z,100\n2024-05-01T01:00Z,700\n2024-05-01T02:00Z,300\n"
+    )
     clock = VirtualClock(50.0)
     series = IntensityTimeSeries.from_csv(path, clock=clock, speedup=60.0)  # one clock minute = one hour
     assert series.current() == 100
@@ -286,7 +288,9 @@ def test_reporter_writes_each_epoch_and_the_totals(tmp_path, monkeypatch):
     monkeypatch.setenv("PERSEUS_SIM_DIR", str(tmp_path / "sim"))
     clock = VirtualClock()
     gpus = sim_gpus("a100-sxm", 2, clock)
-    series = IntensityTimeSeries([IntensityPoint(T0, 100), IntensityPoint(T0 + timedelta(seconds=10), 500)], clock=clock)
+    series = IntensityTimeSeries(
+        [IntensityPoint(T0, 100), IntensityPoint(T0 + timedelta(seconds=10), 500)], clock=clock
+    )
     report = tmp_path / "carbon.jsonl"
     reporter = CarbonReporter(Monitor(gpus=gpus, cpus=[]), series, report)
     work = Work(1.0)

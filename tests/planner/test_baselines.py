@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_solver import random_profile
 
 from perseus.exceptions import PlanError
 from perseus.planner import Evaluator, Planner, shared_frequencies, uniform_frequencies
 from perseus.planner.baselines import envpipe_plan, max_frequency_plan, uniform_plan
 from perseus.profiler import load_profile
 from perseus.schedules import Kind, build_schedule
-
-from test_solver import random_profile
 
 GPT3 = Path(__file__).resolve().parents[2] / "../shared/data/perseus-sosp24/stage_profiles/gpt3-175b+a100_sxm_bf16.csv"
 

@@ -53,13 +53,18 @@ def test_interleaved_2x2_two_chunks_edges():
     expected = rank_edges(s)
     for m in range(2):
         # virtual stages 0, 1, 2, 3 = (rank 0, chunk 0), (1, 0), (0, 1), (1, 1)
-        expected |= chain(f"F{m}@s0", f"F{m}@s1", f"F{m}@s0.c1", f"F{m}@s1.c1", f"B{m}@s1.c1", f"B{m}@s0.c1", f"B{m}@s1", f"B{m}@s0")
+        expected |= chain(
+            f"F{m}@s0", f"F{m}@s1", f"F{m}@s0.c1", f"F{m}@s1.c1", f"B{m}@s1.c1", f"B{m}@s0.c1", f"B{m}@s1", f"B{m}@s0"
+        )
     assert edges(s) == expected
 
 
 def test_zb_h1_2x2_edges():
     s = build_schedule("zb-h1", 2, 2)
-    assert [" ".join(map(str, row)) for row in s.stages] == ["F0@s0 F1@s0 I0@s0 W0@s0 I1@s0 W1@s0", "F0@s1 I0@s1 F1@s1 I1@s1 W0@s1 W1@s1"]
+    assert [" ".join(map(str, row)) for row in s.stages] == [
+        "F0@s0 F1@s0 I0@s0 W0@s0 I1@s0 W1@s0",
+        "F0@s1 I0@s1 F1@s1 I1@s1 W0@s1 W1@s1",
+    ]
     expected = rank_edges(s)
     for m in range(2):
         expected |= chain(f"F{m}@s0", f"F{m}@s1", f"I{m}@s1", f"I{m}@s0")

@@ -44,14 +44,27 @@ def test_all_max_by_hand():
     result = evaluate(s, max_frequencies(s, hand_profile()), hand_profile())
     assert result.iteration_time_s == pytest.approx(12.0)
     assert result.energy_j == pytest.approx(168.0)
-    expected = {"F0@s0": (0, 1), "F1@s0": (1, 2), "F0@s1": (1, 2.5), "B0@s1": (2.5, 5.5), "F1@s1": (5.5, 7), "B1@s1": (7, 10), "B0@s0": (5.5, 7.5), "B1@s0": (10, 12)}
+    expected = {
+        "F0@s0": (0, 1),
+        "F1@s0": (1, 2),
+        "F0@s1": (1, 2.5),
+        "B0@s1": (2.5, 5.5),
+        "F1@s1": (5.5, 7),
+        "B1@s1": (7, 10),
+        "B0@s0": (5.5, 7.5),
+        "B1@s0": (10, 12),
+    }
     timeline = {str(k): v for k, v in result.timeline.items()}
     assert timeline.keys() == expected.keys()
     for name, span in expected.items():
         assert timeline[name] == pytest.approx(span), name
     s0, s1 = result.stages
-    assert (s0.busy_time_s, s0.blocked_time_s, s0.compute_energy_j, s0.blocking_energy_j) == pytest.approx((6, 6, 60, 12))
-    assert (s1.busy_time_s, s1.blocked_time_s, s1.compute_energy_j, s1.blocking_energy_j) == pytest.approx((9, 3, 90, 6))
+    assert (s0.busy_time_s, s0.blocked_time_s, s0.compute_energy_j, s0.blocking_energy_j) == pytest.approx(
+        (6, 6, 60, 12)
+    )
+    assert (s1.busy_time_s, s1.blocked_time_s, s1.compute_energy_j, s1.blocking_energy_j) == pytest.approx(
+        (9, 3, 90, 6)
+    )
     assert s0.energy_j + s1.energy_j == pytest.approx(result.energy_j)
     assert [str(i) for i in result.critical_path()] == ["F0@s0", "F0@s1", "B0@s1", "F1@s1", "B1@s1", "B1@s0"]
 
@@ -102,7 +115,17 @@ def test_unknown_frequency_and_missing_instruction():
 def test_interleaved_profile_by_virtual_stage_or_rank():
     s = build_schedule("interleaved-1f1b", 2, 2, num_chunks=2)
     by_rank = hand_profile()
-    four = Profile({(st, k): pts for st in range(4) for k, pts in [("forward", by_rank.points[(st % 2, "forward")]), ("backward", by_rank.points[(st % 2, "backward")])]}, 2.0)
+    four = Profile(
+        {
+            (st, k): pts
+            for st in range(4)
+            for k, pts in [
+                ("forward", by_rank.points[(st % 2, "forward")]),
+                ("backward", by_rank.points[(st % 2, "backward")]),
+            ]
+        },
+        2.0,
+    )
     four.points[(3, "forward")] = [ProfilePoint(1000, 5.0, 50.0)]
     four.points[(3, "backward")] = [ProfilePoint(1000, 5.0, 50.0)]
     c1 = Instruction(1, Kind.FORWARD, 0, chunk=1)

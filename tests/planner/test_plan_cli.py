@@ -12,15 +12,16 @@ import subprocess
 import sys
 
 import pytest
+from test_solver import random_profile
 
 from perseus.profiler import save_profile
 from perseus.schedules import build_schedule
 
-from test_solver import random_profile
-
 
 def perseus(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "perseus.cli.main", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "perseus.cli.main", *args], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
 
 
 @pytest.fixture
@@ -34,9 +35,27 @@ def test_writes_plan_frontier_and_plots(tmp_path, profile_csv):
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.json"
     frontier = tmp_path / "frontier.csv"
-    result = perseus("plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "3",
-                     "--microbatches", "6", "--max-slowdown", "1.1", "--out", str(out), "--frontier", str(frontier),
-                     "--frontier-points", "5", "--plot", str(tmp_path / "plots"))
+    result = perseus(
+        "plan",
+        "--profile",
+        str(profile_csv),
+        "--blocking-power",
+        "70",
+        "--stages",
+        "3",
+        "--microbatches",
+        "6",
+        "--max-slowdown",
+        "1.1",
+        "--out",
+        str(out),
+        "--frontier",
+        str(frontier),
+        "--frontier-points",
+        "5",
+        "--plot",
+        str(tmp_path / "plots"),
+    )
     assert result.returncode == 0, result.stderr
     for name in ("max frequency", "uniform", "EnvPipe", "Perseus", "lower bound"):
         assert name in result.stdout
@@ -46,7 +65,9 @@ def test_writes_plan_frontier_and_plots(tmp_path, profile_csv):
     schedule = build_schedule("1f1b", 3, 6)
     assert [s["stage"] for s in doc["stages"]] == [0, 1, 2]
     for entry, row in zip(doc["stages"], schedule.stages):
-        assert [(i["kind"], i["microbatch"]) for i in entry["instructions"]] == [(i.kind.value, i.microbatch) for i in row]
+        assert [(i["kind"], i["microbatch"]) for i in entry["instructions"]] == [
+            (i.kind.value, i.microbatch) for i in row
+        ]
         assert all(isinstance(i["frequency"], int) for i in entry["instructions"])
     rows = list(csv.DictReader(frontier.open()))
     assert len(rows) == 5
@@ -59,8 +80,19 @@ def test_errors_name_the_problem(tmp_path, profile_csv):
     result = perseus("plan", "--profile", str(profile_csv), "--stages", "3", "--microbatches", "4")
     assert result.returncode == 1
     assert "blocking" in result.stderr
-    result = perseus("plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "3", "--microbatches", "4",
-                     "--deadline", "0.001")
+    result = perseus(
+        "plan",
+        "--profile",
+        str(profile_csv),
+        "--blocking-power",
+        "70",
+        "--stages",
+        "3",
+        "--microbatches",
+        "4",
+        "--deadline",
+        "0.001",
+    )
     assert result.returncode == 1
     assert "relax the deadline" in result.stderr
 
@@ -99,7 +131,19 @@ def test_zero_bubble_from_a_profile_of_whole_backwards_needs_split_backward(tmp_
     whole = random_profile(4, 2, 4, power_w=70.0)
     path = tmp_path / "whole.csv"
     save_profile(Profile({k: v for k, v in whole.points.items() if k[1] in ("forward", "backward")}, 70.0), path)
-    base = ["plan", "--profile", str(path), "--blocking-power", "70", "--schedule", "zb-h1", "--stages", "2", "--microbatches", "4"]
+    base = [
+        "plan",
+        "--profile",
+        str(path),
+        "--blocking-power",
+        "70",
+        "--schedule",
+        "zb-h1",
+        "--stages",
+        "2",
+        "--microbatches",
+        "4",
+    ]
     assert main(base) == 1
     assert "pass --split-backward F" in capsys.readouterr().err
     assert main([*base, "--split-backward", "1.5"]) == 1

@@ -14,7 +14,12 @@ from perseus.cli.main import main
 from perseus.profiler import profile as profile_module
 
 HEADER = "stage,instruction,frequency,time,energy\n"
-ROWS = ["0,forward,1410,0.05,24.0", "0,forward,1200,0.06,20.0", "0,backward,1410,0.09,44.0", "0,backward,1200,0.11,37.0"]
+ROWS = [
+    "0,forward,1410,0.05,24.0",
+    "0,forward,1200,0.06,20.0",
+    "0,backward,1410,0.09,44.0",
+    "0,backward,1200,0.11,37.0",
+]
 
 
 def csv_text(*replace: tuple[int, str]) -> str:
@@ -25,22 +30,45 @@ def csv_text(*replace: tuple[int, str]) -> str:
 
 
 def json_text(**changes) -> str:
-    points = [dict(zip(("stage", "instruction", "frequency", "time", "energy"), (int(r[0]), r[1], int(r[2]), float(r[3]), float(r[4]))))
-              for r in (row.split(",") for row in ROWS)]
-    return json.dumps({"format": "perseus.profile", "version": 1, "blocking_power_w": 80.0, "meta": {}, "points": points, **changes})
+    points = [
+        dict(
+            zip(
+                ("stage", "instruction", "frequency", "time", "energy"),
+                (int(r[0]), r[1], int(r[2]), float(r[3]), float(r[4])),
+            )
+        )
+        for r in (row.split(",") for row in ROWS)
+    ]
+    return json.dumps(
+        {"format": "perseus.profile", "version": 1, "blocking_power_w": 80.0, "meta": {}, "points": points, **changes}
+    )
 
 
 CASES = {
-    "huge-frequency.csv": (csv_text((1, "0,forward,1e308,0.06,20.0")), r"huge-frequency.csv:3: frequency is 1e\+308, but it must be positive, between 1 and 100000 MHz"),
-    "tiny-time.csv": (csv_text((1, "0,forward,1200,1e-320,20.0")), r"tiny-time.csv:3: time is 1e-320, but it must be positive, between 1e-06 and 86400 s"),
-    "binary.csv": (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xff", r"binary.csv:1: byte 0x89 is not UTF-8 text; save the profile as UTF-8"),
-    "meta-list.json": (json_text(meta=[1]), r"meta-list.json: meta must be an object mapping strings to strings, got \[\.\.\.\]"),
+    "huge-frequency.csv": (
+        csv_text((1, "0,forward,1e308,0.06,20.0")),
+        r"huge-frequency.csv:3: frequency is 1e\+308, but it must be positive, between 1 and 100000 MHz",
+    ),
+    "tiny-time.csv": (
+        csv_text((1, "0,forward,1200,1e-320,20.0")),
+        r"tiny-time.csv:3: time is 1e-320, but it must be positive, between 1e-06 and 86400 s",
+    ),
+    "binary.csv": (
+        b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xff",
+        r"binary.csv:1: byte 0x89 is not UTF-8 text; save the profile as UTF-8",
+    ),
+    "meta-list.json": (
+        json_text(meta=[1]),
+        r"meta-list.json: meta must be an object mapping strings to strings, got \[\.\.\.\]",
+    ),
     "deep.json": ("[" * 100_000 + "]" * 100_000, r"deep.json: not valid JSON \(RecursionError"),
 }
 
 
 def run_plan(capsys, path, *extra: str) -> tuple[int, str, str]:
-    code = main(["plan", "--profile", str(path), "--blocking-power", "80", "--stages", "1", "--microbatches", "2", *extra])
+    code = main(
+        ["plan", "--profile", str(path), "--blocking-power", "80", "--stages", "1", "--microbatches", "2", *extra]
+    )
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -81,8 +109,24 @@ def test_byte_order_mark_is_accepted(tmp_path, capsys):
 def test_no_traceback_from_the_real_command(tmp_path):
     path = tmp_path / "binary.json"
     path.write_bytes(b"\x00\xff" * 64)
-    result = subprocess.run([sys.executable, "-m", "perseus.cli.main", "plan", "--profile", str(path), "--stages", "1", "--microbatches", "2"],
-                            capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "perseus.cli.main",
+            "plan",
+            "--profile",
+            str(path),
+            "--stages",
+            "1",
+            "--microbatches",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 1
     assert result.stderr.startswith("perseus: error: ") and result.stderr.count("\n") == 1, result.stderr
     assert "binary.json: not valid JSON" in result.stderr

@@ -61,7 +61,14 @@ def test_equals_brute_force_on_small_dags(name, stages, microbatches, num_freqs,
     planner = Planner(schedule, profile)
     assert planner.problem.num_nodes <= 12
     t_max = planner.max_frequency_time_s
-    deadlines = [t_max, planner.fastest_time_s, 0.5 * (planner.fastest_time_s + t_max), 1.1 * t_max, 1.3 * t_max, 10 * t_max]
+    deadlines = [
+        t_max,
+        planner.fastest_time_s,
+        0.5 * (planner.fastest_time_s + t_max),
+        1.1 * t_max,
+        1.3 * t_max,
+        10 * t_max,
+    ]
     best = brute_force(schedule, profile, deadlines)
     for deadline, expected in zip(deadlines, best):
         plan = planner.plan(deadline=deadline)

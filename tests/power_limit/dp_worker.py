@@ -22,7 +22,10 @@ def main(out_dir: str) -> None:
     rank = dist.get_rank()
     gpu = SimGPU("a100-sxm", index=rank, clock=VirtualClock())
     optimizer = GlobalPowerLimitOptimizer(
-        Monitor(gpus=[gpu], cpus=[]), MaxSlowdownConstraint(1.1), warmup_steps=1, profile_steps=3,
+        Monitor(gpus=[gpu], cpus=[]),
+        MaxSlowdownConstraint(1.1),
+        warmup_steps=1,
+        profile_steps=3,
         profile_path=os.path.join(out_dir, "profile.json"),
     )
     for _ in range(8):  # 2 limits measured per epoch, the third cut and retried

@@ -23,7 +23,10 @@ def test_ranks_sum_energy_max_time_and_apply_one_limit(tmp_path):
     env = dict(os.environ, PERSEUS_SIM_DIR=str(tmp_path / "sim"), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER, str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=180,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

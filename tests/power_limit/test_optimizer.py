@@ -159,10 +159,14 @@ def test_profile_file_is_written_and_reused(tmp_path):
         ("{not json", "not valid JSON"),
         ('{"format": "something"}', "not a Perseus power-limit profile"),
         ('{"format": "perseus.power_limit_profile", "version": 9}', "version 9"),
-        ('{"format": "perseus.power_limit_profile", "version": 1, "num_gpus": 2, "measurements": []}', "non-empty list"),
+        (
+            '{"format": "perseus.power_limit_profile", "version": 1, "num_gpus": 2, "measurements": []}',
+            "non-empty list",
+        ),
         (
             '{"format": "perseus.power_limit_profile", "version": 1, "num_gpus": 2, "measurements": '
-            '[{"power_limit_mw": 400000, "time_s": 0.1, "energy_j": 5}, {"power_limit_mw": 300000, "time_s": -1, "energy_j": 5}]}',
+            '[{"power_limit_mw": 400000, "time_s": 0.1, "energy_j": 5}, '
+            '{"power_limit_mw": 300000, "time_s": -1, "energy_j": 5}]}',
             r"measurements\[1\].time_s must be a positive number",
         ),
         (
@@ -198,7 +202,11 @@ def test_carbon_cost_follows_the_grid_from_clean_to_dirty_and_back():
     gpus = sim_gpus(PRESET, 2, clock)
     t0 = datetime(2024, 5, 1, tzinfo=timezone.utc)
     series = IntensityTimeSeries(
-        [IntensityPoint(t0, 50), IntensityPoint(t0 + timedelta(seconds=30), 900), IntensityPoint(t0 + timedelta(seconds=60), 50)],
+        [
+            IntensityPoint(t0, 50),
+            IntensityPoint(t0 + timedelta(seconds=30), 900),
+            IntensityPoint(t0 + timedelta(seconds=60), 50),
+        ],
         clock=clock,
     )
     optimizer = GlobalPowerLimitOptimizer(

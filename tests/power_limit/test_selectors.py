@@ -77,8 +77,16 @@ def test_a_user_selector_overrides_cost():
         PowerLimitSelector().select(SWEEP, CONTEXT)
 
 
-@pytest.mark.parametrize("make", [lambda: ZeusCost(1.5), lambda: ZeusCost(-0.1), lambda: MaxSlowdownConstraint(0.9),
-                                  lambda: CarbonCost(2, StaticIntensity(1)), lambda: CarbonCost(0.5, "DE")])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ZeusCost(1.5),
+        lambda: ZeusCost(-0.1),
+        lambda: MaxSlowdownConstraint(0.9),
+        lambda: CarbonCost(2, StaticIntensity(1)),
+        lambda: CarbonCost(0.5, "DE"),
+    ],
+)
 def test_bad_parameters_are_config_errors(make):
     with pytest.raises(ConfigError):
         make()

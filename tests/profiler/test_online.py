@@ -35,9 +35,15 @@ def test_sweep_table():
     steps = [sweep.step_at(i) for i in range(13)]
     assert steps[:2] == [SweepStep(Phase.WARMUP, None, False)] * 2
     assert [(s.frequency, s.measured) for s in steps[2:11]] == [
-        (1410, False), (1410, True), (1410, True),
-        (1200, False), (1200, True), (1200, True),
-        (990, False), (990, True), (990, True),
+        (1410, False),
+        (1410, True),
+        (1410, True),
+        (1200, False),
+        (1200, True),
+        (1200, True),
+        (990, False),
+        (990, True),
+        (990, True),
     ]
     assert steps[11].phase is steps[12].phase is Phase.PLANNING  # the sweep is over
     single = Sweep(0, [1410, 1200], warmup_iterations=0, iterations_per_frequency=1)
@@ -93,8 +99,7 @@ def test_early_stop_after_energy_rises_past_its_minimum():
 
 
 def test_a_dip_resets_the_rise_count():
-    sweep = Sweep(0, [1410, 1320, 1230, 1140], warmup_iterations=0, iterations_per_frequency=1,
-                  early_stop_rises=2)
+    sweep = Sweep(0, [1410, 1320, 1230, 1140], warmup_iterations=0, iterations_per_frequency=1, early_stop_rises=2)
     energies = {1410: 10.0, 1320: 11.0, 1230: 9.0, 1140: 9.5}
     for it, f in enumerate(sweep.frequencies):
         sweep.begin_iteration(it)
@@ -120,7 +125,7 @@ def test_online_profiler_reads_a_simulated_gpu(tmp_path):
             gpu.reset_sm_clock()
         else:
             gpu.lock_sm_clock(step.frequency)
-        for mb in range(3):
+        for _ in range(3):
             for kind, work in WORKS.items():
                 profiler.before_instruction()
                 gpu.execute(work, blocking=False)  # asynchronous, like a kernel launch
@@ -143,7 +148,7 @@ def test_several_chunks_get_one_profile_row_per_virtual_stage():
     sweep = Sweep(1, [1410], warmup_iterations=0, iterations_per_frequency=1)
     sweep.begin_iteration(0)
     for virtual_stage, scale in ((1, 1.0), (5, 2.0)):  # rank 1's chunks 0 and 1 of a 4-rank loop
-        for mb in range(2):
+        for _ in range(2):
             sweep.record("forward", 0.01 * scale, 3.0 * scale, stage=virtual_stage)
     sweep.end_iteration()
     profile = sweep.profile(fallback_blocking_power_w=80.0)
@@ -172,7 +177,10 @@ def _profile_without_gaps(gpu):
 
 def test_an_unreadable_power_is_logged_and_only_a_device_error_is_swallowed(tmp_path, caplog):
     gpu = _PowerFails(DeviceError("power reading not supported"), clock=VirtualClock(), state_dir=str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="perseus.profiler.online"), pytest.raises(ConfigError, match="blocking power"):
+    with (
+        caplog.at_level(logging.WARNING, logger="perseus.profiler.online"),
+        pytest.raises(ConfigError, match="blocking power"),
+    ):
         _profile_without_gaps(gpu).profile()  # no fallback: the profile says what is missing
     assert "power reading not supported" in caplog.text
     bug = _PowerFails(AttributeError("a bug"), clock=VirtualClock(), state_dir=str(tmp_path))

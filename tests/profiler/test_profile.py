@@ -47,7 +47,13 @@ def test_csv_needs_blocking_power(tmp_path):
 
 @pytest.mark.parametrize(
     "value,message",
-    [("nan", "time is nan"), ("inf", "time is inf"), ("0", "time is 0.0, but it must be positive"), ("-0.2", "time is -0.2"), ("abc", "time 'abc' is not a number")],
+    [
+        ("nan", "time is nan"),
+        ("inf", "time is inf"),
+        ("0", "time is 0.0, but it must be positive"),
+        ("-0.2", "time is -0.2"),
+        ("abc", "time 'abc' is not a number"),
+    ],
 )
 def test_bad_time_names_the_line(tmp_path, value, message):
     lines = GOOD.splitlines()
@@ -65,7 +71,10 @@ def test_bad_energy_names_the_line(tmp_path, value):
 
 
 def test_duplicate_row_names_both_lines(tmp_path):
-    with pytest.raises(ProfileError, match=r"p.csv:10: duplicate row for stage 0 instruction forward frequency 1410 \(first at .*p.csv:2\)"):
+    with pytest.raises(
+        ProfileError,
+        match=r"p.csv:10: duplicate row for stage 0 instruction forward frequency 1410 \(first at .*p.csv:2\)",
+    ):
         load_profile(write(tmp_path, GOOD + "0,forward,1410,0.05,24.0\n"), 83.64)
 
 
@@ -130,10 +139,15 @@ def test_round_trip(tmp_path, name):
 
 
 def test_json_bad_point_named(tmp_path):
-    doc = {"format": "perseus.profile", "version": 1, "blocking_power_w": 1.0, "points": [
-        {"stage": 0, "instruction": "forward", "frequency": 1000, "time": 1.0, "energy": 2.0},
-        {"stage": 0, "instruction": "forward", "frequency": 900, "time": -1.0, "energy": 2.0},
-    ]}
+    doc = {
+        "format": "perseus.profile",
+        "version": 1,
+        "blocking_power_w": 1.0,
+        "points": [
+            {"stage": 0, "instruction": "forward", "frequency": 1000, "time": 1.0, "energy": 2.0},
+            {"stage": 0, "instruction": "forward", "frequency": 900, "time": -1.0, "energy": 2.0},
+        ],
+    }
     with pytest.raises(ProfileError, match=r"points\[1\]: time is -1.0"):
         load_profile(write(tmp_path, json.dumps(doc), "p.json"))
     with pytest.raises(ProfileError, match="not a Perseus profile"):
@@ -166,7 +180,14 @@ def _three_stage_profile() -> Profile:
 def test_with_overheads_adds_host_work_and_hops_where_a_peer_sends():
     profile = _three_stage_profile()
     out = profile.with_overheads(instruction_s=0.001, hop_s=0.002)
-    receives = {(1, "forward"), (2, "forward"), (0, "backward"), (1, "backward"), (0, "backward_input"), (1, "backward_input")}
+    receives = {
+        (1, "forward"),
+        (2, "forward"),
+        (0, "backward"),
+        (1, "backward"),
+        (0, "backward_input"),
+        (1, "backward_input"),
+    }
     for key, pts in out.points.items():
         added = 0.001 + (0.002 if key in receives else 0.0)
         for before, after in zip(profile.points[key], pts):
@@ -179,7 +200,9 @@ def test_with_overheads_adds_host_work_and_hops_where_a_peer_sends():
 
 
 def test_with_overheads_num_stages_sets_the_last_stage():
-    out = _three_stage_profile().with_overheads(hop_s=0.002, num_stages=4)  # stage 2 is not the last: it receives gradients
+    out = _three_stage_profile().with_overheads(
+        hop_s=0.002, num_stages=4
+    )  # stage 2 is not the last: it receives gradients
     assert out.points[(2, "backward")][0].time == pytest.approx(0.012)
     with pytest.raises(ConfigError, match="num_stages"):
         _three_stage_profile().with_overheads(hop_s=0.002, num_stages=2)

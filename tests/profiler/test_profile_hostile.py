@@ -19,8 +19,14 @@ GOOD = HEADER + "0,forward,1410,0.05,24.0\n0,forward,1395,0.051,23.5\n0,backward
 
 
 def doc(**changes) -> dict:
-    return {"format": "perseus.profile", "version": 1, "blocking_power_w": 80.0, "meta": {"gpu": "a40"},
-            "points": [{"stage": 0, "instruction": "forward", "frequency": 1410, "time": 0.05, "energy": 24.0}], **changes}
+    return {
+        "format": "perseus.profile",
+        "version": 1,
+        "blocking_power_w": 80.0,
+        "meta": {"gpu": "a40"},
+        "points": [{"stage": 0, "instruction": "forward", "frequency": 1410, "time": 0.05, "energy": 24.0}],
+        **changes,
+    }
 
 
 def write(tmp_path: Path, content: str | bytes, name: str = "p.csv") -> Path:
@@ -39,7 +45,10 @@ def write(tmp_path: Path, content: str | bytes, name: str = "p.csv") -> Path:
         ("0,forward,1410,1e-320,24", r"time is 1e-320, but it must be positive, between 1e-06 and 86400 s"),
         ("0,forward,1410,86401,24", r"time is 86401.0, but it must be positive, between 1e-06 and 86400 s"),
         ("0,forward,1410,0.05,1e-320", r"energy is 1e-320, but it must be positive, between 1e-06 and 1000000000 J"),
-        ("0,forward,1410,0.05,1e10", r"energy is 10000000000.0, but it must be positive, between 1e-06 and 1000000000 J"),
+        (
+            "0,forward,1410,0.05,1e10",
+            r"energy is 10000000000.0, but it must be positive, between 1e-06 and 1000000000 J",
+        ),
         ("-1,forward,1410,0.05,24", r"stage is -1.0, but it must be between 0 and 1048575;"),
         ("1e308,forward,1410,0.05,24", r"stage is 1e\+308, but it must be between 0 and 1048575;"),
         ("0,forward,1410," + "9" * 500 + ",24", r"time is inf, but it must be positive"),
@@ -79,11 +88,16 @@ def test_binary_files(tmp_path):
         load_profile(write(tmp_path, b"\xff\xfe\x00\x01garbage", "p.json"))
 
 
-@pytest.mark.parametrize("meta,shown", [([1], r"\[\.\.\.\]"), ("x", "'x'"), (None, "null"), ({"k": 1}, r"\{\.\.\.\}"), ({"k": ["v"]}, r"\{\.\.\.\}")])
+@pytest.mark.parametrize(
+    "meta,shown",
+    [([1], r"\[\.\.\.\]"), ("x", "'x'"), (None, "null"), ({"k": 1}, r"\{\.\.\.\}"), ({"k": ["v"]}, r"\{\.\.\.\}")],
+)
 def test_meta_must_map_strings_to_strings(tmp_path, meta, shown):
     with pytest.raises(ProfileError, match=f"p.json: meta must be an object mapping strings to strings, got {shown}"):
         load_profile(write(tmp_path, json.dumps(doc(meta=meta)), "p.json"))
-    assert load_profile(write(tmp_path, json.dumps({k: v for k, v in doc().items() if k != "meta"}), "p.json")).meta == {}
+    assert (
+        load_profile(write(tmp_path, json.dumps({k: v for k, v in doc().items() if k != "meta"}), "p.json")).meta == {}
+    )
 
 
 def test_deeply_nested_json(tmp_path):
@@ -94,7 +108,9 @@ def test_deeply_nested_json(tmp_path):
         load_profile(write(tmp_path, deep, "p.json"))
 
 
-@pytest.mark.parametrize("value,shown", [(True, "true"), (None, "null"), ("1410x", "'1410x'"), ({"a": 1}, r"\{\.\.\.\}")])
+@pytest.mark.parametrize(
+    "value,shown", [(True, "true"), (None, "null"), ("1410x", "'1410x'"), ({"a": 1}, r"\{\.\.\.\}")]
+)
 def test_json_values_of_the_wrong_type(tmp_path, value, shown):
     bad = doc()
     bad["points"][0]["frequency"] = value
@@ -118,7 +134,11 @@ def test_file_over_the_size_limit_is_refused_unread(tmp_path):
 def test_size_limit_holds_max_rows_as_save_profile_writes_them(tmp_path):
     def size(rows: int) -> int:
         longest = ProfilePoint(100_000, 0.00012345678901234567, 123456.78901234567)
-        points = {((1 << 20) - 1, "backward_weight"): [ProfilePoint(longest.frequency - i, longest.time, longest.energy) for i in range(rows)]}
+        points = {
+            ((1 << 20) - 1, "backward_weight"): [
+                ProfilePoint(longest.frequency - i, longest.time, longest.energy) for i in range(rows)
+            ]
+        }
         save_profile(Profile(points, 83.64, {"gpu": "a100-sxm"}), tmp_path / "p.json")
         return (tmp_path / "p.json").stat().st_size
 
@@ -143,22 +163,75 @@ def test_row_limit(tmp_path, monkeypatch, name):
 
 def test_byte_order_mark_and_line_endings_are_accepted(tmp_path):
     expected = load_profile(write(tmp_path, GOOD), 83.64).points
-    for content in ("\ufeff" + GOOD, GOOD.replace("\n", "\r\n"), GOOD.replace("\n", "\r"), "\ufeff" + GOOD.replace("\n", "\r\n")):
+    for content in (
+        "\ufeff" + GOOD,
+        GOOD.replace("\n", "\r\n"),
+        GOOD.replace("\n", "\r"),
+        "\ufeff" + GOOD.replace("\n", "\r\n"),
+    ):
         assert load_profile(write(tmp_path, content), 83.64).points == expected
     assert load_profile(write(tmp_path, "\ufeff" + json.dumps(doc()), "p.json")).meta == {"gpu": "a40"}
 
 
 def test_duplicate_found_after_other_rows_names_the_first(tmp_path):
     rows = GOOD + "1,forward,1410,0.05,24.0\n0,forward,1395,0.05,24.0\n"
-    with pytest.raises(ProfileError, match=r"p.csv:6: duplicate row for stage 0 instruction forward frequency 1395 \(first at .*p.csv:3\)"):
+    with pytest.raises(
+        ProfileError,
+        match=r"p.csv:6: duplicate row for stage 0 instruction forward frequency 1395 \(first at .*p.csv:3\)",
+    ):
         load_profile(write(tmp_path, rows), 83.64)
 
 
 # ---- fuzzing: random bytes and mutated valid files -------------------------------------------
 
-TOKENS = [b"nan", b"inf", b"-", b"1e308", b"1e-320", b"\xff", b"\x00", b'"', b",", b"\n", b"\r", b"\xef\xbb\xbf",
-          b"9" * 400, b"forward", b" ", b"0x10", b"1_0", b"[", b"{", b"}", b"]", b"null", b"true", b"-0", b"1e999"]
-JSON_VALUES = [None, True, False, [], {}, "", "x", "forward", 0, -1, 1, 1410, 2**70, 1e308, 1e-320, -0.0, [1], {"a": "b"}, "1e-320"]
+TOKENS = [
+    b"nan",
+    b"inf",
+    b"-",
+    b"1e308",
+    b"1e-320",
+    b"\xff",
+    b"\x00",
+    b'"',
+    b",",
+    b"\n",
+    b"\r",
+    b"\xef\xbb\xbf",
+    b"9" * 400,
+    b"forward",
+    b" ",
+    b"0x10",
+    b"1_0",
+    b"[",
+    b"{",
+    b"}",
+    b"]",
+    b"null",
+    b"true",
+    b"-0",
+    b"1e999",
+]
+JSON_VALUES = [
+    None,
+    True,
+    False,
+    [],
+    {},
+    "",
+    "x",
+    "forward",
+    0,
+    -1,
+    1,
+    1410,
+    2**70,
+    1e308,
+    1e-320,
+    -0.0,
+    [1],
+    {"a": "b"},
+    "1e-320",
+]
 
 
 def _mutate_bytes(r: random.Random, data: bytes) -> bytes:
@@ -167,11 +240,11 @@ def _mutate_bytes(r: random.Random, data: bytes) -> bytes:
         at = r.randint(0, len(data))
         choice = r.random()
         if choice < 0.4:
-            data[at:at + r.randint(1, 4)] = r.choice(TOKENS)
+            data[at : at + r.randint(1, 4)] = r.choice(TOKENS)
         elif choice < 0.7 and data:
             data[min(at, len(data) - 1)] = r.randrange(256)
         else:
-            del data[at:at + r.randint(1, 8)]
+            del data[at : at + r.randint(1, 8)]
     return bytes(data)
 
 
@@ -200,7 +273,12 @@ def _only_profile_errors(path: Path, content: bytes, power) -> None:
 def test_fuzz_only_profile_errors(tmp_path):
     r = random.Random(20240917)
     csv_path, json_path = tmp_path / "f.csv", tmp_path / "f.json"
-    valid_json = json.dumps(doc(points=doc()["points"] + [{"stage": 1, "instruction": "backward", "frequency": 1395, "time": 0.1, "energy": 40.0}]))
+    valid_json = json.dumps(
+        doc(
+            points=doc()["points"]
+            + [{"stage": 1, "instruction": "backward", "frequency": 1395, "time": 0.1, "energy": 40.0}]
+        )
+    )
     for _ in range(400):
         power = r.choice([83.64, None, float("nan"), -1.0, 0.0])
         _only_profile_errors(csv_path, bytes(r.randrange(256) for _ in range(r.randint(0, 64))), 80.0)

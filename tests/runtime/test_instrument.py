@@ -14,23 +14,23 @@ import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
-from torch.distributed.pipelining.schedules import (  # noqa: E402
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
 
-import perseus  # noqa: E402
-from perseus.client.planner_client import Assignment  # noqa: E402
-from perseus.devices.sim import SimGPU  # noqa: E402
-from perseus.exceptions import ConfigError  # noqa: E402
-from perseus.runtime import ProfilingSettings  # noqa: E402
-from perseus.runtime.torch_stage import check_torch_version  # noqa: E402
-from perseus.schedules import build_schedule  # noqa: E402
-from perseus.wire.phases import Phase  # noqa: E402
-from perseus.wire.security import CurveClient, create_keys  # noqa: E402
+import perseus
+from perseus.client.planner_client import Assignment
+from perseus.devices.sim import SimGPU
+from perseus.exceptions import ConfigError
+from perseus.runtime import ProfilingSettings
+from perseus.runtime.torch_stage import check_torch_version
+from perseus.schedules import build_schedule
+from perseus.wire.phases import Phase
+from perseus.wire.security import CurveClient, create_keys
 
 MICROBATCHES = 4
 
@@ -133,8 +133,12 @@ def record_instructions(stage) -> list[tuple[str, int, int]]:
 def test_instrumented_stage_reports_the_schedules_instructions(gpu, schedule_cls, name):
     stage = make_stage()
     schedule = schedule_cls(stage, MICROBATCHES, loss_fn=loss_fn)
-    assert perseus.instrument(stage, schedule=schedule, client=False, gpu=gpu, watchdog=False,
-                              handle_signals=False, progress=False) is stage
+    assert (
+        perseus.instrument(
+            stage, schedule=schedule, client=False, gpu=gpu, watchdog=False, handle_signals=False, progress=False
+        )
+        is stage
+    )
     seen = record_instructions(stage)
     x, y = batch()
     for _ in range(2):
@@ -155,8 +159,17 @@ def test_multi_chunk_schedules_match_their_pipeline_order(gpu, schedule_cls):
     stages = [PipelineStage(torch.nn.Linear(8, 8), i, 2, torch.device("cpu")) for i in range(2)]
     schedule = schedule_cls(stages, MICROBATCHES, loss_fn=loss_fn)
     planner = StaticPlanner()
-    perseus.instrument(stages, schedule=schedule, client=planner, gpu=gpu, watchdog=False,
-                       handle_signals=False, progress=False, instruction_overhead_s=0.0007, hop_latency_s=0.001)
+    perseus.instrument(
+        stages,
+        schedule=schedule,
+        client=planner,
+        gpu=gpu,
+        watchdog=False,
+        handle_signals=False,
+        progress=False,
+        instruction_overhead_s=0.0007,
+        hop_latency_s=0.001,
+    )
     rank = stages[0].perseus
     assert stages[1].perseus is rank
     rank._registrar.join(5)
@@ -181,9 +194,16 @@ def test_profiles_then_applies_the_plan_on_a_real_stage(gpu):
     stage = make_stage()
     schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=loss_fn)
     perseus.instrument(
-        stage, schedule="1f1b", num_microbatches=MICROBATCHES, client=planner, gpu=gpu,
+        stage,
+        schedule="1f1b",
+        num_microbatches=MICROBATCHES,
+        client=planner,
+        gpu=gpu,
         profiling=ProfilingSettings(warmup_iterations=1, iterations_per_frequency=1, frequencies=(1410, 1005)),
-        watchdog=False, handle_signals=False, progress=False, wait_for_clock=True,
+        watchdog=False,
+        handle_signals=False,
+        progress=False,
+        wait_for_clock=True,
     )
     rank = stage.perseus
     rank._registrar.join(5)
@@ -207,10 +227,10 @@ def test_profiles_then_applies_the_plan_on_a_real_stage(gpu):
     n = len(order)
     assert planner.spec.stage_orders[0] == tuple((i.kind.value, i.microbatch, i.chunk) for i in order)
     assert clocks[:n] == [1410] * n  # warm-up at default clocks
-    assert clocks[n:3 * n] == [1410] * n + [1005] * n  # the sweep
-    assert clocks[3 * n:5 * n] == plan * 2  # planned from the iteration after the upload
+    assert clocks[n : 3 * n] == [1410] * n + [1005] * n  # the sweep
+    assert clocks[3 * n : 5 * n] == plan * 2  # planned from the iteration after the upload
     assert eval_clock == gpu.max_frequency()
-    assert clocks[5 * n:] == plan  # after eval the plan continues
+    assert clocks[5 * n :] == plan  # after eval the plan continues
     assert not rank.controller.fallen_back
     profile = planner.profiles[0]
     assert set(profile.points) == {(0, "forward"), (0, "backward")}
@@ -239,9 +259,24 @@ def test_security_and_3d_coordinates_pass_through(gpu, tmp_path):
     create_keys(tmp_path / "keys", ["rank"])
     security = CurveClient.from_dir(tmp_path / "keys", "rank")
     stage = make_stage()
-    perseus.instrument(stage, schedule="1f1b", num_microbatches=MICROBATCHES, client="tcp://127.0.0.1:9", gpu=gpu,
-                       security=security, rank=1, dp=2, dp_index=0, tp=2, tp_index=1, rank_mapping="megatron",
-                       watchdog=False, handle_signals=False, progress=False, startup_wait_s=0.1)
+    perseus.instrument(
+        stage,
+        schedule="1f1b",
+        num_microbatches=MICROBATCHES,
+        client="tcp://127.0.0.1:9",
+        gpu=gpu,
+        security=security,
+        rank=1,
+        dp=2,
+        dp_index=0,
+        tp=2,
+        tp_index=1,
+        rank_mapping="megatron",
+        watchdog=False,
+        handle_signals=False,
+        progress=False,
+        startup_wait_s=0.1,
+    )
     rank = stage.perseus
     try:
         assert rank._client._security is security
@@ -249,4 +284,6 @@ def test_security_and_3d_coordinates_pass_through(gpu, tmp_path):
     finally:
         rank.close()
     with pytest.raises(ConfigError, match="pass security to PlannerClient"):
-        perseus.instrument(make_stage(), schedule="1f1b", num_microbatches=MICROBATCHES, client=False, gpu=gpu, security=security)
+        perseus.instrument(
+            make_stage(), schedule="1f1b", num_microbatches=MICROBATCHES, client=False, gpu=gpu, security=security
+        )

@@ -46,7 +46,14 @@ def test_a_rank_given_parallelism_registers_what_the_keywords_give(gpu):
         assert whole.job_spec().to_wire() == keywords.job_spec().to_wire()
         assert whole.rank_info() == keywords.rank_info() and whole.parallelism == keywords.parallelism == layout
         assert (whole.rank, whole.stage, whole.dp, whole.dp_index, whole.tp, whole.tp_index, whole.rank_mapping) == (
-            7, 1, 2, 1, 2, 1, "megatron")
+            7,
+            1,
+            2,
+            1,
+            2,
+            1,
+            "megatron",
+        )
     finally:
         whole.close()
         keywords.close()

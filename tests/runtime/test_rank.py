@@ -65,8 +65,19 @@ DEADLINE_S = 30.0
 
 def make_rank(gpu, client=None, **kwargs):
     """A rank whose background registration is over (a broken client's: its first attempt made)."""
-    rank = PerseusRank(gpu, SCHEDULE, 1, client=client, progress=False, handle_signals=False,
-                       watchdog=False, wait_for_clock=True, retry_s=0.01, startup_wait_s=0.2, **kwargs)
+    rank = PerseusRank(
+        gpu,
+        SCHEDULE,
+        1,
+        client=client,
+        progress=False,
+        handle_signals=False,
+        watchdog=False,
+        wait_for_clock=True,
+        retry_s=0.01,
+        startup_wait_s=0.2,
+        **kwargs,
+    )
     if isinstance(client, BrokenClient):
         assert client.tried.wait(DEADLINE_S)  # it retries until closed: wait for its first try
     elif rank._registrar is not None:
@@ -236,13 +247,28 @@ def test_compute_time_ends_with_the_last_instruction_before_the_gradient_sync(gp
     assert [r.compute_time_s for r in records[:2]] == [pytest.approx(8 * WORK.time_s)] * 2
     assert [r.time_s for r in records[:2]] == [pytest.approx(8 * WORK.time_s + allreduce_s)] * 2
     assert records[2].compute_time_s is None
-    assert [(i, c) for i, _, c in client.reports] == [(0, records[0].compute_time_s), (1, records[1].compute_time_s), (2, None)]
+    assert [(i, c) for i, _, c in client.reports] == [
+        (0, records[0].compute_time_s),
+        (1, records[1].compute_time_s),
+        (2, None),
+    ]
 
 
 def test_3d_coordinates_reach_the_job_spec_and_rank_info(gpu):
     # Megatron order with pp=2, dp=2, tp=2: rank = tp_index + 2 * (dp_index + 2 * stage).
-    rank = PerseusRank(gpu, SCHEDULE, 1, dp=2, dp_index=1, tp=2, tp_index=1, rank_mapping="megatron",
-                       progress=False, handle_signals=False, watchdog=False)
+    rank = PerseusRank(
+        gpu,
+        SCHEDULE,
+        1,
+        dp=2,
+        dp_index=1,
+        tp=2,
+        tp_index=1,
+        rank_mapping="megatron",
+        progress=False,
+        handle_signals=False,
+        watchdog=False,
+    )
     try:
         assert rank.rank == 7
         spec, info = rank.job_spec(), rank.rank_info()
@@ -250,8 +276,20 @@ def test_3d_coordinates_reach_the_job_spec_and_rank_info(gpu):
         assert (info.rank, info.stage, info.dp_index, info.tp_index) == (7, 1, 1, 1)
     finally:
         rank.close()
-    torch_order = PerseusRank(gpu, SCHEDULE, 1, rank=3, dp=2, dp_index=0, tp=2, tp_index=1, rank_mapping="torch",
-                              progress=False, handle_signals=False, watchdog=False)
+    torch_order = PerseusRank(
+        gpu,
+        SCHEDULE,
+        1,
+        rank=3,
+        dp=2,
+        dp_index=0,
+        tp=2,
+        tp_index=1,
+        rank_mapping="torch",
+        progress=False,
+        handle_signals=False,
+        watchdog=False,
+    )
     torch_order.close()
     assert torch_order.rank_info().tp_index == 1  # torch order: rank 3 = tp_index + 2 * (stage + 2 * dp_index)
 
@@ -260,7 +298,10 @@ def test_3d_coordinates_reach_the_job_spec_and_rank_info(gpu):
     "kwargs, words",
     [
         (dict(dp=2, dp_index=1), "pass rank="),
-        (dict(rank=6, dp=2, dp_index=1, tp=2, tp_index=1, rank_mapping="megatron"), "rank 6 is stage 1, dp_index 1, tp_index 0"),
+        (
+            dict(rank=6, dp=2, dp_index=1, tp=2, tp_index=1, rank_mapping="megatron"),
+            "rank 6 is stage 1, dp_index 1, tp_index 0",
+        ),
         (dict(rank=1, tp=2, tp_index=2), "tp_index must be an integer in 0..1"),
         (dict(rank=1, dp=0), "dp must be a positive integer"),
         (dict(rank=9, dp=2, dp_index=1, tp=2), "rank must be an integer in 0..7"),
@@ -273,12 +314,22 @@ def test_bad_3d_coordinates_are_refused_naming_the_fix(gpu, kwargs, words):
 
 
 def test_overheads_reach_the_job_spec_and_bad_ones_are_refused_at_once(gpu):
-    rank = PerseusRank(gpu, SCHEDULE, 1, instruction_overhead_s=0.0007, hop_latency_s=0.001,
-                       progress=False, handle_signals=False, watchdog=False)
+    rank = PerseusRank(
+        gpu,
+        SCHEDULE,
+        1,
+        instruction_overhead_s=0.0007,
+        hop_latency_s=0.001,
+        progress=False,
+        handle_signals=False,
+        watchdog=False,
+    )
     try:
         spec = rank.job_spec()
         assert (spec.instruction_overhead_s, spec.hop_latency_s) == (0.0007, 0.001)
     finally:
         rank.close()
     with pytest.raises(ConfigError, match="hop_latency_s must be a finite number"):
-        PerseusRank(gpu, SCHEDULE, 1, client=object(), hop_latency_s=-1.0, progress=False, handle_signals=False, watchdog=False)
+        PerseusRank(
+            gpu, SCHEDULE, 1, client=object(), hop_latency_s=-1.0, progress=False, handle_signals=False, watchdog=False
+        )

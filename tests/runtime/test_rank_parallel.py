@@ -69,10 +69,22 @@ class Cluster:
         self.clients = [PlannerClient(endpoint, timeout_s=0.5, poll_interval_s=0.05) for _ in coords]
         self.ranks = [
             PerseusRank(
-                self.gpus[r], SCHEDULE, stage, rank=r, dp_index=dp_index, tp_index=tp_index, tag=tag, client=self.clients[r],
-                close_client=True, progress=False, wait_for_clock=True, handle_signals=False, watchdog=False,
+                self.gpus[r],
+                SCHEDULE,
+                stage,
+                rank=r,
+                dp_index=dp_index,
+                tp_index=tp_index,
+                tag=tag,
+                client=self.clients[r],
+                close_client=True,
+                progress=False,
+                wait_for_clock=True,
+                handle_signals=False,
+                watchdog=False,
                 startup_wait_s=DEADLINE_S,
-                profiling=ProfilingSettings(warmup_iterations=1, iterations_per_frequency=1, frequencies=SWEEP), **job,
+                profiling=ProfilingSettings(warmup_iterations=1, iterations_per_frequency=1, frequencies=SWEEP),
+                **job,
             )
             for r, (stage, dp_index, tp_index) in enumerate(coords)
         ]
@@ -141,8 +153,14 @@ class Cluster:
 def test_a_throttled_pipeline_is_seen_by_compute_time_and_the_other_is_replanned_to_its_pace(service):
     endpoint, state = service
     # Torch order, dp=2 x pp=2: rank = stage + 2 * dp_index. Pipeline 1 (ranks 2, 3) is 20% slower.
-    cluster = Cluster(endpoint, [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)], "straggler", works=LONG_WORKS,
-                      dp=2, rank_mapping="torch")
+    cluster = Cluster(
+        endpoint,
+        [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)],
+        "straggler",
+        works=LONG_WORKS,
+        dp=2,
+        rank_mapping="torch",
+    )
     for gpu in cluster.gpus[2:]:
         gpu.set_slowdown(1.2)
     fast = cluster.ranks[:2]
@@ -198,11 +216,18 @@ def test_a_throttled_pipeline_is_seen_by_compute_time_and_the_other_is_replanned
 def test_tensor_parallel_ranks_of_a_stage_upload_their_shares_and_share_one_plan(service):
     endpoint, state = service
     # Megatron order, tp=2 x pp=2: rank = tp_index + 2 * stage.
-    cluster = Cluster(endpoint, [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)], "tensor-parallel", tp=2, rank_mapping="megatron")
+    cluster = Cluster(
+        endpoint, [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)], "tensor-parallel", tp=2, rank_mapping="megatron"
+    )
     cluster.run(lambda: all(len(cluster.planned(r, 1)) >= 2 for r in range(4)))
     job_id = cluster.ranks[0].job_spec().job_id()
     folder = Path(state) / "jobs" / job_id
-    assert {p.name for p in folder.glob("stage-*.json")} == {"stage-0.json", "stage-0-tp1.json", "stage-1.json", "stage-1-tp1.json"}
+    assert {p.name for p in folder.glob("stage-*.json")} == {
+        "stage-0.json",
+        "stage-0-tp1.json",
+        "stage-1.json",
+        "stage-1-tp1.json",
+    }
     for stage in (0, 1):
         a, b = cluster.planned(2 * stage, 1), cluster.planned(2 * stage + 1, 1)
         assert a[-1][1] == b[-1][1]  # one plan per stage, whichever tensor-parallel rank runs it

@@ -44,7 +44,9 @@ WORKS = {
 def serve(state_dir, bind: str = "tcp://127.0.0.1:0") -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "perseus.cli.main", "serve", "--bind", bind, "--state-dir", str(state_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     ready, _, _ = select.select([proc.stdout], [], [], 30.0)
     line = proc.stdout.readline() if ready else ""
@@ -101,9 +103,17 @@ def test_two_ranks_profile_get_planned_and_keep_the_plan_when_the_service_dies(s
     clients = [PlannerClient(endpoint, timeout_s=CLIENT_TIMEOUT_S, poll_interval_s=0.05) for _ in range(2)]
     ranks = [
         PerseusRank(
-            gpus[s], schedule, s, client=clients[s], close_client=True, progress=False,
+            gpus[s],
+            schedule,
+            s,
+            client=clients[s],
+            close_client=True,
+            progress=False,
             profiling=ProfilingSettings(warmup_iterations=1, iterations_per_frequency=1, frequencies=SWEEP),
-            wait_for_clock=True, handle_signals=False, watchdog=False, startup_wait_s=DEADLINE_S,
+            wait_for_clock=True,
+            handle_signals=False,
+            watchdog=False,
+            startup_wait_s=DEADLINE_S,
         )
         for s in range(2)
     ]
@@ -145,8 +155,17 @@ def test_planner_down_at_start_then_up(tmp_path, caplog):
     gpu = SimGPU("a100-sxm", 0)
     startup_wait_s = 1.0
     client = PlannerClient(f"tcp://127.0.0.1:{port}", timeout_s=CLIENT_TIMEOUT_S, poll_interval_s=0.05)
-    rank = PerseusRank(gpu, build_schedule("1f1b", 1, 2), 0, client=client, close_client=True,
-                       progress=False, handle_signals=False, watchdog=False, startup_wait_s=startup_wait_s)
+    rank = PerseusRank(
+        gpu,
+        build_schedule("1f1b", 1, 2),
+        0,
+        client=client,
+        close_client=True,
+        progress=False,
+        handle_signals=False,
+        watchdog=False,
+        startup_wait_s=startup_wait_s,
+    )
     first = longest = 0.0
     proc = None
     deadline = time.monotonic() + DEADLINE_S

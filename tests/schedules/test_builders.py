@@ -42,8 +42,10 @@ def test_interleaved_2x4_two_chunks():
     s = build_schedule("interleaved-1f1b", 2, 4, num_chunks=2)
     assert s.num_chunks == 2 and s.num_virtual_stages == 4
     assert order(s) == [
-        "F0@s0 F1@s0 F0@s0.c1 F1@s0.c1 F2@s0 B0@s0.c1 F3@s0 B1@s0.c1 F2@s0.c1 B0@s0 F3@s0.c1 B1@s0 B2@s0.c1 B3@s0.c1 B2@s0 B3@s0",
-        "F0@s1 F1@s1 F0@s1.c1 B0@s1.c1 F1@s1.c1 B1@s1.c1 F2@s1 B0@s1 F3@s1 B1@s1 F2@s1.c1 B2@s1.c1 F3@s1.c1 B3@s1.c1 B2@s1 B3@s1",
+        "F0@s0 F1@s0 F0@s0.c1 F1@s0.c1 F2@s0 B0@s0.c1 F3@s0 B1@s0.c1 "
+        "F2@s0.c1 B0@s0 F3@s0.c1 B1@s0 B2@s0.c1 B3@s0.c1 B2@s0 B3@s0",
+        "F0@s1 F1@s1 F0@s1.c1 B0@s1.c1 F1@s1.c1 B1@s1.c1 F2@s1 B0@s1 "
+        "F3@s1 B1@s1 F2@s1.c1 B2@s1.c1 F3@s1.c1 B3@s1.c1 B2@s1 B3@s1",
     ]
     assert [s.virtual_stage(Instruction(r, Kind.FORWARD, 0, c)) for c in (0, 1) for r in (0, 1)] == [0, 1, 2, 3]
 
@@ -63,7 +65,9 @@ def test_zb_h1_2x4():
     ]
 
 
-@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-h1", 1)])
+@pytest.mark.parametrize(
+    "name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-h1", 1)]
+)
 @pytest.mark.parametrize("stages,microbatches", [(1, 3), (3, 3), (4, 8), (8, 16)])
 def test_every_schedule_is_complete(name, chunks, stages, microbatches):
     s = build_schedule(name, stages, microbatches, num_chunks=chunks)
@@ -99,7 +103,9 @@ def test_validate_rejects_missing_and_duplicate_and_misplaced():
     with pytest.raises(ScheduleError, match="outside 0..0"):
         Schedule("x", 1, ((Instruction(0, F, 0), Instruction(0, B, 0), Instruction(0, B, 1)),)).validate()
     with pytest.raises(ScheduleError, match="either one backward"):
-        Schedule("x", 1, ((Instruction(0, F, 0), Instruction(0, B, 0), Instruction(0, Kind.BACKWARD_WEIGHT, 0)),)).validate()
+        Schedule(
+            "x", 1, ((Instruction(0, F, 0), Instruction(0, B, 0), Instruction(0, Kind.BACKWARD_WEIGHT, 0)),)
+        ).validate()
 
 
 def test_v_style_placement_round_trips():

@@ -21,7 +21,12 @@ schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 def stages(num_ranks: int, indices: list[int], total: int, rank: int = 0) -> list[SimpleNamespace]:
     return [
         SimpleNamespace(
-            num_stages=total, group_size=num_ranks, group_rank=rank, stage_index=i, is_first=i == 0, is_last=i == total - 1,
+            num_stages=total,
+            group_size=num_ranks,
+            group_rank=rank,
+            stage_index=i,
+            is_first=i == 0,
+            is_last=i == total - 1,
             submod=None,
         )
         for i in indices
@@ -45,7 +50,10 @@ def test_1f1b_equals_builder_and_catches_torch_off_by_one(n, m):
         with pytest.raises(ScheduleError, match=f"microbatch {m}, outside"):
             from_torch_pipeline_order(order, m)
         fixed = dict(order)
-        fixed[n - 1] = [a._replace(microbatch_index=a.microbatch_index - 1) if a.computation_type.value == "F" else a for a in order[n - 1]]
+        fixed[n - 1] = [
+            a._replace(microbatch_index=a.microbatch_index - 1) if a.computation_type.value == "F" else a
+            for a in order[n - 1]
+        ]
         assert from_torch_pipeline_order(fixed, m).stages == ours.stages
     else:
         assert from_torch_pipeline_order(order, m).stages == ours.stages
@@ -97,9 +105,14 @@ def test_rejects_unknown_layout():
         from_torch_pipeline_order(order, 1)
 
 
-@pytest.mark.parametrize("cls,n,v,m", [("ScheduleLoopedBFS", 3, 2, 5), ("ScheduleInterleaved1F1B", 4, 2, 6), ("ScheduleInterleavedZeroBubble", 3, 2, 6)])
+@pytest.mark.parametrize(
+    "cls,n,v,m",
+    [("ScheduleLoopedBFS", 3, 2, 5), ("ScheduleInterleaved1F1B", 4, 2, 6), ("ScheduleInterleavedZeroBubble", 3, 2, 6)],
+)
 def test_loop_schedules_beyond_our_builders(cls, n, v, m):
     order = getattr(schedules, cls)(stages(n, [c * n for c in range(v)], n * v), m).pipeline_order
     converted = from_torch_pipeline_order(order, m)
     assert converted.style == "loop" and converted.num_chunks == v
-    assert build_dag(converted).number_of_nodes() == sum(1 for r in order.values() for a in r if a is not None and a.computation_type.value in "FBIW")
+    assert build_dag(converted).number_of_nodes() == sum(
+        1 for r in order.values() for a in r if a is not None and a.computation_type.value in "FBIW"
+    )

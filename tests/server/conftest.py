@@ -14,7 +14,12 @@ def serve(tmp_path):
     """Start services (same state dir unless given); every one is stopped at the end."""
     started: list[Served] = []
 
-    def start(state_dir: Path | None = None, bind: str = "tcp://127.0.0.1:0", full_cli: bool = False, extra: tuple[str, ...] = ()) -> Served:
+    def start(
+        state_dir: Path | None = None,
+        bind: str = "tcp://127.0.0.1:0",
+        full_cli: bool = False,
+        extra: tuple[str, ...] = (),
+    ) -> Served:
         served = Served(state_dir or tmp_path / "state", bind, full_cli, extra)
         started.append(served)
         return served

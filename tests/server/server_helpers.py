@@ -38,7 +38,9 @@ def stage_profile(stage: int) -> Profile:
 
 
 def job_spec(world_size: int = 2, **overrides) -> JobSpec:
-    fields = dict(schedule_name="1f1b", num_microbatches=4, gpu_model="sim-a100", warmup_iterations=2, iterations_per_frequency=2)
+    fields = dict(
+        schedule_name="1f1b", num_microbatches=4, gpu_model="sim-a100", warmup_iterations=2, iterations_per_frequency=2
+    )
     fields.update(overrides)
     return JobSpec(world_size, 2, **fields)
 
@@ -61,12 +63,25 @@ class Served:
     """`perseus serve` in a subprocess (`full_cli`: through `python -m perseus.cli.main`); logs
     go to `log_path`."""
 
-    def __init__(self, state_dir: Path, bind: str = "tcp://127.0.0.1:0", full_cli: bool = False, extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, state_dir: Path, bind: str = "tcp://127.0.0.1:0", full_cli: bool = False, extra: tuple[str, ...] = ()
+    ) -> None:
         self.log_path = state_dir.parent / f"serve-{os.getpid()}-{id(self)}.log"
         self._log = open(self.log_path, "w")
         entry = ["-m", "perseus.cli.main"] if full_cli else ["-c", SERVE_ONLY]
         self.proc = subprocess.Popen(
-            [sys.executable, *entry, "serve", "--bind", bind, "--state-dir", str(state_dir), "--log-every", "1", *extra],
+            [
+                sys.executable,
+                *entry,
+                "serve",
+                "--bind",
+                bind,
+                "--state-dir",
+                str(state_dir),
+                "--log-every",
+                "1",
+                *extra,
+            ],
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,

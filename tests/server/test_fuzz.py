@@ -42,11 +42,15 @@ def _error_code(reply: dict | None) -> str:
 
 def test_malformed_frames_all_get_error_replies_and_a_real_job_completes_after(serve):
     served = serve()
-    report, job_problem = fuzz.fuzz_service(served.endpoint, lambda: served.proc.poll() is None, frames=1500, seed=7, reply_timeout_s=5.0)
+    report, job_problem = fuzz.fuzz_service(
+        served.endpoint, lambda: served.proc.poll() is None, frames=1500, seed=7, reply_timeout_s=5.0
+    )
     assert not report.failures, f"{len(report.failures)} failures, first:\n" + "\n".join(report.failures[:10])
     assert report.frames == 1500 and set(report.sent) == set(fuzz.CATEGORIES)
     assert sum(report.codes.values()) == 1500
-    assert {"bad_frame", "bad_field", "bad_version", "unknown_job", "unknown_rank", "unknown_type", "too_large"} <= set(report.codes)
+    assert {"bad_frame", "bad_field", "bad_version", "unknown_job", "unknown_rank", "unknown_type", "too_large"} <= set(
+        report.codes
+    )
     assert report.over_hard_limit == (fuzz.HARD_LIMIT_FRAMES,) * 3  # sent, connection dropped, service answered after
     assert served.proc.poll() is None, served.log()
     assert job_problem is None, job_problem
@@ -77,7 +81,10 @@ def test_a_deeply_nested_field_gets_an_error_reply(serve):
     pack = msgpack.packb
     envelope = b"\x84" + pack("v") + pack(1) + pack("id") + pack(5) + pack("type") + pack("status") + pack("job_id")
     for depth in (200, 990, 1020):
-        assert _error_code(raw_request(served.endpoint, envelope + b"\x91" * depth + b"\x01")) in ("bad_field", "bad_frame"), depth
+        assert _error_code(raw_request(served.endpoint, envelope + b"\x91" * depth + b"\x01")) in (
+            "bad_field",
+            "bad_frame",
+        ), depth
         _ping_ok(served.endpoint)
 
 
@@ -86,7 +93,10 @@ def test_the_protocol_version_must_be_the_integer_1(serve):
     while every other integer field of the protocol refuses booleans and floats."""
     served = serve()
     for version in (True, 1.0):
-        assert _error_code(raw_request(served.endpoint, msgpack.packb({"v": version, "id": 6, "type": "ping"}))) == "bad_version", version
+        assert (
+            _error_code(raw_request(served.endpoint, msgpack.packb({"v": version, "id": 6, "type": "ping"})))
+            == "bad_version"
+        ), version
 
 
 def test_a_job_of_millions_of_instructions_is_refused_without_building_it(serve):

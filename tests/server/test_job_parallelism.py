@@ -31,7 +31,7 @@ def _dp_job(dp: int = 2, **overrides) -> Job:
         job.add_rank(rank_info(r, stage=r % 2, dp_index=r // 2))
     for s in (0, 1):
         assert job.add_profile(s, s, stage_profile(s)) == f"stage-{s}"
-    (key, _), = job.missing_plans()
+    ((key, _),) = job.missing_plans()
     job.add_result(key, _result(1.0, 150.0))
     assert job.publish() == list(range(dp)) and job.phase == JobPhase.PLANNED
     return job
@@ -67,7 +67,7 @@ def test_a_detected_straggler_slows_the_others_to_its_pace_and_recovery_restores
     ranks.run([1.0, 1.2], 10)  # pipeline 1's GPUs got slower: it runs its plan 20% over time
     pipeline, factor, source = job.straggler()
     assert (pipeline, source) == (1, "detected") and factor == pytest.approx(1.2, abs=0.03)
-    (key, profile), = job.missing_plans()
+    ((key, profile),) = job.missing_plans()
     assert key[0] == models and key[1] == pytest.approx(factor * 1.0, abs=1e-6) and profile.stages() == [0, 1]
     assert job.publish() == []  # not solved yet: every pipeline keeps its plan
     job.add_result(key, _result(key[1], 120.0, freq=1110))
@@ -76,7 +76,10 @@ def test_a_detected_straggler_slows_the_others_to_its_pace_and_recovery_restores
     assert slowed.version == 2 and slowed.deadline_s == key[1] and job.plans[1].version == 1
     assert slowed.start_iteration == ranks.iteration - 1 + 2
     # Every rank of pipeline 0 gets the new plan (same version, same start); pipeline 1 keeps its own.
-    assert job.table(0, ranks.iteration, 1).frequencies == (1110,) * 8 and job.table(1, ranks.iteration, 1).plan_version == 2
+    assert (
+        job.table(0, ranks.iteration, 1).frequencies == (1110,) * 8
+        and job.table(1, ranks.iteration, 1).plan_version == 2
+    )
     assert job.table(2, ranks.iteration, 1).frequencies is None and job.table(2, ranks.iteration, 1).plan_version == 1
     status = job.status()
     assert [p.deadline_s for p in status.pipelines] == [key[1], None]
@@ -98,11 +101,11 @@ def test_a_declared_straggler_sets_the_deadline_and_can_be_cleared():
     assert job.straggler() == (2, 1.5, "declared")
     wanted = job.wanted()
     assert wanted[2] == ((A100, A100), None) and wanted[0] == wanted[1] == ((A100, A100), 1.5)
-    (key, _), = job.missing_plans()
+    ((key, _),) = job.missing_plans()
     job.add_result(key, "planning failed: no plan")  # a deadline the planner cannot meet
     assert job.error == "" and job.publish() == []  # the pipelines keep their no-slowdown plans
     job.declare_straggler(2, 1.25)
-    (key, _), = job.missing_plans()
+    ((key, _),) = job.missing_plans()
     job.add_result(key, _result(1.25, 130.0))
     assert job.publish() == [0, 1] and job.plans[0].version == job.plans[1].version == 2
     assert job.status().pipelines[2].straggler == "declared" and job.status().pipelines[2].straggler_factor == 1.25
@@ -137,7 +140,13 @@ def test_tensor_parallel_uploads_merge_to_slowest_time_and_summed_energy():
     for rank in range(8):
         stage, dp_index, tp_index = rank_coordinates("megatron", rank, 2, 2, 2)
         job.add_rank(rank_info(rank, stage=stage, dp_index=dp_index, tp_index=tp_index))
-    slower = Profile({key: [ProfilePoint(p.frequency, p.time * 1.1, p.energy * 0.9) for p in pts] for key, pts in stage_profile(0).points.items()}, 80.0)
+    slower = Profile(
+        {
+            key: [ProfilePoint(p.frequency, p.time * 1.1, p.energy * 0.9) for p in pts]
+            for key, pts in stage_profile(0).points.items()
+        },
+        80.0,
+    )
     # Megatron: ranks 0, 1 are stage 0's tensor-parallel pair of pipeline 0; 4, 5 stage 1's.
     assert job.add_profile(0, 0, stage_profile(0)) == "stage-0" and job.profiled_stages == ()
     assert job.add_profile(0, 0, stage_profile(0)) is None  # that share is in
@@ -150,7 +159,7 @@ def test_tensor_parallel_uploads_merge_to_slowest_time_and_summed_energy():
     assert merged.blocking_power_w == pytest.approx(83.64 + 80.0)
     for rank in (4, 5):
         job.add_profile(rank, 1, stage_profile(1))
-    (key, profile), = job.missing_plans()
+    ((key, profile),) = job.missing_plans()
     job.add_result(key, PlanResult(((1260,) * 8, (1410,) * 8), 1.0, 150.0, 140.0, 1.0, 200.0))
     assert job.publish() == [0, 1]
     # Every tensor-parallel rank of a stage, in every pipeline, runs the stage's frequencies.
@@ -164,7 +173,9 @@ def test_merge_refuses_tensor_parallel_shares_that_do_not_match():
     b = Profile({(0, "forward"): a.points[(0, "forward")]}, 80.0)
     with pytest.raises(ConfigError, match="different rows"):
         merge_tensor_parallel([a, b])
-    c = Profile({key: [ProfilePoint(p.frequency + 1, p.time, p.energy) for p in pts] for key, pts in a.points.items()}, 80.0)
+    c = Profile(
+        {key: [ProfilePoint(p.frequency + 1, p.time, p.energy) for p in pts] for key, pts in a.points.items()}, 80.0
+    )
     with pytest.raises(ConfigError, match="no profiled frequency"):
         merge_tensor_parallel([a, c])
 
@@ -177,10 +188,16 @@ def test_pipelines_on_another_gpu_model_are_profiled_and_planned_on_their_own():
     for s in (0, 1):
         job.add_profile(s, s, stage_profile(s))
     assert job.phase == JobPhase.PROFILING  # the A40 pipeline's stages are not profiled yet
-    (key, _), = job.missing_plans()
+    ((key, _),) = job.missing_plans()
     assert key == ((A100, A100), None)
     assert job.table(4, 0, 0).profiled_stages == ()  # so its ranks keep sweeping
-    slow = Profile({key: [ProfilePoint(p.frequency, p.time * 1.3, p.energy) for p in pts] for key, pts in stage_profile(0).points.items()}, 70.0)
+    slow = Profile(
+        {
+            key: [ProfilePoint(p.frequency, p.time * 1.3, p.energy) for p in pts]
+            for key, pts in stage_profile(0).points.items()
+        },
+        70.0,
+    )
     name = job.add_profile(4, 0, slow)
     assert name.startswith("stage-0-m") and job.table(4, 0, 0).profiled_stages == (0,)
     job.add_profile(5, 1, stage_profile(1))
@@ -196,7 +213,7 @@ def test_pipelines_on_another_gpu_model_are_profiled_and_planned_on_their_own():
 def test_record_round_trip_keeps_plans_uploads_and_declarations():
     job = _dp_job()
     job.declare_straggler(1, 1.2)
-    (key, _), = job.missing_plans()
+    ((key, _),) = job.missing_plans()
     job.add_result(key, _result(1.2, 120.0))
     job.publish()
     record = job.to_record()
@@ -239,8 +256,8 @@ def test_stragglers_are_seen_through_the_gradient_sync_by_compute_time():
 
 def test_a_gpu_model_profiled_before_is_taken_from_the_signature_cache(tmp_path):
     from perseus.service.planning import merge_profiles
-    from perseus.wire.messages import RegisterJob, RegisterRank
     from perseus.service.service import PlannerService
+    from perseus.wire.messages import RegisterJob, RegisterRank
 
     service = PlannerService("tcp://127.0.0.1:0", str(tmp_path))  # handlers only: no socket, no planning thread
     spec = job_spec(world_size=4, dp=2, rank_mapping="torch")
@@ -265,7 +282,7 @@ def test_solved_deadlines_are_bounded_but_base_and_in_force_plans_kept():
     base_key = job.plans[0].key
     for i in range(MAX_RESULTS + 20):
         job.declare_straggler(1, 1.1 + i / 1000)
-        (key, _), = job.missing_plans()
+        ((key, _),) = job.missing_plans()
         job.add_result(key, _result(key[1], 120.0))
         job.publish()
     assert len(job.results) == MAX_RESULTS and base_key in job.results and job.plans[0].key in job.results

@@ -77,7 +77,10 @@ class _Dealer:
         return self.sock.recv() if self.sock.poll(int(timeout_s * 1000)) else None
 
     def disconnected(self, timeout_s: float = 3.0) -> bool:
-        return bool(self.monitor.poll(int(timeout_s * 1000))) and recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
+        return (
+            bool(self.monitor.poll(int(timeout_s * 1000)))
+            and recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
+        )
 
     def close(self) -> None:
         self.sock.disable_monitor()

@@ -9,8 +9,8 @@ import time
 import pytest
 from server_helpers import FREQUENCIES, free_port, job_spec, rank_info, request
 
-from perseus.exceptions import ConfigError, ServiceError
 from perseus.client.planner_client import UNPLANNED, PlannerClient
+from perseus.exceptions import ConfigError, ServiceError
 from perseus.wire.phases import Phase
 
 
@@ -18,7 +18,10 @@ def test_client_without_service_runs_unplanned_then_connects_when_it_starts(serv
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     spec = job_spec()
     caplog.set_level(logging.INFO, logger="perseus.client")
-    with PlannerClient(endpoint, timeout_s=0.3, poll_interval_s=0.05) as c0, PlannerClient(endpoint, timeout_s=0.3, poll_interval_s=0.05) as c1:
+    with (
+        PlannerClient(endpoint, timeout_s=0.3, poll_interval_s=0.05) as c0,
+        PlannerClient(endpoint, timeout_s=0.3, poll_interval_s=0.05) as c1,
+    ):
         start = time.monotonic()
         job_id = c0.register_job(spec)  # nobody answers: returns after the timeout, retried later
         c0.register_rank(job_id, rank_info(0))
@@ -55,7 +58,9 @@ def test_client_raises_only_for_what_the_user_must_fix(serve):
         job_id = client.register_job(job_spec(world_size=4, tp=2))
         client.register_rank(job_id, rank_info(0, stage=0))
         with PlannerClient(served.endpoint, timeout_s=2.0) as peer, pytest.raises(ServiceError, match="GPU"):
-            peer.register_rank(job_id, rank_info(1, stage=0, tp_index=1, gpu_model="h100"))  # tensor-parallel peers share a model
+            peer.register_rank(
+                job_id, rank_info(1, stage=0, tp_index=1, gpu_model="h100")
+            )  # tensor-parallel peers share a model
         client.report_iteration(job_id, 0, 1, float("nan"), 1.0)  # dropped with a warning, never raised
     with pytest.raises(ConfigError, match="endpoint"):
         PlannerClient("localhost:7787")

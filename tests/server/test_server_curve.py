@@ -15,8 +15,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from perseus.cli.main import main
-from perseus.exceptions import ConfigError
 from perseus.client.planner_client import PlannerClient
+from perseus.exceptions import ConfigError
 from perseus.wire.security import PLAINTEXT, CurveClient, create_keys, security_from_env
 
 
@@ -85,7 +85,12 @@ def test_keys_refuses_to_overwrite_a_client_and_bad_names(tmp_path):
         create_keys(tmp_path, ["../x"])
     create_keys(tmp_path, ["b"])
     assert (tmp_path / "server" / "server.key").read_bytes() == before  # the service's pair is kept
-    assert sorted(p.name for p in (tmp_path / "clients").iterdir()) == ["a.key", "a.key_secret", "b.key", "b.key_secret"]
+    assert sorted(p.name for p in (tmp_path / "clients").iterdir()) == [
+        "a.key",
+        "a.key_secret",
+        "b.key",
+        "b.key_secret",
+    ]
 
 
 def test_serve_refuses_a_keys_folder_without_clients(serve, tmp_path):

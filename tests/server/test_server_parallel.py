@@ -10,17 +10,23 @@ import signal
 import pytest
 from server_helpers import job_spec, rank_info, stage_profile, wait_until
 
+from perseus.client.planner_client import PlannerClient
 from perseus.planner import Planner
 from perseus.profiler.profile import Profile, ProfilePoint
 from perseus.schedules import build_schedule
-from perseus.client.planner_client import PlannerClient
 from perseus.service.planning import merge_profiles
 from perseus.wire.parallelism import merge_tensor_parallel, rank_coordinates
 
 
 def _slower(profile: Profile) -> Profile:
     """A tensor-parallel shard that takes 20% longer and draws less energy than its peer."""
-    return Profile({k: [ProfilePoint(p.frequency, p.time * 1.2, p.energy * 0.8) for p in pts] for k, pts in profile.points.items()}, 80.0)
+    return Profile(
+        {
+            k: [ProfilePoint(p.frequency, p.time * 1.2, p.energy * 0.8) for p in pts]
+            for k, pts in profile.points.items()
+        },
+        80.0,
+    )
 
 
 def test_tensor_parallel_stages_profile_once_and_share_their_plan(serve, tmp_path):

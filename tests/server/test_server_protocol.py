@@ -30,7 +30,10 @@ from perseus.wire.spec import JobSpec, RankInfo
 
 
 def test_job_spec_round_trips_and_its_id_is_deterministic():
-    spec = job_spec(stage_orders=[[("forward", 0, 0), ("backward", 0, 0)], [("forward", 0, 0), ("backward", 0, 0)]], num_microbatches=1)
+    spec = job_spec(
+        stage_orders=[[("forward", 0, 0), ("backward", 0, 0)], [("forward", 0, 0), ("backward", 0, 0)]],
+        num_microbatches=1,
+    )
     again = JobSpec.from_wire(msgpack.unpackb(msgpack.packb(spec.to_wire())))
     assert again == spec and again.job_id() == spec.job_id()
     assert job_spec(warmup_iterations=3).job_id() != job_spec().job_id()
@@ -69,7 +72,9 @@ def test_job_spec_rejects_bad_fields_naming_them(overrides, words):
 def test_job_spec_overheads_travel_only_when_set_and_leave_the_profile_key():
     plain, spec = job_spec(), job_spec(instruction_overhead_s=0.0007, hop_latency_s=0.001)
     assert "instruction_overhead_s" not in plain.to_wire() and "hop_latency_s" not in plain.to_wire()
-    assert job_spec(instruction_overhead_s=0, hop_latency_s=0.0).job_id() == plain.job_id()  # older peers' ids unchanged
+    assert (
+        job_spec(instruction_overhead_s=0, hop_latency_s=0.0).job_id() == plain.job_id()
+    )  # older peers' ids unchanged
     again = JobSpec.from_wire(msgpack.unpackb(msgpack.packb(spec.to_wire())))
     assert again == spec and (again.instruction_overhead_s, again.hop_latency_s) == (0.0007, 0.001)
     assert spec.job_id() != plain.job_id() and spec.profile_key() == plain.profile_key()  # the cached profile stays raw
@@ -100,7 +105,11 @@ def test_profile_wire_round_trip_and_rejects_bad_rows():
     again = profile_from_wire(msgpack.unpackb(msgpack.packb(profile_to_wire(profile))), "p")
     assert again.points == profile.points and again.blocking_power_w == profile.blocking_power_w
     doc = profile_to_wire(profile)
-    for bad_row, words in (([1, "forward", 1410, -1.0, 2.0], "time"), ([1, "sideways", 1410, 1.0, 2.0], "kind"), ([1, "forward", 1410, 1.0], "rows")):
+    for bad_row, words in (
+        ([1, "forward", 1410, -1.0, 2.0], "time"),
+        ([1, "sideways", 1410, 1.0, 2.0], "kind"),
+        ([1, "forward", 1410, 1.0], "rows"),
+    ):
         with pytest.raises(ConfigError, match=words):
             profile_from_wire({**doc, "rows": [bad_row]}, "p")
     with pytest.raises(ConfigError, match="twice"):
@@ -120,7 +129,21 @@ def test_profile_wire_round_trip_and_rejects_bad_rows():
         (msgpack.packb({"v": 1, "id": 1, "type": "ping", "extra": 1}), "bad_field"),
         (msgpack.packb({"v": 1, "id": 1, "type": "get_table", "job_id": "job-00", "rank": "0"}), "bad_field"),
         (msgpack.packb({"v": 1, "id": 1, "type": "get_table", "job_id": "../../etc", "rank": 0}), "bad_field"),
-        (msgpack.packb({"v": 1, "id": 1, "type": "report_iteration", "job_id": "job-00", "rank": 0, "iteration": 1, "time_s": float("inf"), "energy_j": 1.0}), "bad_field"),
+        (
+            msgpack.packb(
+                {
+                    "v": 1,
+                    "id": 1,
+                    "type": "report_iteration",
+                    "job_id": "job-00",
+                    "rank": 0,
+                    "iteration": 1,
+                    "time_s": float("inf"),
+                    "energy_j": 1.0,
+                }
+            ),
+            "bad_field",
+        ),
         (msgpack.packb({"v": 1, "id": 1, "type": "ping", 5: 1}), "bad_frame"),
         (msgpack.packb({"v": 1, "id": 1, "type": "ping", "pad": "x" * MAX_MESSAGE_BYTES}), "too_large"),
     ],
@@ -135,7 +158,10 @@ def test_envelopes_round_trip():
     spec = job_spec()
     request_id, message = decode_request(encode_request(42, RegisterJob(spec)))
     assert request_id == 42 and message == RegisterJob(spec)
-    assert decode_reply(encode_reply(42, GetTable(spec.job_id(), 1))) == (42, {"job_id": spec.job_id(), "rank": 1, "iteration": -1, "plan_version": 0})
+    assert decode_reply(encode_reply(42, GetTable(spec.job_id(), 1))) == (
+        42,
+        {"job_id": spec.job_id(), "rank": 1, "iteration": -1, "plan_version": 0},
+    )
     request_id, error = decode_reply(encode_error(3, ErrorCode.UNKNOWN_JOB, "no such job"))
     assert request_id == 3 and isinstance(error, ServiceError) and error.code == "unknown_job"
 
@@ -160,7 +186,7 @@ def test_job_table_sweeps_then_plans_with_a_lead():
     assert job.add_profile(0, 0, stage_profile(0)) is None  # a stage keeps its first profile
     job.table(1, iteration=7, known_version=0)
     assert job.add_profile(1, 1, stage_profile(1)) == "stage-1" and job.phase == JobPhase.PLANNING
-    (key, merged), = job.missing_plans()
+    ((key, merged),) = job.missing_plans()
     assert key == (("sim-a100", "sim-a100"), None)
     assert merged.stages() == [0, 1] and merged.blocking_power_w == pytest.approx(83.64)
     result = PlanResult(((1410, 1260, 1410, 1410, 1410, 1410, 1410, 1410), (1410,) * 8), 1.0, 100.0, 99.0, 1.0, 110.0)
@@ -216,7 +242,9 @@ def test_job_tallies_measured_iterations_and_predicts_per_replica():
     status = job.status()
     assert status.predicted_energy_j == pytest.approx(300.0)  # two pipelines
     assert status.predicted_saving == pytest.approx(0.25)
-    assert [p.plan_version for p in status.pipelines] == [1, 1] and status.pipelines[1].measured_iteration_time_s == pytest.approx(1.3)
+    assert [p.plan_version for p in status.pipelines] == [1, 1] and status.pipelines[
+        1
+    ].measured_iteration_time_s == pytest.approx(1.3)
 
 
 def test_job_record_round_trip():
@@ -229,7 +257,12 @@ def test_job_record_round_trip():
 
 def test_merge_profiles_prefers_the_spec_blocking_power():
     merged = merge_profiles({0: stage_profile(0), 1: stage_profile(1)}, 70.0)
-    assert merged.blocking_power_w == 70.0 and sorted(merged.points) == [(0, "backward"), (0, "forward"), (1, "backward"), (1, "forward")]
+    assert merged.blocking_power_w == 70.0 and sorted(merged.points) == [
+        (0, "backward"),
+        (0, "forward"),
+        (1, "backward"),
+        (1, "forward"),
+    ]
 
 
 def test_upload_profile_validates_the_profile():

@@ -10,19 +10,18 @@ import threading
 import time
 
 import pytest
-
 from server_helpers import job_spec, rank_info, stage_profile, wait_until
 
+from perseus.client.planner_client import PlannerClient
 from perseus.exceptions import ServiceError
 from perseus.profiler.profile import Profile, ProfilePoint, load_profile
 from perseus.schedules import build_schedule
-from perseus.client.planner_client import PlannerClient
 from perseus.service.job import Job
+from perseus.service.service import PlannerService
+from perseus.service.state import StateDir
 from perseus.wire.limits import MAX_INSTRUCTIONS
 from perseus.wire.messages import RegisterJob, RegisterRank, Table, UploadProfile
 from perseus.wire.phases import Phase
-from perseus.service.service import PlannerService
-from perseus.service.state import StateDir
 
 A100, A40 = "sim-a100", "sim-a40"
 
@@ -52,7 +51,10 @@ def test_the_lowest_data_parallel_index_on_each_gpu_model_uploads():
 
 
 def _scaled(profile: Profile, factor: float) -> Profile:
-    points = {key: [ProfilePoint(p.frequency, p.time * factor, p.energy * factor) for p in pts] for key, pts in profile.points.items()}
+    points = {
+        key: [ProfilePoint(p.frequency, p.time * factor, p.energy * factor) for p in pts]
+        for key, pts in profile.points.items()
+    }
     return Profile(points, profile.blocking_power_w)
 
 
@@ -84,7 +86,10 @@ def test_a_job_at_the_instruction_cap_registers_at_once_and_the_service_keeps_an
     served = serve()
     microbatches = MAX_INSTRUCTIONS // 4
     spec = job_spec(num_microbatches=microbatches, stage_orders=_orders(build_schedule("1f1b", 2, microbatches)))
-    with PlannerClient(served.endpoint, timeout_s=30.0, poll_interval_s=0.05) as rank0, PlannerClient(served.endpoint, timeout_s=30.0) as other:
+    with (
+        PlannerClient(served.endpoint, timeout_s=30.0, poll_interval_s=0.05) as rank0,
+        PlannerClient(served.endpoint, timeout_s=30.0) as other,
+    ):
         t0 = time.perf_counter()
         job_id = rank0.register_job(spec)  # raises if refused
         # The loop answers while the schedule builds (how fast is a speed figure, printed beside the
@@ -101,20 +106,29 @@ def test_an_invalid_order_fails_the_job_and_every_rank_hears_why(serve, caplog):
     served = serve()
     order = [[("forward", 0, 0), ("forward", 0, 0)], [("forward", 0, 0), ("backward", 0, 0)]]
     spec = job_spec(num_microbatches=1, stage_orders=order)  # well-formed, but stage 0 repeats F0 and lacks B0
-    with caplog.at_level(logging.WARNING, logger="perseus.client"), PlannerClient(served.endpoint, poll_interval_s=0.05) as client:
+    with (
+        caplog.at_level(logging.WARNING, logger="perseus.client"),
+        PlannerClient(served.endpoint, poll_interval_s=0.05) as client,
+    ):
         job_id = client.register_job(spec)  # accepted at once: the schedule is checked off the loop
         client.register_rank(job_id, rank_info(0))
         failed = wait_until(lambda: [j for j in client.status(job_id).jobs if j.phase == "failed"])[0]
-        wait_until(lambda: all(client.assignment(i).phase == Phase.UNPLANNED for i in (0, 3, 50)))  # no warm-up, no sweep
+        wait_until(
+            lambda: all(client.assignment(i).phase == Phase.UNPLANNED for i in (0, 3, 50))
+        )  # no warm-up, no sweep
     assert failed.error.startswith("invalid job:") and "appears more than once" in failed.error
-    assert any("appears more than once" in r.getMessage() and "maximum clocks" in r.getMessage() for r in caplog.records)
+    assert any(
+        "appears more than once" in r.getMessage() and "maximum clocks" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_profiles_uploaded_before_the_schedule_is_built_are_refused_until_it_is(tmp_path):
     # An acknowledged profile must be a saved one: before the schedule exists nothing can be
     # checked or saved, so the upload gets `not_ready` (the client retries), never an ack.
     service = PlannerService("tcp://127.0.0.1:0", str(tmp_path))  # handlers only: this test runs the loop's steps
-    service.workers._builder = threading.Thread(target=service.workers._build_worker, daemon=True)  # started below, after the uploads
+    service.workers._builder = threading.Thread(
+        target=service.workers._build_worker, daemon=True
+    )  # started below, after the uploads
     spec = job_spec()
     service._register_job(RegisterJob(spec))
     job = service.jobs[spec.job_id()]

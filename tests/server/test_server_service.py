@@ -13,16 +13,14 @@ import msgpack
 import pytest
 from server_helpers import FREQUENCIES, job_spec, rank_info, raw_request, request, stage_profile, wait_until
 
+from perseus.client.planner_client import PlannerClient
 from perseus.planner import Planner
 from perseus.profiler.profile import Profile
 from perseus.schedules import build_schedule
-from perseus.client.planner_client import PlannerClient
 from perseus.service.planning import merge_profiles
 from perseus.wire.limits import HARD_MESSAGE_BYTES, MAX_MESSAGE_BYTES
 from perseus.wire.phases import Phase
 from perseus.wire.profiles import profile_to_wire
-
-
 
 
 def _ping_ok(endpoint: str) -> None:
@@ -50,8 +48,14 @@ def test_every_bad_request_gets_an_error_reply_and_the_service_keeps_serving(ser
         ((msgpack.packb({"v": 2, "id": 1, "type": "ping"}),), "bad_version"),
         ((msgpack.packb({"id": 1, "type": "ping"}),), "bad_version"),
         ((msgpack.packb({"v": 1, "id": 1, "type": "shutdown"}),), "unknown_type"),
-        ((msgpack.packb({"v": 1, "id": 1, "type": "register_job", "spec": {**spec.to_wire(), "pp": "two"}}),), "bad_field"),
-        ((msgpack.packb({"v": 1, "id": 1, "type": "register_job", "spec": {**spec.to_wire(), "world_size": 3}}),), "bad_field"),
+        (
+            (msgpack.packb({"v": 1, "id": 1, "type": "register_job", "spec": {**spec.to_wire(), "pp": "two"}}),),
+            "bad_field",
+        ),
+        (
+            (msgpack.packb({"v": 1, "id": 1, "type": "register_job", "spec": {**spec.to_wire(), "world_size": 3}}),),
+            "bad_field",
+        ),
         ((msgpack.packb({"v": 1, "id": 1, "type": "get_table", "job_id": "job-00ff", "rank": 0}),), "unknown_job"),
         ((msgpack.packb({"v": 1, "id": 1, "type": "status", "job_id": "job-00ff"}),), "unknown_job"),
     ]
@@ -62,7 +66,9 @@ def test_every_bad_request_gets_an_error_reply_and_the_service_keeps_serving(ser
     assert request(ep, "register_job", spec=spec.to_wire())["ok"]
     assert _error(request(ep, "get_table", job_id=spec.job_id(), rank=1)) == "unknown_rank"
     assert _error(request(ep, "register_job", spec={**spec.to_wire(), "schedule_name": "zigzag"})) == "bad_field"
-    assert _error(request(ep, "register_rank", job_id=spec.job_id(), info=rank_info(1, stage=5).to_wire())) == "bad_field"
+    assert (
+        _error(request(ep, "register_rank", job_id=spec.job_id(), info=rank_info(1, stage=5).to_wire())) == "bad_field"
+    )
     reply = request(ep, "register_rank", request_id=123, job_id=spec.job_id(), info=rank_info(1).to_wire())
     assert reply["ok"] and reply["id"] == 123 and reply["phase"] == "profiling"
     assert served.proc.poll() is None
@@ -98,7 +104,9 @@ def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path)
         clients[1].upload_profile(job_id, 1, stage_profile(1))
         assert all(c.wait_for_plan(20.0) for c in clients)
 
-        expected = Planner(build_schedule("1f1b", 2, 4), merge_profiles({0: stage_profile(0), 1: stage_profile(1)}, None)).plan()
+        expected = Planner(
+            build_schedule("1f1b", 2, 4), merge_profiles({0: stage_profile(0), 1: stage_profile(1)}, None)
+        ).plan()
         assert expected.stage_frequencies(0) != expected.stage_frequencies(1)  # the plan is not trivial
         start = min(i for i in range(100) if clients[0].assignment(i).phase == Phase.PLANNED)
         assert start > 5
@@ -117,17 +125,24 @@ def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path)
         assert 0 < status.predicted_saving < 0.5
         assert status.baseline_iterations == 1 and status.baseline_energy_j == pytest.approx(60.0)
         assert status.planned_iterations == 3 and status.planned_energy_j == pytest.approx(53.0)
-        assert status.planned_iteration_time_s == pytest.approx(0.23) and status.measured_saving == pytest.approx(1 - 53 / 60)
+        assert status.planned_iteration_time_s == pytest.approx(0.23) and status.measured_saving == pytest.approx(
+            1 - 53 / 60
+        )
         assert f"job {job_id} iteration {start} (plan v1)" in served.log()
         state = tmp_path / "state"
-        assert (state / "jobs" / job_id / "plan.json").exists() and (state / "profiles" / f"{spec.profile_key()}.json").exists()
+        assert (state / "jobs" / job_id / "plan.json").exists() and (
+            state / "profiles" / f"{spec.profile_key()}.json"
+        ).exists()
 
         # A job whose instruction order deadlocks (B0 before F0 on stage 0): planning fails, the
         # job says why, its ranks stay at max clocks, and the service keeps serving (same
         # service, so the planner import is paid once).
         order = [[("backward", 0, 0), ("forward", 0, 0)], [("forward", 0, 0), ("backward", 0, 0)]]
         bad = job_spec(num_microbatches=1, stage_orders=order, tag="deadlock")
-        with PlannerClient(served.endpoint, poll_interval_s=0.05) as c0, PlannerClient(served.endpoint, poll_interval_s=0.05) as c1:
+        with (
+            PlannerClient(served.endpoint, poll_interval_s=0.05) as c0,
+            PlannerClient(served.endpoint, poll_interval_s=0.05) as c1,
+        ):
             c0.register_rank(c0.register_job(bad), rank_info(0))
             c1.register_rank(bad.job_id(), rank_info(1))
             c0.upload_profile(bad.job_id(), 0, stage_profile(0))
@@ -210,7 +225,9 @@ def test_profile_upload_of_another_stage_is_refused(serve):
     wrong = Profile({(1, k): v for (_, k), v in stage_profile(0).points.items()}, 80.0)
 
     def upload():  # not_ready while the service still builds the job's schedule
-        reply = request(served.endpoint, "upload_profile", job_id=spec.job_id(), rank=0, stage=0, profile=profile_to_wire(wrong))
+        reply = request(
+            served.endpoint, "upload_profile", job_id=spec.job_id(), rank=0, stage=0, profile=profile_to_wire(wrong)
+        )
         return None if _error(reply) == "not_ready" else reply
 
     reply = wait_until(upload)
@@ -222,7 +239,10 @@ def test_bind_errors_say_what_to_change(serve, tmp_path):
     from perseus.service.service import PlannerService
 
     busy = serve()
-    for address, hint in ((busy.endpoint, "another perseus serve"), ("tcp://127.0.0.1:notaport", "--bind takes a ZeroMQ endpoint")):
+    for address, hint in (
+        (busy.endpoint, "another perseus serve"),
+        ("tcp://127.0.0.1:notaport", "--bind takes a ZeroMQ endpoint"),
+    ):
         service = PlannerService(address, str(tmp_path / "other"))
         try:
             with pytest.raises(ConfigError, match=hint):

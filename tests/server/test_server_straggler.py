@@ -11,8 +11,8 @@ import pytest
 from server_helpers import job_spec, rank_info, stage_profile, wait_until
 
 from perseus.cli.main import main
-from perseus.exceptions import ServiceError
 from perseus.client.planner_client import PlannerClient
+from perseus.exceptions import ServiceError
 from perseus.wire.phases import Phase
 
 
@@ -64,12 +64,18 @@ def test_declared_and_detected_stragglers_replan_the_other_pipeline(serve, capsy
         assert f"job {job_id}: pipeline 1 declared 1.2x" in capsys.readouterr().out
         slowed = ranks.until_version([0, 1], 2)
         assert slowed[2] is base[2] and slowed[3] is base[3]  # the straggler keeps its plan
-        assert sum(slowed[0].frequencies) + sum(slowed[1].frequencies) < sum(base[0].frequencies) + sum(base[1].frequencies)
+        assert sum(slowed[0].frequencies) + sum(slowed[1].frequencies) < sum(base[0].frequencies) + sum(
+            base[1].frequencies
+        )
         job = clients[0].status(job_id).jobs[0]
         slowed_time = job.pipelines[0].predicted_iteration_time_s
         assert job.pipelines[0].deadline_s == pytest.approx(1.2 * base_time, rel=1e-5)
         assert job.pipelines[0].predicted_iteration_time_s <= 1.2 * base_time * (1 + 1e-5)
-        assert (job.pipelines[1].straggler, job.pipelines[1].straggler_factor, job.pipelines[1].deadline_s) == ("declared", 1.2, None)
+        assert (job.pipelines[1].straggler, job.pipelines[1].straggler_factor, job.pipelines[1].deadline_s) == (
+            "declared",
+            1.2,
+            None,
+        )
         assert main(["straggler", "--job", job_id, "--address", ep]) == 0
         table = capsys.readouterr().out
         assert "declared 1.200x" in table and f"{1.2 * base_time:.4f}" in table
@@ -82,10 +88,14 @@ def test_declared_and_detected_stragglers_replan_the_other_pipeline(serve, capsy
         times = {1: base_time, 3: base_time, 4: slowed_time, 5: base_time}
         ranks.report(12, 1.2, job_id, times)
         job = wait_until(lambda: [j for j in clients[0].status(job_id).jobs if j.plan_version == 4])[0]
-        assert job.pipelines[1].straggler == "detected" and job.pipelines[1].straggler_factor == pytest.approx(1.2, rel=0.01)
+        assert job.pipelines[1].straggler == "detected" and job.pipelines[1].straggler_factor == pytest.approx(
+            1.2, rel=0.01
+        )
         # Both ranks of pipeline 0 switched at one iteration, running the old plan until then
         # (not max clocks); the same pace as declared gives the same plan.
-        switched = [min(i for i in range(ranks.iteration + 1) if c.assignment(i).plan_version == 4) for c in clients[:2]]
+        switched = [
+            min(i for i in range(ranks.iteration + 1) if c.assignment(i).plan_version == 4) for c in clients[:2]
+        ]
         assert switched[0] == switched[1] and clients[0].assignment(switched[0] - 1).plan_version == 3
         assert clients[0].assignment(ranks.iteration).frequencies == slowed[0].frequencies
 
@@ -126,5 +136,7 @@ def test_straggler_cli_on_an_unknown_job_says_so(serve, capsys):
     for extra in ([], ["--pipeline", "1", "--factor", "1.2"]):
         assert main([*job, *extra]) == 1
         err = capsys.readouterr().err
-        assert "[unknown_job] no job job-1a2b3c4d5e6f7a8b" in err and "check --job" in err and "did not answer" not in err
+        assert (
+            "[unknown_job] no job job-1a2b3c4d5e6f7a8b" in err and "check --job" in err and "did not answer" not in err
+        )
         assert err.count("\n") == 1  # one error line, no client log besides

@@ -18,11 +18,11 @@ import pytest
 from server_helpers import FREQUENCIES, job_spec, rank_info, request, stage_profile, wait_until
 
 from perseus.service.budget import Budget, job_cost_bytes
+from perseus.service.service import PlannerService
+from perseus.service.state import StateDir
 from perseus.wire.limits import MAX_RANK_ITERATION
 from perseus.wire.profiles import profile_to_wire
 from perseus.wire.spec import JobSpec
-from perseus.service.service import PlannerService
-from perseus.service.state import StateDir
 
 
 def _ok(reply: dict | None) -> dict:
@@ -71,9 +71,15 @@ def test_finding_1_tiny_iteration_times_are_refused_and_planning_still_publishes
     served = serve()
     job_id = _register(served.endpoint)
     for rank in (0, 1):
-        reply = request(served.endpoint, "report_iteration", job_id=job_id, rank=rank, iteration=0, time_s=5e-324, energy_j=1.0)
+        reply = request(
+            served.endpoint, "report_iteration", job_id=job_id, rank=rank, iteration=0, time_s=5e-324, energy_j=1.0
+        )
         assert _code(reply) == "bad_field" and "time_s" in reply["error"]["message"]
-        _ok(request(served.endpoint, "report_iteration", job_id=job_id, rank=rank, iteration=1, time_s=1e-6, energy_j=1.0))
+        _ok(
+            request(
+                served.endpoint, "report_iteration", job_id=job_id, rank=rank, iteration=1, time_s=1e-6, energy_j=1.0
+            )
+        )
     for stage in (0, 1):
         _ok(_upload(served.endpoint, job_id, stage))
     assert _planned(served.endpoint, job_id)["plan_version"] == 1
@@ -99,7 +105,9 @@ class Local:
 
     def __init__(self, tmp_path, **budget) -> None:
         self.now = 1000.0
-        self.service = PlannerService("tcp://127.0.0.1:0", str(tmp_path / "state"), budget=Budget(**budget), clock=lambda: self.now)
+        self.service = PlannerService(
+            "tcp://127.0.0.1:0", str(tmp_path / "state"), budget=Budget(**budget), clock=lambda: self.now
+        )
 
     def call(self, type_: str, **fields) -> dict:
         _, reply = self.service.handle([b"peer", msgpack.packb({"v": 1, "id": 1, "type": type_, **fields})])
@@ -141,7 +149,11 @@ def test_finding_2_jobs_idle_past_their_time_to_live_are_evicted_and_their_profi
     for rank in (0, 1):
         _ok(local.call("register_rank", job_id=job_id, info=rank_info(rank).to_wire()))
     for stage in (0, 1):
-        _ok(local.call("upload_profile", job_id=job_id, rank=stage, stage=stage, profile=profile_to_wire(stage_profile(stage))))
+        _ok(
+            local.call(
+                "upload_profile", job_id=job_id, rank=stage, stage=stage, profile=profile_to_wire(stage_profile(stage))
+            )
+        )
     local.settle()
     assert local.service.jobs[job_id].plans
     local.now += 3599
@@ -235,7 +247,9 @@ def test_finding_3_a_bug_in_one_jobs_planning_fails_that_job_only(tmp_path):
         for rank in (0, 1):
             _ok(local.call("register_rank", job_id=job_id, info=rank_info(rank).to_wire()))
         for stage in (0, 1):
-            local.call("upload_profile", job_id=job_id, rank=stage, stage=stage, profile=profile_to_wire(stage_profile(stage)))
+            local.call(
+                "upload_profile", job_id=job_id, rank=stage, stage=stage, profile=profile_to_wire(stage_profile(stage))
+            )
     local.settle()
     statuses = {s["job_id"]: s for s in local.call("status")["jobs"]}
     assert statuses[broken]["phase"] == "failed" and "RuntimeError: a bug" in statuses[broken]["error"]
@@ -258,7 +272,12 @@ def test_finding_4_damaged_state_files_are_quarantined_and_the_rest_resumes(serv
 
     jobs = state / "jobs"
     record = json.loads((jobs / good / "job.json").read_text())
-    for name, doc in (("null", None), ("list", []), ("plans", {**record, "plans": "x"}), ("declared", {**record, "declared": [1]})):
+    for name, doc in (
+        ("null", None),
+        ("list", []),
+        ("plans", {**record, "plans": "x"}),
+        ("declared", {**record, "declared": [1]}),
+    ):
         folder = jobs / f"job-{name.encode().hex():0<16}"[:20]
         folder.mkdir()
         (folder / "job.json").write_text(json.dumps(doc))
@@ -304,7 +323,17 @@ def test_finding_5_a_job_with_enormous_energy_does_not_break_the_status_of_all_j
     _planned(served.endpoint, huge)
     for iteration in range(3):
         for rank in (0, 1):
-            _ok(request(served.endpoint, "report_iteration", job_id=huge, rank=rank, iteration=iteration, time_s=86_400.0, energy_j=1e7))
+            _ok(
+                request(
+                    served.endpoint,
+                    "report_iteration",
+                    job_id=huge,
+                    rank=rank,
+                    iteration=iteration,
+                    time_s=86_400.0,
+                    energy_j=1e7,
+                )
+            )
     jobs = {s["job_id"]: s for s in _ok(request(served.endpoint, "status"))["jobs"]}
     assert jobs[huge]["predicted_energy_j"] > 5e7 and other in jobs
 
@@ -351,7 +380,11 @@ def test_finding_6_a_profile_over_the_planning_budget_fails_its_job_with_a_clear
     for rank in (0, 1):
         _ok(local.call("register_rank", job_id=job_id, info=rank_info(rank).to_wire()))
     for stage in (0, 1):
-        _ok(local.call("upload_profile", job_id=job_id, rank=stage, stage=stage, profile=profile_to_wire(stage_profile(stage))))
+        _ok(
+            local.call(
+                "upload_profile", job_id=job_id, rank=stage, stage=stage, profile=profile_to_wire(stage_profile(stage))
+            )
+        )
     local.settle()
     status = local.call("status", job_id=job_id)["jobs"][0]
     assert status["phase"] == "failed"
@@ -416,7 +449,11 @@ def test_a_job_resumes_when_its_first_rank_supports_fewer_frequencies_than_a_low
     state = tmp_path / "state"
     served = serve(state)
     job_id = _ok(request(served.endpoint, "register_job", spec=job_spec().to_wire()))["job_id"]
-    _ok(request(served.endpoint, "register_rank", job_id=job_id, info=rank_info(1, frequencies=FREQUENCIES[1:]).to_wire()))
+    _ok(
+        request(
+            served.endpoint, "register_rank", job_id=job_id, info=rank_info(1, frequencies=FREQUENCIES[1:]).to_wire()
+        )
+    )
     _ok(request(served.endpoint, "register_rank", job_id=job_id, info=rank_info(0).to_wire()))
     served.stop()
     served = serve(state)
@@ -427,7 +464,9 @@ def test_a_job_resumes_when_its_first_rank_supports_fewer_frequencies_than_a_low
 def test_a_failed_job_stays_failed_across_a_restart(serve, tmp_path):
     state = tmp_path / "state"
     served = serve(state)
-    spec = JobSpec(1, 1, schedule_name="custom", num_microbatches=1, gpu_model="sim-a100", stage_orders=(((("forward", 0, 0),),)))
+    spec = JobSpec(
+        1, 1, schedule_name="custom", num_microbatches=1, gpu_model="sim-a100", stage_orders=(((("forward", 0, 0),),))
+    )
     job_id = _ok(request(served.endpoint, "register_job", spec=spec.to_wire()))["job_id"]
     wait_until(lambda: _job_status(served.endpoint, job_id)["phase"] == "failed")
     served.stop()
@@ -443,7 +482,11 @@ def test_a_rank_back_on_another_gpu_model_gets_no_plan_made_for_the_old_one(tmp_
     for rank in (0, 1):
         _ok(local.call("register_rank", job_id=job_id, info=rank_info(rank).to_wire()))
     for stage in (0, 1):
-        _ok(local.call("upload_profile", job_id=job_id, rank=stage, stage=stage, profile=profile_to_wire(stage_profile(stage))))
+        _ok(
+            local.call(
+                "upload_profile", job_id=job_id, rank=stage, stage=stage, profile=profile_to_wire(stage_profile(stage))
+            )
+        )
     local.settle()
     assert _ok(local.call("get_table", job_id=job_id, rank=1))["frequencies"]
     other = rank_info(1, gpu_model="sim-a40", frequencies=(1740, *FREQUENCIES))

@@ -13,7 +13,6 @@ import importlib.util
 import sys
 from pathlib import Path
 
-
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -45,7 +44,9 @@ def test_a_short_stateful_fuzz_run_breaks_no_invariant():
     assert not report.violations, f"{len(report.violations)} violations (seed 11), first:\n{problems}"
     assert report.steps == STEPS
     assert sum(report.faults.values()) == 1, report.faults
-    assert report.restarts["SIGKILL"] == 1 and report.restarts["SIGTERM"] == 1 and not report.restarts["crash"], report.restarts
+    assert report.restarts["SIGKILL"] == 1 and report.restarts["SIGTERM"] == 1 and not report.restarts["crash"], (
+        report.restarts
+    )
     assert report.sentinel_planned_s is not None
     assert report.ping_ms and report.max_rss_mb > 0
 
@@ -56,11 +57,24 @@ def test_the_request_stream_depends_on_the_seed_only(tmp_path):
 
     def stream(seed: int) -> list[tuple[str, str]]:
         machine = fuzz.StatefulFuzz(tmp_path, seed=seed)  # no service, no mount: run() does those
-        steps = [machine.chaos_request() for _ in range(400)]  # a request, or a list (a training iteration: every rank reports)
-        return [(req.label, repr(req.fields)) for step in steps for req in ([step] if isinstance(step, fuzz.Req) else step)]
+        steps = [
+            machine.chaos_request() for _ in range(400)
+        ]  # a request, or a list (a training iteration: every rank reports)
+        return [
+            (req.label, repr(req.fields)) for step in steps for req in ([step] if isinstance(step, fuzz.Req) else step)
+        ]
 
     first = stream(5)
     assert first == stream(5)
     assert first != stream(6)
     labels = {label.split("/")[0] for label, _ in first}
-    assert labels == {"register_job", "register_rank", "get_table", "upload_profile", "report_iteration", "declare_straggler", "status", "ping"}
+    assert labels == {
+        "register_job",
+        "register_rank",
+        "get_table",
+        "upload_profile",
+        "report_iteration",
+        "declare_straggler",
+        "status",
+        "ping",
+    }

@@ -10,7 +10,9 @@ from perseus.exceptions import ConfigError
 from perseus.service.straggler import Straggler, StragglerDetector
 
 
-def _feed(detector: StragglerDetector, rng: random.Random, means: list[float], iterations: int, noise: float = 0.02) -> list[Straggler | None]:
+def _feed(
+    detector: StragglerDetector, rng: random.Random, means: list[float], iterations: int, noise: float = 0.02
+) -> list[Straggler | None]:
     """`iterations` rounds of one noisy value per pipeline; the decision after each round."""
     decisions = []
     for _ in range(iterations):
