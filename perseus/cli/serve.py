@@ -46,7 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--bind",
         default=DEFAULT_ADDRESS,
         metavar="ENDPOINT",
-        help=f"ZeroMQ endpoint to listen on (default {DEFAULT_ADDRESS}; beyond loopback it needs --curve-keys or --insecure)",
+        help=(
+            f"ZeroMQ endpoint to listen on (default {DEFAULT_ADDRESS}; beyond loopback it needs --curve-keys or "
+            "--insecure)"
+        ),
     )
     parser.add_argument(
         "--state-dir",
@@ -64,7 +67,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--insecure",
         action="store_true",
-        help="allow binding a non-loopback address without --curve-keys (anyone who can reach the port can change your GPUs' clocks)",
+        help=(
+            "allow binding a non-loopback address without --curve-keys (anyone who can reach the port can change your "
+            "GPUs' clocks)"
+        ),
     )
     limits = parser.add_argument_group(
         "budgets", "what one service holds and does; a job over a budget is refused with over_budget"
@@ -103,7 +109,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=default.max_plan_choices,
         metavar="N",
-        help=f"(instruction, frequency) choices of one pipeline's plan, which size its planning time (default {default.max_plan_choices})",
+        help=(
+            "(instruction, frequency) choices of one pipeline's plan, which size its planning time (default "
+            f"{default.max_plan_choices})"
+        ),
     )
     limits.add_argument(
         "--planning-workers",
@@ -117,14 +126,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=default.job_ttl_s / 3600,
         metavar="H",
-        help=f"a job with no request for this long is evicted; its cached profile stays (default {default.job_ttl_s / 3600:g})",
+        help=(
+            "a job with no request for this long is evicted; its cached profile stays (default "
+            f"{default.job_ttl_s / 3600:g})"
+        ),
     )
     limits.add_argument(
         "--evict-idle-minutes",
         type=float,
         default=default.evict_idle_s / 60,
         metavar="M",
-        help=f"when --max-jobs or the memory budget is full, the least recently active job idle this long makes room (default {default.evict_idle_s / 60:g})",
+        help=(
+            "when --max-jobs or the memory budget is full, the least recently active job idle this long makes room "
+            f"(default {default.evict_idle_s / 60:g})"
+        ),
     )
     parser.add_argument(
         "--log-level",

@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--timeout is in seconds, more than 0 and at most 3600; got {args.timeout:g}")
     if args.factor is not None and not 1.0 <= args.factor <= MAX_STRAGGLER_FACTOR:
         raise ConfigError(
-            f"--factor is the straggler's iteration time over its planned time, in [1, {MAX_STRAGGLER_FACTOR:g}]; got {args.factor:g}"
+            f"--factor is the straggler's iteration time over its planned time, in [1, {MAX_STRAGGLER_FACTOR:g}]; got "
+            f"{args.factor:g}"
         )
     security = CurveClient.from_dir(args.curve_keys, args.client) if args.curve_keys else None
     unreachable = ServiceError(
@@ -123,8 +124,8 @@ def format_pipelines(job: JobStatus) -> str:
     for p in job.pipelines:
         straggler = f"{p.straggler} {p.straggler_factor:.3f}x" if p.straggler else "-"
         rows.append(
-            f"{p.pipeline:>8}  v{p.plan_version:<3}  {_num(p.deadline_s, 'none'):>10}  {_num(p.predicted_iteration_time_s):>11}  "
-            f"{_num(p.measured_iteration_time_s):>10}  {straggler}"
+            f"{p.pipeline:>8}  v{p.plan_version:<3}  {_num(p.deadline_s, 'none'):>10}  "
+            f"{_num(p.predicted_iteration_time_s):>11}  {_num(p.measured_iteration_time_s):>10}  {straggler}"
         )
     return "\n".join(rows)
 

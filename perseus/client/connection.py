@@ -332,7 +332,8 @@ class Connection:
             return
         if self.connected is not False:
             log.warning(
-                "planner service at %s did not answer within %.1f s; training continues (%s) and the client keeps retrying",
+                "planner service at %s did not answer within %.1f s; training continues (%s) and the client keeps "
+                "retrying",
                 self.address,
                 self.timeout_s,
                 "with its current plan" if self.rank.known_plan_version() else "at default clocks",

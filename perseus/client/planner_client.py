@@ -110,7 +110,8 @@ class PlannerClient:
         size = len(encode_request(0, message))
         if size > MAX_MESSAGE_BYTES:
             raise ConfigError(
-                f"stage {stage}'s profile is {size} bytes, over the {MAX_MESSAGE_BYTES}-byte message limit; profile fewer frequencies"
+                f"stage {stage}'s profile is {size} bytes, over the {MAX_MESSAGE_BYTES}-byte message limit; profile "
+                "fewer frequencies"
             )
         self._rank.uploaded = True
         self._handoff.send(Outgoing(message, reliable=True))

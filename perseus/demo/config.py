@@ -56,11 +56,13 @@ class DemoConfig:
                 raise ConfigError(f"demo setting {name} must be >= 1, got {getattr(self, name)}")
         if self.baseline_iterations < 2:
             raise ConfigError(
-                f"demo setting baseline_iterations must be >= 2 (the first one warms up), got {self.baseline_iterations}"
+                "demo setting baseline_iterations must be >= 2 (the first one warms up), got "
+                f"{self.baseline_iterations}"
             )
         if not self.straggler >= 1.0 or (self.straggler > 1.0 and self.dp < 2):
             raise ConfigError(
-                f"demo setting straggler must be >= 1.0, and > 1.0 only with dp >= 2; got {self.straggler} with dp={self.dp}"
+                f"demo setting straggler must be >= 1.0, and > 1.0 only with dp >= 2; got {self.straggler} with "
+                f"dp={self.dp}"
             )
 
     @property

@@ -123,7 +123,8 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             if slow_ranks is not None:
                 throttle(slow_ranks, options.straggler, sim_dir)
                 say(
-                    f"straggler: pipeline {slow} (ranks {slow_ranks[0]}-{slow_ranks[-1]}) on GPUs {options.straggler:g}x slower"
+                    f"straggler: pipeline {slow} (ranks {slow_ranks[0]}-{slow_ranks[-1]}) on GPUs "
+                    f"{options.straggler:g}x slower"
                 )
             try:
                 rc = _run_job(options, world, config_path, sim_dir, os.path.join(work, "torchrun.log"), out_dir, say)
@@ -136,7 +137,8 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             service.stop()
         if rc != 0:
             raise PerseusError(
-                f"the demo job failed (torchrun exit code {rc}); its log:\n{log_tail(os.path.join(work, 'torchrun.log'))}"
+                f"the demo job failed (torchrun exit code {rc}); its log:\n"
+                f"{log_tail(os.path.join(work, 'torchrun.log'))}"
             )
 
         iterations = load_iterations(out_dir, world)

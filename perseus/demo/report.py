@@ -209,7 +209,8 @@ def format_report(result: dict) -> str:
         lines.append(f"iteration time: {result['iteration_time_change']:+.1%} planned against baseline")
     if result.get("model_time_gap") is not None:
         lines.append(
-            f"baseline against the planner's model: {result['model_time_gap']:+.1%} (what host work and hops take beyond the overheads below, which it counts)"
+            f"baseline against the planner's model: {result['model_time_gap']:+.1%} (what host work and hops take "
+            "beyond the overheads below, which it counts)"
         )
     if result.get("hop_latency_s") is not None:
         gloo = (
@@ -236,7 +237,8 @@ def _straggler_report(result: dict) -> list[str]:
     seen = f" at {straggler['factor']:.2f}x" if straggler.get("factor") else ""
     lines = [
         f"straggler: pipeline {straggler['pipeline']} on GPUs {straggler['slowdown']:g}x slower, {how}{seen}",
-        f"{'pipeline':<14} {'compute':>8} {'baseline':>10} {'intrinsic plan: saving':>32} {'straggler-aware plan: saving':>36}",
+        f"{'pipeline':<14} {'compute':>8} {'baseline':>10} {'intrinsic plan: saving':>32} "
+        f"{'straggler-aware plan: saving':>36}",
     ]
 
     def cell(row: dict, phase: str, saving: str, predicted: str) -> str:

@@ -73,7 +73,10 @@ class GPU(abc.ABC):
         return True
 
     def synchronize(self) -> None:
-        """Wait until work already issued to this GPU has finished (so counters include it)."""
+        """Wait until work already issued to this GPU has finished (so counters include it).
+
+        Not abstract: the default, for a GPU with nothing queued behind its counters, returns at once."""
+        return None
 
     def max_frequency(self) -> int:
         return self.supported_frequencies()[0]

@@ -88,7 +88,8 @@ class Plan:
             items = entry["instructions"]
             if len(items) != len(row):
                 raise PlanError(
-                    f"plan stage {s} has {len(items)} instructions, the schedule {len(row)}; plan again for this schedule"
+                    f"plan stage {s} has {len(items)} instructions, the schedule {len(row)}; plan again for this "
+                    "schedule"
                 )
             for k, (item, ins) in enumerate(zip(items, row)):
                 where = f"plan stage {s} instruction {k}"
@@ -105,7 +106,8 @@ class Plan:
                     ) from None
                 if (kind, mb, chunk) != (ins.kind, ins.microbatch, ins.chunk):
                     raise PlanError(
-                        f"{where} is {kind.value} microbatch {mb} chunk {chunk}, but the schedule runs {ins} there; plan again for this schedule"
+                        f"{where} is {kind.value} microbatch {mb} chunk {chunk}, but the schedule runs {ins} there; "
+                        "plan again for this schedule"
                     )
                 if not isinstance(freq, int) or isinstance(freq, bool) or freq <= 0:
                     raise PlanError(f"{where}: frequency must be a positive whole number of MHz, got {freq!r}")

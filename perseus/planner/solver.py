@@ -191,7 +191,8 @@ class Planner:
         # The LP optimum can exceed an optimal plan's energy only by the solver's tolerance.
         if relaxation.lower_bound_j > evaluation.energy_j * (1 + 1e-7):
             raise PlanError(
-                f"internal error: LP bound {relaxation.lower_bound_j!r} J above a plan's energy {evaluation.energy_j!r} J"
+                f"internal error: LP bound {relaxation.lower_bound_j!r} J above a plan's energy "
+                f"{evaluation.energy_j!r} J"
             )
         bound = min(relaxation.lower_bound_j, evaluation.energy_j)
         return Plan(

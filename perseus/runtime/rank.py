@@ -84,8 +84,9 @@ class PerseusRank:
     model, stage and tensor-parallel index (from the lowest data-parallel index on that model).
 
     `client`: a `perseus.client.PlannerClient`, or anything with its `PlannerPort` methods
-    (closed by `close()` when `close_client`), or None to run at default clocks and only measure. `wait_for_clock`: block each clock change
-    until applied; only for emulated GPUs whose work reads the clock when issued (real kernels
+    (closed by `close()` when `close_client`), or None to run at default clocks and only measure.
+    `wait_for_clock`: block each clock change until applied; only for emulated GPUs whose work
+    reads the clock when issued (real kernels
     run long after the CPU issues them, and the training thread must not wait on the driver).
     `instruction_overhead_s` and `hop_latency_s`: host work between this job's instructions and
     what one stage-to-stage hop takes beyond it, measured by the caller; the planner adds them to

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from perseus.exceptions import ConfigError, ScheduleError
 from perseus.schedules.instruction import Instruction, Kind, Schedule
 
-F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_WEIGHT  # I (Kind.BACKWARD_INPUT) is spelled out
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
@@ -64,7 +64,7 @@ def _rank_ops(
         m = next_mb[(kind, chunk)]
         next_mb[(kind, chunk)] = m + 1
         row.append(Instruction(rank, kind, m, chunk))
-        if kind is I:
+        if kind is Kind.BACKWARD_INPUT:
             pending_weights.append((chunk, m))
 
     def backward(k: int) -> None:
@@ -123,7 +123,7 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
             num_microbatches,
             1,
             warmup=min(num_stages - 1 - r, num_microbatches),
-            backward_kind=I,
+            backward_kind=Kind.BACKWARD_INPUT,
             weight_delay=r,
         )
         for r in range(num_stages)

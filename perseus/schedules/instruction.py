@@ -105,7 +105,8 @@ class Schedule:
             for ins in row:
                 if ins.stage != rank:
                     raise ScheduleError(
-                        f"schedule {self.name!r}: {ins} is listed on stage {rank}; its stage field must equal the rank that runs it"
+                        f"schedule {self.name!r}: {ins} is listed on stage {rank}; its stage field must equal the rank "
+                        "that runs it"
                     )
                 if not 0 <= ins.chunk < self.num_chunks:
                     raise ScheduleError(
@@ -113,7 +114,8 @@ class Schedule:
                     )
                 if not 0 <= ins.microbatch < self.num_microbatches:
                     raise ScheduleError(
-                        f"schedule {self.name!r}: {ins} has microbatch {ins.microbatch}, outside 0..{self.num_microbatches - 1}"
+                        f"schedule {self.name!r}: {ins} has microbatch {ins.microbatch}, outside "
+                        f"0..{self.num_microbatches - 1}"
                     )
                 key = (self.virtual_stage(ins), ins.kind, ins.microbatch)
                 seen[key] += 1

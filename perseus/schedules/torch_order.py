@@ -76,7 +76,8 @@ def from_torch_pipeline_order(
     extra = sorted(set(stage_rank) - set(range(num_stages)))
     if missing or extra:
         raise ScheduleError(
-            f"pipeline_order lacks torch stages {missing} or has out-of-range stages {extra} (expected 0..{num_stages - 1})"
+            f"pipeline_order lacks torch stages {missing} or has out-of-range stages {extra} (expected "
+            f"0..{num_stages - 1})"
         )
     style = _style(stage_rank, num_ranks, num_stages)
 

@@ -65,7 +65,8 @@ class Admission:
         cost = job_cost_bytes(spec)
         if cost > budget.memory_bytes:
             raise _over_budget(
-                f"job needs about {cost >> 20} MiB of service memory; the budget is {budget.memory_bytes >> 20} MiB (operator: --memory-budget-mib)"
+                f"job needs about {cost >> 20} MiB of service memory; the budget is {budget.memory_bytes >> 20} MiB "
+                "(operator: --memory-budget-mib)"
             )
         now = self.clock()
         while len(self.jobs) >= budget.max_jobs or sum(self._costs.values()) + cost > budget.memory_bytes:
@@ -77,8 +78,8 @@ class Admission:
                 else:
                     full = f"{sum(self._costs.values()) >> 20} MiB of jobs (budget {budget.memory_bytes >> 20} MiB)"
                 raise _over_budget(
-                    f"the service holds {full} and none has been idle {budget.evict_idle_s:.0f} s; retry later or ask the operator "
-                    "to raise --max-jobs / --memory-budget-mib"
+                    f"the service holds {full} and none has been idle {budget.evict_idle_s:.0f} s; retry later or ask "
+                    "the operator to raise --max-jobs / --memory-budget-mib"
                 )
             self._evict(oldest[1], f"making room for a new job (idle {now - oldest[0]:.0f} s)")
         return cost

@@ -49,7 +49,8 @@ def check_stage_profile(schedule: Schedule, stage: int, profile: Profile) -> Non
         kind = ins.kind.value
         if (schedule.virtual_stage(ins), kind) not in profile.points and (stage, kind) not in profile.points:
             raise ConfigError(
-                f"profile of stage {stage} lacks {kind} rows, which {ins} needs; profile every instruction kind the stage runs"
+                f"profile of stage {stage} lacks {kind} rows, which {ins} needs; profile every instruction kind the "
+                "stage runs"
             )
 
 

@@ -52,21 +52,24 @@ class Roster:
             expected = rank_coordinates(spec.rank_mapping, info.rank, spec.pp, spec.dp, spec.tp)
             if coords != expected:
                 raise bad_field(
-                    f"under the {spec.rank_mapping} rank mapping rank {info.rank} is stage {expected[0]}, dp_index {expected[1]}, "
-                    f"tp_index {expected[2]}, but it registered stage {info.stage}, dp_index {info.dp_index}, tp_index {info.tp_index}; "
+                    f"under the {spec.rank_mapping} rank mapping rank {info.rank} is stage {expected[0]}, "
+                    f"dp_index {expected[1]}, tp_index {expected[2]}, but it registered stage {info.stage}, "
+                    f"dp_index {info.dp_index}, tp_index {info.tp_index}; "
                     "fix the RankInfo or register the job with rank_mapping='explicit'"
                 )
         other = self._coords.get(coords)
         if other is not None and other != info.rank:
             raise bad_field(
-                f"rank {info.rank} and rank {other} both claim stage {info.stage}, dp_index {info.dp_index}, tp_index {info.tp_index}"
+                f"rank {info.rank} and rank {other} both claim stage {info.stage}, dp_index {info.dp_index}, "
+                f"tp_index {info.tp_index}"
             )
         group = (info.stage, info.dp_index)
         peers = [r for r in self.ranks.values() if (r.stage, r.dp_index) == group and r.rank != info.rank]
         if peers and peers[0].gpu_model != info.gpu_model:
             raise bad_field(
-                f"rank {info.rank} has GPU {info.gpu_model!r} but its tensor-parallel peer rank {peers[0].rank} (stage {info.stage}, "
-                f"dp_index {info.dp_index}) has {peers[0].gpu_model!r}; the ranks of one stage replica must share a GPU model"
+                f"rank {info.rank} has GPU {info.gpu_model!r} but its tensor-parallel peer rank {peers[0].rank} "
+                f"(stage {info.stage}, dp_index {info.dp_index}) has {peers[0].gpu_model!r}; "
+                "the ranks of one stage replica must share a GPU model"
             )
 
     def add(self, info: RankInfo) -> bool:

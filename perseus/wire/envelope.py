@@ -76,7 +76,8 @@ def decode_request(payload: bytes) -> tuple[int, Message]:
     if len(payload) > MAX_MESSAGE_BYTES:
         raise RequestRejected(
             ErrorCode.TOO_LARGE,
-            f"message is {len(payload)} bytes; the limit is {MAX_MESSAGE_BYTES} bytes (upload one stage's profile per message)",
+            f"message is {len(payload)} bytes; the limit is {MAX_MESSAGE_BYTES} bytes (upload one stage's profile per "
+            "message)",
         )
     try:
         doc = _unpack(payload)
@@ -87,7 +88,8 @@ def decode_request(payload: bytes) -> tuple[int, Message]:
     if not isinstance(doc, dict):
         raise RequestRejected(
             ErrorCode.BAD_FRAME,
-            f"frame holds a msgpack {type(doc).__name__}, not a map; send {{'v': {PROTOCOL_VERSION}, 'id': ..., 'type': ..., ...}}",
+            f"frame holds a msgpack {type(doc).__name__}, not a map; send {{'v': {PROTOCOL_VERSION}, 'id': ..., "
+            "'type': ..., ...}",
         )
     request_id = doc.pop("id", None)
     if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id <= MAX_ID:

@@ -135,9 +135,9 @@ def _checked_rank(
         expected = rank_coordinates(mapping, rank, pp, dp, tp)
         if expected != (stage, dp_index, tp_index):
             raise ConfigError(
-                f"under the {mapping} rank mapping rank {rank} is stage {expected[0]}, dp_index {expected[1]}, tp_index "
-                f"{expected[2]}, not stage {stage}, dp_index {dp_index}, tp_index {tp_index}; fix the indices or use "
-                "rank_mapping='explicit'"
+                f"under the {mapping} rank mapping rank {rank} is stage {expected[0]}, dp_index {expected[1]}, "
+                f"tp_index {expected[2]}, not stage {stage}, dp_index {dp_index}, tp_index {tp_index}; "
+                "fix the indices or use rank_mapping='explicit'"
             )
     return rank
 
@@ -155,8 +155,8 @@ def merge_tensor_parallel(uploads: list[Profile]) -> Profile:
     for profile in uploads[1:]:
         if set(profile.points) != keys:
             raise ConfigError(
-                f"tensor-parallel ranks of one stage uploaded different rows ({sorted(keys)} vs {sorted(profile.points)}); "
-                "every rank of a stage must profile the same instruction kinds"
+                f"tensor-parallel ranks of one stage uploaded different rows ({sorted(keys)} vs "
+                f"{sorted(profile.points)}); every rank of a stage must profile the same instruction kinds"
             )
     points: dict[tuple[int, str], list[ProfilePoint]] = {}
     for key in sorted(keys):

@@ -38,8 +38,9 @@ class JobSpec(Message):
     states its own), "megatron" or "torch" (see perseus.wire.parallelism); with a named mapping
     the service checks every rank's stated coordinates against it.
     `instruction_overhead_s` (host work between a stage's instructions) and `hop_latency_s` (what
-    a stage-to-stage hop takes beyond that host work) are added to the profile at planning time (`Profile.with_overheads`);
-    the cached profile stays as measured, so they are not part of the signature.
+    a stage-to-stage hop takes beyond that host work) are added to the profile at planning time
+    (`Profile.with_overheads`); the cached profile stays as measured, so they are not part of the
+    signature.
     """
 
     world_size: int
@@ -74,8 +75,8 @@ class JobSpec(Message):
         chunks = check_int(self.num_chunks, f"{n}.num_chunks", 1, 256)
         if 2 * pp * microbatches * chunks > MAX_INSTRUCTIONS:
             raise ConfigError(
-                f"{n}: {pp} stages x {microbatches} microbatches x {chunks} chunks is over {MAX_INSTRUCTIONS} instructions "
-                "(forward and backward); plan with fewer microbatches per iteration"
+                f"{n}: {pp} stages x {microbatches} microbatches x {chunks} chunks is over {MAX_INSTRUCTIONS} "
+                "instructions (forward and backward); plan with fewer microbatches per iteration"
             )
         set_fields(
             self,
