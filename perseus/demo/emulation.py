@@ -113,12 +113,12 @@ class _OnBackward(torch.autograd.Function):
     first) it launches the backward's work, at the stage input (reached last) it waits for it."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, hook: Callable[[], None]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, hook: Callable[[], None]) -> torch.Tensor:
         ctx.hook = hook
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         ctx.hook()
         return grad, None
 

@@ -18,6 +18,8 @@ from perseus.exceptions import ConfigError
 class Block(nn.Module):
     """One pre-norm transformer block with causal self-attention."""
 
+    causal_mask: torch.Tensor  # a buffer (register_buffer in __init__)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d = config.d_model

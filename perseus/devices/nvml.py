@@ -64,7 +64,7 @@ def binding() -> ModuleType:
         raise DeviceNotFoundError(
             f"cannot import the NVML binding ({e}): `pip install nvidia-ml-py`; {SIMULATE_HINT}"
         ) from e
-    if pynvml is _initialized:
+    if _initialized is not None and pynvml is _initialized:
         return pynvml
     with _init_lock:
         if pynvml is not _initialized:

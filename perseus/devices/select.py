@@ -49,6 +49,8 @@ def get_gpus(spec: str | None = None) -> list[GPU]:
     if spec is None:
         spec = os.environ.get(ENV_VAR) or "nvml"
     parsed = parse_gpu_spec(spec)
+    # list() makes each a list[GPU] (list is invariant, so a list[NVMLGPU] is not one)
     if parsed.backend == "nvml":
-        return nvml_gpus()
-    return sim_gpus(parsed.preset, parsed.count)
+        return list(nvml_gpus())
+    assert parsed.preset is not None  # parse_gpu_spec gives every sim spec a preset
+    return list(sim_gpus(parsed.preset, parsed.count))

@@ -52,8 +52,9 @@ class ActivityLog:
             self._replace(self._writer_lock(), only_if_missing=True)
         except OSError:
             pass  # a read-only runtime folder: read what others log, if anything
-        if self._open():
-            size = os.lseek(self._fd, 0, os.SEEK_END)
+        fd = self._open()
+        if fd is not None:
+            size = os.lseek(fd, 0, os.SEEK_END)
             tail = size - (size - RECORD.size) % RECORD.size - TAIL_RECORDS * RECORD.size
             self._offset = max(RECORD.size, tail)
 
@@ -108,11 +109,11 @@ class ActivityLog:
         missed_j = 0.0
         if st is None:  # removed: the next log starts from nothing
             self._fd, self._ino, self._generation, self._total_before_j = None, -1, -1, 0.0
-        elif self._open():
+        elif (fd := self._open()) is not None:
             if self._generation != old_generation + 1:
                 expected = old_total + (self._extra_j(_read_all(old_fd)) if old_fd is not None else 0.0)
                 missed_j = max(0.0, self._total_before_j - expected)
-            records += self._read_to(os.fstat(self._fd).st_size)
+            records += self._read_to(os.fstat(fd).st_size)
         if old_fd is not None:
             os.close(old_fd)
         return records, missed_j
@@ -126,21 +127,21 @@ class ActivityLog:
         self._offset += len(data)
         return list(RECORD.iter_unpack(data))
 
-    def _open(self) -> bool:
-        """Open the current generation and read its header; False if there is none."""
+    def _open(self) -> int | None:
+        """Open the current generation and read its header; its fd (also kept as self._fd), None if there is none."""
         self._fd, self._ino, self._offset = None, -1, 0
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError:  # none yet, or unreadable: nothing to count
-            return False
+            return None
         header = os.pread(fd, RECORD.size, 0)
         if len(header) < RECORD.size or not math.isnan(RECORD.unpack(header)[2]):
             os.close(fd)  # not a log of ours: ignore it
-            return False
+            return None
         generation, total_before_j, _ = RECORD.unpack(header)
         self._fd, self._ino, self._offset = fd, os.fstat(fd).st_ino, RECORD.size
         self._generation, self._total_before_j = int(generation), total_before_j
-        return True
+        return fd
 
     def _extra_j(self, records: list[Record]) -> float:
         idle = self.idle_w

@@ -62,23 +62,28 @@ class PowerLimitCallback(TrainerCallback):
                 options["monitor"] = Monitor(gpu_indices=indices)
             self.optimizer = GlobalPowerLimitOptimizer(**options)
 
+    def _started(self) -> GlobalPowerLimitOptimizer:
+        if self.optimizer is None:
+            raise ConfigError("PowerLimitCallback: on_train_begin must come first (Trainer.train calls it)")
+        return self.optimizer
+
     def on_epoch_begin(self, args, state, control, **kwargs):
-        self.optimizer.on_epoch_begin()
+        self._started().on_epoch_begin()
         if self.carbon_reporter is not None:
             self.carbon_reporter.on_epoch_begin()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.optimizer.on_step_begin()
+        self._started().on_step_begin()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.optimizer.on_step_end()
+        self._started().on_step_end()
 
     def on_epoch_end(self, args, state, control, **kwargs):
-        self.optimizer.on_epoch_end()
+        self._started().on_epoch_end()
         if self.carbon_reporter is not None:
             self.carbon_reporter.on_epoch_end()
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.carbon_reporter is not None:
             self.carbon_reporter.on_train_end()
-        self.optimizer.close()
+        self._started().close()

@@ -159,7 +159,7 @@ class IntensityTimeSeries(CarbonIntensityProvider):
             raise ConfigError(
                 f"{path}: row 1 must be the header 'timestamp,g_per_kwh', got {rows[0] if rows else 'nothing'}"
             )
-        points = []
+        points: list[IntensityPoint] = []
         for number, row in enumerate(rows[1:], start=2):
             if not row or all(not c.strip() for c in row):
                 continue

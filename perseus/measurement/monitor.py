@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, overload
 
 from perseus.clock import Clock
 from perseus.devices.cpu import rapl_cpus
@@ -174,6 +174,12 @@ class Monitor:
             self._synchronize()
         self._open[name] = self._snapshot()
 
+    @overload
+    def end_window(self, name: str, cancel: Literal[False] = False, sync: bool | None = None) -> Measurement: ...
+    @overload
+    def end_window(self, name: str, cancel: Literal[True], sync: bool | None = None) -> None: ...
+    @overload
+    def end_window(self, name: str, cancel: bool, sync: bool | None = None) -> Measurement | None: ...
     def end_window(self, name: str, cancel: bool = False, sync: bool | None = None) -> Measurement | None:
         """End window `name` and return its Measurement.
 

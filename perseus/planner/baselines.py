@@ -48,6 +48,7 @@ def uniform_plan(evaluator: Evaluator, deadline_s: float) -> BaselinePlan:
         raise PlanError("no frequency is profiled for every instruction, so no uniform clock exists")
     choices = np.array([evaluator.choice_indices(dict.fromkeys(evaluator.nodes, f)) for f in freqs])
     T, E = evaluator.evaluate_arrays(*evaluator.times_energies(choices))
+    assert isinstance(T, np.ndarray) and isinstance(E, np.ndarray)  # one plan per row of `choices`
     ok = np.flatnonzero(T <= deadline_s)
     if len(ok) == 0:
         raise PlanError(f"no uniform clock meets the deadline {deadline_s:.6g} s (fastest takes {T.min():.6g} s)")

@@ -172,7 +172,7 @@ class Evaluator:
         E = self.energy(T, times, energies)
         if times.ndim == 1:
             return float(T), float(E)
-        return T, E
+        return np.asarray(T), np.asarray(E)  # already arrays (k plans); asarray only tells the type
 
     def evaluate(self, frequencies: Mapping[Instruction, int]) -> Evaluation:
         """Full evaluation of a plan: T, E, the timeline and per-stage statistics."""

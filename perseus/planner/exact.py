@@ -42,7 +42,8 @@ def solve_exact(problem: Problem, deadline_s: float | None) -> np.ndarray | None
     cost[t_col] = problem.blocking_power_w * problem.num_stages / _MS
 
     rows, cols, vals = [], [], []
-    lower, upper = [], []
+    lower: list[float] = []
+    upper: list[float] = []
 
     def add_row(entries: list[tuple[np.ndarray, np.ndarray]], lo: float, hi: float) -> None:
         r = len(lower)

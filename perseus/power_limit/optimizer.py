@@ -336,18 +336,23 @@ def read_profile(path: str, limit_range_mw: tuple[int, int] | None = None) -> tu
         where = f"{path}: measurements[{i}]"
         if not isinstance(row, dict):
             raise ProfileError(f"{where} must be an object with power_limit_mw, time_s, energy_j; {fix}")
-        limit, time_s, energy_j = row.get("power_limit_mw"), row.get("time_s"), row.get("energy_j")
+        limit = row.get("power_limit_mw")
         if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
             raise ProfileError(f"{where}.power_limit_mw must be a positive integer (mW), got {limit!r}; {fix}")
-        for name, value in (("time_s", time_s), ("energy_j", energy_j)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-                raise ProfileError(f"{where}.{name} must be a positive number, got {value!r}; {fix}")
+        time_s, energy_j = (_positive(row.get(name), f"{where}.{name}", fix) for name in ("time_s", "energy_j"))
         if limit_range_mw is not None and not limit_range_mw[0] <= limit <= limit_range_mw[1]:
             raise ProfileError(
                 f"{where}: {limit / 1000:g} W is outside these GPUs' power-limit range "
                 f"{limit_range_mw[0] / 1000:g}-{limit_range_mw[1] / 1000:g} W (recorded on other GPUs?); {fix}"
             )
-        measurements.append(PowerLimitMeasurement(limit, float(time_s), float(energy_j)))
+        measurements.append(PowerLimitMeasurement(limit, time_s, energy_j))
     if len({m.power_limit_mw for m in measurements}) != len(measurements):
         raise ProfileError(f"{path}: a power limit appears twice in 'measurements'; {fix}")
     return measurements, num_gpus
+
+
+def _positive(value: object, where: str, fix: str) -> float:
+    """A profile's positive, finite number (a JSON int or float, not a bool) as a float."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ProfileError(f"{where} must be a positive number, got {value!r}; {fix}")
+    return float(value)

@@ -121,6 +121,7 @@ class Sweep:
         step = self._current
         if step is None or not step.measured:
             return
+        assert step.frequency is not None  # only profiling steps are measured, and they have a frequency
         key = (self.stage if stage is None else stage, str(kind))
         self._samples[step.frequency][key].append((time_s, energy_j))
 
@@ -136,6 +137,7 @@ class Sweep:
         step, self._current = self._current, None
         if step is None or step.phase is not Phase.PROFILING or self.done:
             return False
+        assert step.frequency is not None  # a profiling step has one (Sweep.step_at)
         if step.measured:
             self._measured_iterations[step.frequency] += 1
         if self._measured_iterations[step.frequency] < self.iterations_per_frequency - self._dropped:

@@ -14,10 +14,14 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+# What signal.getsignal returns: a handler, SIG_DFL/SIG_IGN (ints), or None (not installed from Python).
+_Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class ResetGuard:
@@ -26,7 +30,7 @@ class ResetGuard:
     def __init__(self, reset: Callable[[], None], *, handle_signals: bool = True) -> None:
         self._reset = reset
         self._active = True
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, _Handler] = {}
         atexit.register(self._at_exit)
         if not handle_signals:
             return

@@ -164,6 +164,7 @@ class Job:
         """Accept a tensor-parallel rank's profile of its stage; the state-file name to save it
         under, or None if that rank's share of (GPU model, stage) is already in (the first one is
         kept). Once every tensor-parallel rank of the stage is in, the stage is profiled."""
+        assert self.schedule is not None, "the service takes no profile while the schedule is being built"
         name = self.profiling.add(self.schedule, self.rank(rank), stage, profile)
         if name is not None:
             self._changed()

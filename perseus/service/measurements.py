@@ -119,6 +119,7 @@ class Measurements:
         if current == previous:
             return False
         if current is None:
+            assert previous is not None  # it differs from current
             log.info("job %s: pipeline %d recovered; back to the no-slowdown plans", self.job_id, previous.pipeline)
         else:
             log.info(

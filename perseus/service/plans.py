@@ -108,8 +108,8 @@ class PlanBook:
         if straggler is None:
             return keys
         slow, factor, source = straggler
-        bases = {k: self.base(k) for k in keys}
-        if any(b is None for b in bases.values()):
+        bases = {k: b for k in keys if (b := self.base(k)) is not None}
+        if len(bases) < len(keys):  # a base plan is unsolved
             return keys
         if source == "declared" or self.dp == 1:
             pace = factor * bases[slow].iteration_time_s

@@ -40,7 +40,7 @@ class StragglerDetector:
         self.window = window
         self.min_samples = min_samples
         self.threshold = threshold
-        self._values = [deque(maxlen=window) for _ in range(num_pipelines)]
+        self._values: list[deque[float]] = [deque(maxlen=window) for _ in range(num_pipelines)]
         self.current: Straggler | None = None
 
     def add(self, pipeline: int, value: float) -> None:

@@ -353,7 +353,7 @@ def make_module(state: FakeNVML) -> types.ModuleType:
             setattr(fake, name, value)
     for name in _MODULE_FUNCTIONS:
         setattr(fake, name, getattr(state, name))
-    fake.PERSEUS_FAKE_NVML = state
+    vars(fake)["PERSEUS_FAKE_NVML"] = state  # a dynamic module attribute: the state behind it, for tests
     return fake
 
 

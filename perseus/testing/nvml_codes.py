@@ -101,6 +101,7 @@ class NVMLError(Exception):
     """As in the official binding: `NVMLError(code)` builds the subclass for that code."""
 
     _by_value: dict[int, type[NVMLError]] = {}
+    value: int
 
     def __new__(cls, value: int):
         if cls is NVMLError:
