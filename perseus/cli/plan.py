@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.split_backward is not None and not 0.0 < args.split_backward < 1.0:
         raise ConfigError(
-            f"--split-backward is the input part's share of each backward, strictly between 0 and 1; got {args.split_backward:g}"
+            "--split-backward is the input part's share of each backward, strictly between 0 and 1; got "
+            f"{args.split_backward:g}"
         )
     if args.frontier_points < 2:
         raise ConfigError(
@@ -99,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("--out", args.out), ("--frontier", args.frontier)):
         if path is not None and path.is_dir():
             raise ConfigError(
-                f"{flag} {path} is a folder; give a file path, e.g. {path / ('plan.json' if flag == '--out' else 'frontier.csv')}"
+                f"{flag} {path} is a folder; give a file path, e.g. "
+                f"{path / ('plan.json' if flag == '--out' else 'frontier.csv')}"
             )
         if path is not None and not path.parent.exists():
             raise ConfigError(f"folder {path.parent} does not exist; create it or choose another path for {path.name}")
@@ -117,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
         Kind.BACKWARD_INPUT.value in profile.kinds(stage) for stage in profile.stages()
     ):
         raise ConfigError(
-            f"{schedule.name} splits each backward into input- and weight-gradient parts, which {args.profile} does not "
-            "profile apart; pass --split-backward F to give F of each backward to the input part (e.g. 0.5)"
+            f"{schedule.name} splits each backward into input- and weight-gradient parts, which {args.profile} "
+            "does not profile apart; pass --split-backward F to give F of each backward to the input part (e.g. 0.5)"
         )
     planner = Planner(schedule, profile)
     plan = planner.plan(deadline=args.deadline, max_slowdown=args.max_slowdown)
@@ -158,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     if args.frontier is not None or args.plot is not None:
         frontier = planner.frontier(args.frontier_points)
     if args.frontier is not None:
+        assert frontier is not None  # computed just above
         with _writing("--frontier", args.frontier):
             _write_frontier(frontier, args.frontier)
         print(f"frontier ({len(frontier)} points) written to {args.frontier}")

@@ -31,7 +31,7 @@ from perseus.demo.results import load_iterations, model_overheads, rank_record_p
 from perseus.demo.workload import stage_works
 from perseus.devices import get_gpus
 from perseus.exceptions import ConfigError
-from perseus.runtime import ProfilingSettings
+from perseus.runtime import PerseusRank, ProfilingSettings
 
 #: Ping-pong round trips per pair of adjacent stages when measuring gloo's latency.
 HOP_ROUNDS = 20
@@ -45,7 +45,8 @@ def run_rank(config: DemoConfig) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if world != config.world_size:
         raise ConfigError(
-            f"torchrun started {world} ranks but the demo config needs {config.world_size} ({config.dp} x {config.num_stages})"
+            f"torchrun started {world} ranks but the demo config needs {config.world_size} ({config.dp} x "
+            f"{config.num_stages})"
         )
     stage_index, pipeline = rank % config.num_stages, rank // config.num_stages
     torch.set_num_threads(1)
@@ -72,11 +73,11 @@ def run_rank(config: DemoConfig) -> None:
             overheads = measured_overheads(config, rank)
             client = PlannerClient(config.server)
             try:
-                _instrument(stage, schedule, gpu, client, config, rank, pipeline, overheads)
+                perseus_rank = _instrument(stage, schedule, gpu, client, config, rank, pipeline, overheads)
                 try:
-                    trainer.run(config.max_iterations, stage.perseus, client)
+                    trainer.run(config.max_iterations, perseus_rank, client)
                 finally:
-                    stage.perseus.close()
+                    perseus_rank.close()
             finally:
                 client.close()
     finally:
@@ -135,15 +136,16 @@ def measured_overheads(config: DemoConfig, rank: int) -> tuple[float, float]:
 
 def _instrument(
     stage, schedule, gpu, client, config: DemoConfig, rank: int, pipeline: int, overheads: tuple[float, float]
-) -> None:
+) -> PerseusRank:
     """Perseus on this rank's stage, talking to the planner through `client`; the planner counts
-    the measured host gap and hop (`overheads`) the GPU-only profile leaves out."""
+    the measured host gap and hop (`overheads`) the GPU-only profile leaves out. Returns the
+    stage's `PerseusRank` (`stage.perseus`)."""
     settings = ProfilingSettings(
         warmup_iterations=config.warmup_iterations,
         iterations_per_frequency=config.iterations_per_frequency,
         frequencies=tuple(config.sweep_frequencies) if config.sweep_frequencies else None,
     )
-    perseus.instrument(
+    instrumented = perseus.instrument(
         stage,
         schedule=schedule,
         client=client,
@@ -156,6 +158,7 @@ def _instrument(
         instruction_overhead_s=overheads[0],
         hop_latency_s=overheads[1],
     )
+    return instrumented.perseus
 
 
 class _Trainer:

@@ -165,7 +165,8 @@ class Profile:
             ):
                 hint = "; profile I and W separately, or derive them with profile.with_split_backward(input_fraction)"
             raise ProfileError(
-                f"schedule {schedule.name!r} needs rows for stage {stage} instruction {kind}, which the profile lacks{hint}"
+                f"schedule {schedule.name!r} needs rows for stage {stage} instruction {kind}, which the profile "
+                f"lacks{hint}"
             )
 
     def with_split_backward(self, input_fraction: float = 0.5) -> Profile:
@@ -237,9 +238,8 @@ def _show(value: object) -> str:
     if isinstance(value, (str, int, float)):
         text = repr(value)
         return text if len(text) <= 40 else text[:37] + "..."
-    return {list: "[...]", dict: "{...}"}.get(
-        type(value), f"<{type(value).__name__}>"
-    )  # no repr: it could be huge or too deep
+    shapes: dict[type, str] = {list: "[...]", dict: "{...}"}
+    return shapes.get(type(value), f"<{type(value).__name__}>")  # no repr: it could be huge or too deep
 
 
 def _value(raw: object, name: str) -> float:
@@ -254,7 +254,8 @@ def _value(raw: object, name: str) -> float:
     if not low <= value <= high:  # nan fails too
         positive = "positive, " if low > 0 else ""
         raise ProfileError(
-            f"{name} is {value}, but it must be {positive}between {low:.10g} and {high:.10g}{unit}; fix or re-measure it"
+            f"{name} is {value}, but it must be {positive}between {low:.10g} and {high:.10g}{unit}; "
+            "fix or re-measure it"
         )
     return value
 
@@ -276,7 +277,7 @@ def _checked(
         if kind not in KINDS:
             raise ProfileError(f"unknown instruction {_show(kind)}; use one of {', '.join(KINDS)}")
     point = ProfilePoint(_whole(frequency, "frequency"), _value(time, "time"), _value(energy, "energy"))
-    return _whole(stage, "stage"), kind, point  # type: ignore[return-value]
+    return _whole(stage, "stage"), kind, point
 
 
 def _from_rows(
@@ -304,7 +305,8 @@ def _from_rows(
         try:
             if count > MAX_ROWS:
                 raise ProfileError(
-                    f"more than {MAX_ROWS} rows, the limit for a profile; keep one row per stage, instruction and frequency"
+                    f"more than {MAX_ROWS} rows, the limit for a profile; keep one row per stage, instruction and "
+                    "frequency"
                 )
             stage, kind, point = _checked(*values)
         except ProfileError as e:
@@ -417,7 +419,8 @@ def load_profile(path: str | os.PathLike, blocking_power_w: float | None = None)
         raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
     if len(data) > MAX_BYTES:
         raise ProfileError(
-            f"{path}: larger than {MAX_BYTES >> 20} MiB, the limit for a profile; keep one row per stage, instruction and frequency"
+            f"{path}: larger than {MAX_BYTES >> 20} MiB, the limit for a profile; keep one row per stage, instruction "
+            "and frequency"
         )
     reader = _read_csv if suffix == ".csv" else _read_json
     return reader(path, data, blocking_power_w)

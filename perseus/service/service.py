@@ -169,7 +169,10 @@ class PlannerService:
         """Reply frames for one ROUTER message: [routing id, payload] in, [routing id, reply] out."""
         identity, payload = frames[0], frames[1:]
         if len(payload) != 1:
-            message = f"expected exactly one frame per message, got {len(payload)}; send one msgpack map per message (a DEALER socket, no empty delimiter)"
+            message = (
+                f"expected exactly one frame per message, got {len(payload)}; "
+                "send one msgpack map per message (a DEALER socket, no empty delimiter)"
+            )
             return [identity, encode_error(None, ErrorCode.BAD_FRAME, message)]
         try:
             request_id, request = decode_request(payload[0])
@@ -216,7 +219,8 @@ class PlannerService:
             self.admission.add(job, cost)
             self.workers.build(spec)
             log.info(
-                "job %s registered: %s, %d stages x %d microbatches, dp %d, tp %d (world size %d, %s rank mapping), GPU %s%s",
+                "job %s registered: %s, %d stages x %d microbatches, dp %d, tp %d (world size %d, %s rank mapping), "
+                "GPU %s%s",
                 job.job_id,
                 spec.schedule_name,
                 spec.pp,
@@ -416,17 +420,17 @@ class PlannerService:
         self._guard(job, "saving its state", self._save, job)
 
     def _start_planning(self, job: Job) -> None:
-        if job.job_id in self.workers.planning or job.error:
-            return
+        if job.job_id in self.workers.planning or job.error or job.schedule is None:
+            return  # (no plan is missing while the schedule is being built: no profile is complete)
         tasks = []
         for key, profile in job.missing_plans():
             choices = plan_choices(job.schedule, profile)
             if choices > self.budget.max_plan_choices:
                 job.add_result(
                     key,
-                    f"the profile gives {choices} (instruction, frequency) choices, over the service's planning budget of "
-                    f"{self.budget.max_plan_choices}; profile fewer frequencies (JobSpec.sweep_frequencies) or ask the "
-                    "operator to raise --max-plan-choices",
+                    f"the profile gives {choices} (instruction, frequency) choices, over the service's planning budget "
+                    f"of {self.budget.max_plan_choices}; profile fewer frequencies (JobSpec.sweep_frequencies) or ask "
+                    "the operator to raise --max-plan-choices",
                 )
                 log.error(
                     "job %s: %s (%s)",
@@ -493,15 +497,15 @@ class PlannerService:
                     else "those pipelines keep their no-slowdown plans",
                 )
                 continue
-            result, document = result
-            job.add_result(key, result)
+            plan, document = result
+            job.add_result(key, plan)
             log.info(
                 "job %s: solved %s in %.2f s: %.4f s, %.1f J per pipeline",
                 job_id,
                 _describe_key(key),
                 seconds,
-                result.iteration_time_s,
-                result.energy_j,
+                plan.iteration_time_s,
+                plan.energy_j,
             )
             # The plan is in force once published; its full document is a record for the operator,
             # so a write error here degrades the job (see _guard) and loses nothing the ranks need.
@@ -547,7 +551,8 @@ class PlannerService:
                     raise ValueError(f"the folder of job {folder.name} holds the record of {job.job_id}")
                 cost = job_cost_bytes(spec)
             except Exception as e:  # fault isolation: whatever a damaged file holds, the other jobs resume
-                # One WARNING line names the file and the error; the traceback (a bug, not a damaged file?) is logged at debug level.
+                # One WARNING line names the file and the error; the traceback (a bug, not a damaged file?)
+                # is logged at debug level.
                 log.debug("job folder %s cannot be resumed", folder, exc_info=True)
                 self.state.quarantine(folder, f"{type(e).__name__}: {e}")
                 continue

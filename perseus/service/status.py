@@ -19,7 +19,8 @@ def describe(job: Job, measured: Measured) -> str:
     return (
         f"job {job.job_id} iteration {measured.iteration} (plan v{','.join(map(str, versions))}): "
         f"time {measured.time_s:.4f} s (predicted {time_p:.4f} s, {100 * (measured.time_s / time_p - 1):+.1f}%), "
-        f"energy {measured.energy_j:.1f} J (predicted {energy_p:.1f} J, {100 * (measured.energy_j / energy_p - 1):+.1f}%)"
+        f"energy {measured.energy_j:.1f} J (predicted {energy_p:.1f} J, "
+        f"{100 * (measured.energy_j / energy_p - 1):+.1f}%)"
     )
 
 
@@ -32,7 +33,7 @@ def job_status(job: Job) -> JobStatus:
     pipelines = []
     for k in range(job.spec.dp):
         plan = job.plans.get(k)
-        slow = straggler is not None and straggler[0] == k
+        slow = straggler if straggler is not None and straggler[0] == k else None
         pipelines.append(
             PipelineStatus(
                 pipeline=k,
@@ -40,8 +41,8 @@ def job_status(job: Job) -> JobStatus:
                 deadline_s=plan.deadline_s if plan else None,
                 predicted_iteration_time_s=plan.iteration_time_s if plan else None,
                 measured_iteration_time_s=measurements.measured_time_s(k),
-                straggler=straggler[2] if slow else "",
-                straggler_factor=straggler[1] if slow else None,
+                straggler=slow[2] if slow is not None else "",
+                straggler_factor=slow[1] if slow is not None else None,
             )
         )
     return JobStatus(

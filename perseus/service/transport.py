@@ -67,21 +67,29 @@ class Transport:
             if e.errno == zmq.EADDRINUSE:
                 hint = "is another perseus serve running there? pick another --bind address"
             else:
-                hint = f"--bind takes a ZeroMQ endpoint on this machine, such as {DEFAULT_ADDRESS} or tcp://127.0.0.1:0 (a free port)"
-            raise ConfigError(f"cannot bind {self.address}: {zmq.strerror(e.errno)}; {hint}") from None
+                hint = (
+                    f"--bind takes a ZeroMQ endpoint on this machine, such as {DEFAULT_ADDRESS} "
+                    "or tcp://127.0.0.1:0 (a free port)"
+                )
+            # zmq.strerror, not e.strerror: pyzmq's bind appends " (addr=...)" to the latter. errno is
+            # typed Optional but always set by then (ZMQError falls back to zmq_errno()).
+            reason = zmq.strerror(e.errno) if e.errno is not None else str(e)
+            raise ConfigError(f"cannot bind {self.address}: {reason}; {hint}") from None
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if not is_local_endpoint(endpoint) and not self.security.authenticated:
             if not self.insecure:
                 sock.close(linger=0)
                 raise ConfigError(
-                    f"refusing to listen on {endpoint} without authentication: anyone who can reach it could change your GPUs' "
-                    "clocks. Create keys with `perseus keys` and pass --curve-keys DIR, bind a loopback address, "
-                    "or pass --insecure on a trusted network"
+                    f"refusing to listen on {endpoint} without authentication: anyone who can reach it could change "
+                    "your GPUs' clocks. Create keys with `perseus keys` and pass --curve-keys DIR, bind a loopback "
+                    "address, or pass --insecure on a trusted network"
                 )
             log.warning(
-                "\n%s\nWARNING: the planner service listens on %s, reachable from other machines, WITHOUT authentication (--insecure).\n"
+                "\n%s\nWARNING: the planner service listens on %s, reachable from other machines, WITHOUT "
+                "authentication (--insecure).\n"
                 "Anyone who can reach this port can register jobs and change the GPU clocks of your ranks.\n"
-                "Use --curve-keys DIR (see `perseus keys`) or bind a loopback address unless this network is trusted.\n%s",
+                "Use --curve-keys DIR (see `perseus keys`) or bind a loopback address unless this network is "
+                "trusted.\n%s",
                 "!" * 100,
                 endpoint,
                 "!" * 100,
@@ -132,6 +140,7 @@ def _refuse_revoked(frames: list[zmq.Frame]) -> list[bytes]:
         peer_key(frames[-1]),
     )
     drop_connection(frames[-1])
+    request_id: int | None
     try:
         request_id, _ = decode_request(frames[-1].bytes)
     except RequestRejected as e:

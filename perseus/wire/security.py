@@ -28,7 +28,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import zmq
 import zmq.auth
@@ -48,7 +48,9 @@ CLIENT_ENV = "PERSEUS_CURVE_CLIENT"
 # Handshake failures the service logs as refusals (the peer's address is not in these events).
 _REFUSALS = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed: the client does not speak CURVE with this key (no keys, or the wrong server key)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: (
+        "handshake failed: the client does not speak CURVE with this key (no keys, or the wrong server key)"
+    ),
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "client key not accepted",
 }
 
@@ -123,7 +125,8 @@ def peer_key(frame: zmq.Frame) -> str | None:
     """The z85 CURVE public key a message's sender authenticated with (the frame's "User-Id",
     set by the handshake; recv with copy=False), or None on a socket without CURVE."""
     try:
-        return frame.get("User-Id")
+        # pyzmq types Frame.get as int | str; a named property such as "User-Id" is a str
+        return cast(str, frame.get("User-Id"))
     except zmq.ZMQError:
         return None
 
