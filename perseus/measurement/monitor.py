@@ -1,6 +1,6 @@
 """Monitor: time and energy of named measurement windows over GPUs and CPUs.
 
-    monitor = Monitor()
+    monitor = Monitor()                 # every visible GPU; in a torchrun rank, that rank's own
     monitor.begin_window("step")
     train_step()
     m = monitor.end_window("step")      # Measurement(time_s, gpu_energy_j={0: ...}, ...)
@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol, overload
 from perseus.clock import Clock
 from perseus.devices.cpu import rapl_cpus
 from perseus.devices.gpu import GPU
+from perseus.devices.local_rank import local_gpu_indices
 from perseus.devices.select import get_gpus
 from perseus.exceptions import ConfigError, DeviceError, MeasurementError
 from perseus.measurement.power import PowerMonitor
@@ -84,15 +85,22 @@ class Window:
 
 
 class Monitor:
-    """Measures named windows on `gpus` (default `get_gpus()`) and on CPU packages.
+    """Measures named windows on GPUs and CPU packages.
 
-    gpu_indices: the `GPU.index` values to measure (default all). cpu_indices: CPU packages to
-    measure (default: all RAPL packages when RAPL is readable, else none); naming them when RAPL
-    is unreadable is an error. cpus: CPU objects to use instead of RAPL (see `CPUEnergy`).
-    sync: wait for each GPU (`GPU.synchronize`: CUDA through torch, when it drives an NVML GPU)
-    before reading counters, so asynchronously issued work is counted; `begin_window` and
-    `end_window` can override it.
-    clock: the wall clock of windows (default: the GPUs' clock, virtual for simulated GPUs).
+    gpus: the GPU objects to choose from (default `get_gpus()`: $PERSEUS_GPU, else the machine's).
+    gpu_indices: the `GPU.index` values to measure. Default: all of `gpus`, except in one rank
+    of a distributed job (torchrun, or any launcher that sets $LOCAL_RANK) when `gpus` is not
+    given: then only this rank's own GPU(s) among `get_gpus()` (`perseus.devices.local_gpu_indices`;
+    one GPU per rank: GPU $LOCAL_RANK), so that N ranks do not each count all N GPUs.
+    cpu_indices: CPU packages to measure (default: all RAPL packages when RAPL is readable, else
+    none); naming them when RAPL is unreadable is an error. cpus: CPU objects to use instead of
+    RAPL (see `CPUEnergy`).
+    sync: wait for each GPU (`GPU.synchronize`: CUDA through torch when it drives an NVML GPU; a
+    device sync on simulated GPUs) before reading counters, so asynchronously issued work is
+    counted; `begin_window` and `end_window` can override it.
+    clock: the wall clock of windows (default: the first GPU's clock: the real clock for NVML
+    GPUs and for the simulated ones `get_gpus()` gives; a virtual one only for SimGPUs made with
+    `clock=VirtualClock()`, as tests and benchmarks do).
     power_interval_s: sampling interval for GPUs without an energy counter.
     """
 
@@ -108,6 +116,8 @@ class Monitor:
     ) -> None:
         if gpus is None:
             gpus = get_gpus()
+            if gpu_indices is None:
+                gpu_indices = local_gpu_indices(len(gpus))
         self.gpus = _select(list(gpus), gpu_indices, "GPU")
         self.cpus = _select(_default_cpus(cpu_indices) if cpus is None else list(cpus), cpu_indices, "CPU")
         self.sync = sync
