@@ -29,6 +29,7 @@ from typing import Any
 from perseus.clock import REAL_CLOCK, Clock
 from perseus.exceptions import CarbonIntensityError, ConfigError
 from perseus.measurement.monitor import Measurement, Monitor
+from perseus.notice import logs_info, notice, world_size
 
 logger = logging.getLogger(__name__)
 
@@ -376,15 +377,22 @@ class CarbonReporter:
     "total": true). Use it beside a GlobalPowerLimitOptimizer, or through
     `PowerLimitCallback(carbon_reporter=...)`. The intensity of an epoch is the mean of the
     provider's values at its start and end. It reports what `monitor` measures: give each
-    rank of a data-parallel job its own `path`.
+    rank of a data-parallel job its own `path`. Each epoch's figures (and the totals) reach
+    the user without any logging set-up: one line printed by rank 0 to stderr, or logged at
+    INFO where logging shows INFO (perseus.notice); `verbose=False` keeps them to the log.
     """
 
     def __init__(
-        self, monitor: Monitor, provider: CarbonIntensityProvider, path: str | os.PathLike[str] | None = None
+        self,
+        monitor: Monitor,
+        provider: CarbonIntensityProvider,
+        path: str | os.PathLike[str] | None = None,
+        verbose: bool = True,
     ) -> None:
         self.monitor = monitor
         self.provider = provider
         self.path = os.fspath(path) if path is not None else None
+        self.verbose = verbose
         self.epochs: list[EpochCarbon] = []
         self._window = f"perseus.carbon.{id(self)}"
         self._begin_intensity: float | None = None
@@ -409,16 +417,22 @@ class CarbonReporter:
             carbon_g=emissions_g(measurement, intensity),
         )
         self.epochs.append(record)
-        logger.info(
-            "epoch %d: %.1f s, %.1f J, %.3f g CO2e at %.0f g/kWh",
-            record.epoch,
-            record.time_s,
-            record.energy_j,
-            record.carbon_g,
-            record.g_per_kwh,
+        self._tell(
+            f"epoch {record.epoch}: {record.time_s:.1f} s, {record.energy_j:.1f} J, {record.carbon_g:.3f} g CO2e "
+            f"at {record.g_per_kwh:.0f} g/kWh"
         )
         self._write(asdict(record))
         return record
+
+    def _tell(self, line: str) -> None:
+        """One line for the user (rank 0 speaks for the job, of its own devices)."""
+        gpus = len(self.monitor.gpus)
+        where = f"{gpus} GPU{'s' if gpus != 1 else ''}" + (" and CPUs" if self.monitor.cpus else "")
+        text = f"{line} ({where}{' of rank 0' if world_size() > 1 else ''})"
+        if self.verbose or logs_info(logger):
+            notice(logger, text)
+        else:
+            logger.debug("%s", text)
 
     def totals(self) -> EpochCarbon:
         """Sums over finished epochs; `g_per_kwh` is the energy-weighted mean."""
@@ -437,12 +451,9 @@ class CarbonReporter:
             self.monitor.end_window(self._window, cancel=True)
             self._begin_intensity = None
         total = self.totals()
-        logger.info(
-            "training: %d epochs, %.1f s, %.1f J, %.3f g CO2e",
-            len(self.epochs),
-            total.time_s,
-            total.energy_j,
-            total.carbon_g,
+        self._tell(
+            f"training: {len(self.epochs)} epochs, {total.time_s:.1f} s, {total.energy_j:.1f} J, "
+            f"{total.carbon_g:.3f} g CO2e"
         )
         line = asdict(total)
         del line["epoch"]

@@ -1,6 +1,6 @@
 """One power limit for every GPU of a data-parallel job, chosen while it trains.
 
-    optimizer = GlobalPowerLimitOptimizer(Monitor(), MaxSlowdownConstraint(1.1))
+    optimizer = GlobalPowerLimitOptimizer(selector=MaxSlowdownConstraint(1.1))  # this rank's GPU(s)
     for epoch in range(epochs):
         optimizer.on_epoch_begin()
         for batch in loader:
@@ -12,12 +12,23 @@
 
 The optimizer sweeps power limits from the highest down in `pl_step_w` steps. At each it lets
 `warmup_steps` steps pass, then measures `profile_steps` steps (time and GPU energy); an epoch
-that ends first discards that measurement and the limit is tried again next epoch. Then the
-selector picks a limit, which stays (selectors that depend on the outside world, like
-CarbonCost, pick again at every epoch). Under torch.distributed every rank measures its own
-GPUs; energy is summed and time maxed over ranks, and rank 0's choice is applied everywhere.
-The default power limit comes back on `close()`, at interpreter exit, on SIGTERM/SIGINT, and,
-with `watchdog`, from a separate process if the trainer is SIGKILLed.
+that ends first discards that measurement and the limit is tried again next epoch. The sweep
+stops as soon as the selector says no lower limit could be chosen (`stop_sweep`: a step slower
+than MaxSlowdownConstraint allows, energy or cost rising at 3 limits in a row); the limits
+left are recorded in `skipped_mw` (`early_stop=False` measures them all). Then the selector
+picks a limit, which stays (selectors that depend on the outside world, like CarbonCost,
+pick again at every epoch).
+
+Data parallelism: every rank measures its own GPUs -- without a `monitor`, a `Monitor()` over
+this rank's GPU(s) under torchrun ($LOCAL_RANK), every visible GPU in a single process -- and
+after each limit the ranks combine their figures through torch.distributed (energy summed,
+time maxed), so all follow rank 0's one decision to go on, stop, or choose.
+
+The choice reaches the user without any logging set-up: rank 0 prints one line to stderr
+(the limit, its time and energy against the highest, the limits measured and skipped);
+with logging at INFO that line and the whole sweep table go to the log instead
+(perseus.notice). The default power limit comes back on `close()`, at interpreter exit, on
+SIGTERM/SIGINT, and, with `watchdog`, from a separate process if the trainer is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from perseus.atomic import write_json_atomic
 from perseus.devices.gpu import GPU
 from perseus.exceptions import ConfigError, PerseusError, ProfileError
 from perseus.measurement.monitor import Monitor
+from perseus.notice import logs_info, notice
 from perseus.power_limit import distributed
 from perseus.power_limit.selectors import (
     MaxSlowdownConstraint,
@@ -67,22 +79,28 @@ def sweep_power_limits(low_mw: int, high_mw: int, step_w: float) -> list[int]:
 class GlobalPowerLimitOptimizer:
     """Finds and applies one power limit for the GPUs of `monitor` (see the module docstring).
 
+    monitor: the GPUs to cap and measure (default: `Monitor(cpus=[])`, i.e. this rank's own
+    GPU(s) under torchrun, else every visible GPU; closed with the optimizer).
     selector: how to choose (default MaxSlowdownConstraint(1.1): least energy, at most 10%
-    slower). profile_path: a JSON file; written atomically when profiling ends, and when it
-    exists at start, profiling is skipped and its choice applied at once. watchdog: start a
-    process that restores the default limits if this one is SIGKILLed (it costs one Python
-    start-up, a fraction of a second).
+    slower). early_stop: stop the sweep once the selector says no lower limit could be chosen
+    (default); False measures every limit. profile_path: a JSON file; written atomically when
+    profiling ends, and when it exists at start, profiling is skipped and its choice applied at
+    once. watchdog: start a process that restores the default limits if this one is SIGKILLed
+    (it costs one Python start-up, a fraction of a second). verbose: rank 0 prints one line
+    when it chooses (see the module docstring); False keeps it to the log at INFO.
     """
 
     def __init__(
         self,
-        monitor: Monitor,
+        monitor: Monitor | None = None,
         selector: PowerLimitSelector | None = None,
         warmup_steps: int = 10,
         profile_steps: int = 40,
         pl_step_w: float = 25,
         profile_path: str | os.PathLike[str] | None = None,
         watchdog: bool = True,
+        early_stop: bool = True,
+        verbose: bool = True,
     ) -> None:
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
@@ -95,11 +113,17 @@ class GlobalPowerLimitOptimizer:
             raise ConfigError(
                 f"selector must be a PowerLimitSelector (Time(), Energy(), ZeusCost(eta), ...), got {selector!r}"
             )
+        self._owns_monitor = monitor is None
+        if monitor is None:
+            monitor = Monitor(cpus=[])
         self.monitor = monitor
         self.selector = selector
+        self.early_stop = bool(early_stop)
+        self.verbose = bool(verbose)
         self.gpus: list[GPU] = list(monitor.gpus)
         if not self.gpus:
             raise ConfigError("GlobalPowerLimitOptimizer needs a Monitor with at least one GPU")
+        _warn_if_ranks_without_process_group()
         self.warmup_steps = warmup_steps
         self.profile_steps = profile_steps
         self.profile_path = os.fspath(profile_path) if profile_path is not None else None
@@ -110,8 +134,10 @@ class GlobalPowerLimitOptimizer:
         self.power_limits_mw = sweep_power_limits(self.min_power_limit_mw, self.max_power_limit_mw, pl_step_w)
 
         self.phase = Phase.WARMUP
-        self.measurements: list[PowerLimitMeasurement] = []  # over all ranks, once profiling ends
+        self.measurements: list[PowerLimitMeasurement] = []  # over all ranks, one per limit measured
         self.local_measurements: list[PowerLimitMeasurement] = []  # this rank's GPUs
+        self.skipped_mw: list[int] = []  # sweep limits left unmeasured: no selector choice below
+        self.sweep_steps = 0  # training steps taken while sweeping (warm-up, measured, cut short)
         self.selected_mw: int | None = None
         self.num_gpus = len(self.gpus)
         self._sweep_index = 0
@@ -127,6 +153,7 @@ class GlobalPowerLimitOptimizer:
             if self._load_profile():
                 self._select()
                 self.phase = Phase.DONE
+                self._tell(f"from profile {self.profile_path}")
             else:
                 self._apply(self.power_limits_mw[0])
         except BaseException:
@@ -137,7 +164,16 @@ class GlobalPowerLimitOptimizer:
     def on_epoch_begin(self) -> None:
         self._epoch_steps = 0
         if self.phase is Phase.DONE and self.selector.reevaluate_each_epoch:
+            before = self.selected_mw
             self._select()
+            if self.selected_mw != before and self.selected_mw is not None and before is not None:
+                why = type(self.selector).__name__
+                intensity = getattr(self.selector, "last_intensity", None)
+                if isinstance(intensity, float):
+                    why += f" at {intensity:.0f} g/kWh"
+                line = f"power limit {self.selected_mw / 1000:.0f} W from now on, was {before / 1000:.0f} W ({why})"
+                if self.verbose or logs_info(logger):
+                    notice(logger, line)
 
     def on_step_begin(self) -> None:
         if self.phase is Phase.WARMUP and self._steps >= self.warmup_steps:
@@ -151,8 +187,10 @@ class GlobalPowerLimitOptimizer:
         self._epoch_steps += 1
         if self.phase is Phase.WARMUP:
             self._steps += 1
+            self.sweep_steps += 1
         elif self.phase is Phase.MEASURE:
             self._steps += 1
+            self.sweep_steps += 1
             if self._steps >= self.profile_steps:
                 self._end_measurement()
 
@@ -190,6 +228,8 @@ class GlobalPowerLimitOptimizer:
         self._guard.close()
         if self._watchdog is not None:
             self._watchdog.stop()
+        if self._owns_monitor:
+            self.monitor.close()
 
     def __enter__(self) -> GlobalPowerLimitOptimizer:
         return self
@@ -215,42 +255,81 @@ class GlobalPowerLimitOptimizer:
         m = self.monitor.end_window(self._window)
         energy_j = sum(m.gpu_energy_j[g.index] for g in self.gpus)
         limit = self.power_limits_mw[self._sweep_index]
-        self.local_measurements.append(PowerLimitMeasurement(limit, m.time_s / self._steps, energy_j / self._steps))
-        logger.debug("%.0f W: %.4f s, %.2f J per step", limit / 1000, m.time_s / self._steps, energy_j / self._steps)
+        local = PowerLimitMeasurement(limit, m.time_s / self._steps, energy_j / self._steps)
+        self.local_measurements.append(local)
+        logger.debug("%.0f W: %.4f s, %.2f J per step on this rank", limit / 1000, local.time_s, local.energy_j)
+        # Every rank, at the same step: the slowest rank's time, the energy of all GPUs.
+        time_s = distributed.all_reduce([local.time_s], "max")[0]
+        energy_all_j, num_gpus = distributed.all_reduce([local.energy_j, float(len(self.gpus))], "sum")
+        self.num_gpus = int(num_gpus)
+        self.measurements.append(PowerLimitMeasurement(limit, time_s, energy_all_j))
         self._sweep_index += 1
         self._steps = 0
         if self._sweep_index < len(self.power_limits_mw):
-            self._apply(self.power_limits_mw[self._sweep_index])
-            self.phase = Phase.WARMUP
-            return
-        times = distributed.all_reduce([x.time_s for x in self.local_measurements], "max")
-        energies = distributed.all_reduce([x.energy_j for x in self.local_measurements], "sum")
-        self.num_gpus = int(distributed.all_reduce([float(len(self.gpus))], "sum")[0])
-        self.measurements = [
-            PowerLimitMeasurement(x.power_limit_mw, t, e) for x, t, e in zip(self.local_measurements, times, energies)
-        ]
+            if not (self.early_stop and self._stop_now()):
+                self._apply(self.power_limits_mw[self._sweep_index])
+                self.phase = Phase.WARMUP
+                return
+            self.skipped_mw = self.power_limits_mw[self._sweep_index :]
         if distributed.rank() == 0 and self.profile_path is not None:
             self._save_profile()
         self._select()
         self.phase = Phase.DONE
-        logger.info(
-            "power-limit sweep over %d GPUs:\n%s",
-            self.num_gpus,
-            "\n".join(
+        self._tell(f"{self.sweep_steps} steps")
+
+    def _context(self) -> SelectionContext:
+        return SelectionContext(self.max_power_limit_mw, self.num_gpus, self._last_epoch_steps)
+
+    def _stop_now(self) -> bool:
+        """Rank 0 asks the selector whether the sweep can stop; every rank follows its answer."""
+        answer = -1.0
+        error: Exception | None = None
+        if distributed.rank() == 0:
+            try:
+                answer = 1.0 if self.selector.stop_sweep(self.measurements, self._context()) else 0.0
+            except Exception as e:  # tell the other ranks before raising, so none waits forever
+                error = e
+        answer = distributed.broadcast([answer])[0]
+        if error is not None:
+            raise error
+        if answer < 0:
+            raise PerseusError("rank 0 failed to decide whether the power-limit sweep can stop (see its log)")
+        return answer > 0
+
+    def _tell(self, source: str) -> None:
+        """One line for the user about the choice (the sweep table too, where logging shows INFO)."""
+        chosen = next((m for m in self.measurements if m.power_limit_mw == self.selected_mw), None)
+        top = max(self.measurements, key=lambda m: m.power_limit_mw) if self.measurements else None
+        assert self.selected_mw is not None
+        line = f"power limit {self.selected_mw / 1000:.0f} W for {self.num_gpus} GPU(s) ({self.selector!r})"
+        if chosen is not None and top is not None and chosen is not top:
+            line += (
+                f": per step {chosen.time_s / top.time_s - 1:+.1%} time, "
+                f"{chosen.energy_j / top.energy_j - 1:+.1%} energy vs {top.power_limit_w:.0f} W"
+            )
+        line += f"; {len(self.measurements)} of {len(self.power_limits_mw)} limits measured ({source})"
+        if self.skipped_mw:
+            line += f", {len(self.skipped_mw)} skipped: none below could be chosen"
+        if not (self.verbose or logs_info(logger)):
+            return
+        detail = None
+        if logs_info(logger):
+            rows = [
                 f"  {x.power_limit_w:6.0f} W  {x.time_s:.4f} s  {x.energy_j:10.2f} J"
                 + ("  <- selected" if x.power_limit_mw == self.selected_mw else "")
                 for x in self.measurements
-            ),
-        )
+            ]
+            rows += [f"  {mw / 1000:6.0f} W  skipped" for mw in self.skipped_mw]
+            detail = "  limit     time/step  energy/step (all GPUs)\n" + "\n".join(rows)
+        notice(logger, line, detail)
 
     def _select(self) -> None:
         """Rank 0 selects; every rank applies rank 0's choice."""
         choice = -1.0
         error: Exception | None = None
         if distributed.rank() == 0:
-            context = SelectionContext(self.max_power_limit_mw, self.num_gpus, self._last_epoch_steps)
             try:
-                choice = float(self.selector.select(self.measurements, context))
+                choice = float(self.selector.select(self.measurements, self._context()))
             except Exception as e:  # tell the other ranks before raising, so none waits forever
                 error = e
         choice = distributed.broadcast([choice])[0]
@@ -264,8 +343,6 @@ class GlobalPowerLimitOptimizer:
                 f"{self.selector!r} chose {limit / 1000:g} W, outside these GPUs' range "
                 f"{self.min_power_limit_mw / 1000:g}-{self.max_power_limit_mw / 1000:g} W"
             )
-        if limit != self.selected_mw:
-            logger.info("power limit %.0f W (%r)", limit / 1000, self.selector)
         self.selected_mw = limit
         self._apply(limit)
 
@@ -282,6 +359,7 @@ class GlobalPowerLimitOptimizer:
                 )
                 status = 1.0
                 logger.info("power-limit profile %s found: skipping profiling", self.profile_path)
+                self._check_profile_sweep()
             except ProfileError as e:
                 status, error = -1.0, e
         status = distributed.broadcast([status])[0]
@@ -290,6 +368,20 @@ class GlobalPowerLimitOptimizer:
         if status < 0:
             raise ProfileError(f"rank 0 could not read the power-limit profile {self.profile_path} (see its log)")
         return status > 0
+
+    def _check_profile_sweep(self) -> None:
+        """Limits the profile left unmeasured are skipped; warn if this selector might want one."""
+        lowest = min(m.power_limit_mw for m in self.measurements)
+        self.skipped_mw = [mw for mw in self.power_limits_mw if mw < lowest]
+        ordered = sorted(self.measurements, key=lambda m: -m.power_limit_mw)
+        if self.skipped_mw and not self.selector.stop_sweep(ordered, self._context()):
+            logger.warning(
+                "power-limit profile %s stops at %.0f W (its sweep ended early for another selector); %r might "
+                "choose a lower limit: delete the file to profile again",
+                self.profile_path,
+                lowest / 1000,
+                self.selector,
+            )
 
     def _save_profile(self) -> None:
         data = {
@@ -303,9 +395,26 @@ class GlobalPowerLimitOptimizer:
                 {"power_limit_mw": m.power_limit_mw, "time_s": m.time_s, "energy_j": m.energy_j}
                 for m in self.measurements
             ],
+            # Not measured: the sweep stopped early because the selector could choose none of them.
+            "skipped_power_limits_mw": list(self.skipped_mw),
         }
         assert self.profile_path is not None
         write_json_atomic(self.profile_path, data)
+
+
+def _warn_if_ranks_without_process_group() -> None:
+    """torchrun started several ranks but torch.distributed is not initialised: each rank would
+    choose alone (and may apply a different limit)."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world > 1 and distributed.world_size() == 1:
+        logger.warning(
+            "WORLD_SIZE is %d but torch.distributed is not initialised: this rank chooses its power limit alone; "
+            "create the optimizer after torch.distributed.init_process_group()",
+            world,
+        )
 
 
 def read_profile(path: str, limit_range_mw: tuple[int, int] | None = None) -> tuple[list[PowerLimitMeasurement], int]:

@@ -1,7 +1,15 @@
 """Which power limit to keep, given the time and energy per step measured at each one.
 
 A selector is a strategy object: subclass `PowerLimitSelector` and override `cost` (the
-limit with the least cost wins) or `select` (anything else, e.g. a constraint).
+limit with the least cost wins) or `select` (anything else, e.g. a constraint). It also says,
+through `stop_sweep`, when the sweep (highest limit first) may stop because no lower limit
+could be chosen: the optimizer then skips the rest.
+
+Early stopping rests on what lowering a power limit does: a step never gets faster, and its
+energy falls, bottoms out, then rises (the step slows more than power drops). So a limit
+below one that was too slow for `MaxSlowdownConstraint` is too slow as well, and once energy
+(or a cost mixing energy and time) has risen at several limits in a row (`stop_patience`,
+against measurement noise), every lower limit costs more than one already measured.
 """
 
 from __future__ import annotations
@@ -44,14 +52,42 @@ class SelectionContext:
         return measurement.time_s * (self.epoch_steps or 1) / 3600.0
 
 
+def rising(values: Sequence[float], times: int | None) -> bool:
+    """Whether the values rose at the first of the last `times` steps and fell at none of them
+    (False for None). A level stretch after a rise counts (a GPU at its lowest clock, whatever
+    the limit); one before it does not (limits above what the work draws, all alike)."""
+    if times is None or times < 1 or len(values) <= times:
+        return False
+    tail = values[-times - 1 :]
+    level = 1e-9  # relative: rounding in sums of the same figures is not a change
+    return tail[1] > tail[0] + level * abs(tail[0]) and all(
+        later >= earlier - level * abs(earlier) for earlier, later in zip(tail, tail[1:])
+    )
+
+
 class PowerLimitSelector:
     """Picks the power limit (mW) with the least `cost`; ties go to the higher limit."""
 
     #: Re-select at every epoch (the cost depends on something outside the sweep).
     reevaluate_each_epoch: bool = False
+    #: Limits in a row at which the cost (or energy) must rise before `stop_sweep` says stop;
+    #: None: never stop early.
+    stop_patience: int | None = 3
 
     def cost(self, measurement: PowerLimitMeasurement, context: SelectionContext) -> float:
         raise NotImplementedError(f"{type(self).__name__} must override cost() or select()")
+
+    def stop_sweep(self, measurements: Sequence[PowerLimitMeasurement], context: SelectionContext) -> bool:
+        """Whether no limit below the last one measured could be chosen, so the sweep can stop.
+
+        `measurements`: the sweep so far, highest limit first, combined over all ranks. The
+        default, for a selector that defines `cost`: the cost rose at each of the last
+        `stop_patience` limits. A selector that overrides only `select` gets the whole sweep
+        (False) unless it overrides this too.
+        """
+        if type(self).cost is PowerLimitSelector.cost:
+            return False
+        return rising([self.cost(m, context) for m in measurements], self.stop_patience)
 
     def select(self, measurements: Sequence[PowerLimitMeasurement], context: SelectionContext) -> int:
         if not measurements:
@@ -117,6 +153,16 @@ class MaxSlowdownConstraint(PowerLimitSelector):
         best = min(allowed, key=lambda m: (m.energy_j, -m.power_limit_mw))
         return best.power_limit_mw
 
+    def stop_sweep(self, measurements: Sequence[PowerLimitMeasurement], context: SelectionContext) -> bool:
+        """Stop at the first limit slower than `factor` x the highest limit's time (lower ones are
+        slower still), or once energy rose at `stop_patience` limits in a row."""
+        if not measurements:
+            return False
+        baseline = max(measurements, key=lambda m: m.power_limit_mw).time_s
+        if measurements[-1].time_s > self.factor * baseline:
+            return True
+        return rising([m.energy_j for m in measurements], self.stop_patience)
+
 
 class CarbonCost(PowerLimitSelector):
     """Zeus' cost with energy replaced by carbon, re-evaluated at every epoch.
@@ -162,6 +208,12 @@ class CarbonCost(PowerLimitSelector):
         top = max(measurements, key=lambda m: m.power_limit_mw)
         self._g_per_kwh = self.intensity(context.epoch_hours(top))
         return super().select(measurements, context)
+
+    def stop_sweep(self, measurements: Sequence[PowerLimitMeasurement], context: SelectionContext) -> bool:
+        """Once energy rose at `stop_patience` limits in a row: every lower limit then takes more
+        time and more energy than the last one measured, so it costs more at any intensity (the
+        choice is made again each epoch, so the cost of today's grid cannot decide)."""
+        return rising([m.energy_j for m in measurements], self.stop_patience)
 
     def cost(self, measurement: PowerLimitMeasurement, context: SelectionContext) -> float:
         if self._g_per_kwh is None:

@@ -81,7 +81,7 @@ def test_sweep_limits_go_from_max_down_to_min():
 
 
 def test_measures_every_limit_and_applies_the_choice_to_every_gpu():
-    optimizer, gpus, _ = make(selector=MaxSlowdownConstraint(1.1))
+    optimizer, gpus, _ = make(selector=MaxSlowdownConstraint(1.1), early_stop=False)
     assert [g.power_limit_mw() for g in gpus] == [400_000, 400_000]
     limits = []
     train(optimizer, gpus, epochs=1, steps=len(A100_SWEEP_W) * 7 + 10, limits=limits)
@@ -136,7 +136,7 @@ def test_bad_arguments():
 
 def test_profile_file_is_written_and_reused(tmp_path):
     path = tmp_path / "profiles" / "pl.json"
-    optimizer, gpus, _ = make(selector=MaxSlowdownConstraint(1.1), profile_path=path)
+    optimizer, gpus, _ = make(selector=MaxSlowdownConstraint(1.1), profile_path=path, early_stop=False)
     train(optimizer, gpus, epochs=1, steps=len(A100_SWEEP_W) * 7)
     optimizer.close()
     data = json.loads(path.read_text())
