@@ -65,11 +65,11 @@ class GPUWorkload(transformers.TrainerCallback):
             gpu.synchronize()
 
 
-def trainer(tmp_path, callbacks, epochs):
+def trainer(tmp_path, callbacks, epochs, **overrides):
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
     model = transformers.GPT2LMHeadModel(config)
-    args = transformers.TrainingArguments(
+    options = dict(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=4,
         num_train_epochs=epochs,
@@ -81,6 +81,7 @@ def trainer(tmp_path, callbacks, epochs):
         dataloader_num_workers=0,
         seed=0,
     )
+    args = transformers.TrainingArguments(**{**options, **overrides})
     return transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=callbacks)
 
 
@@ -103,8 +104,10 @@ def test_trainer_applies_the_selected_limit_to_every_gpu_and_restores_it(tmp_pat
 
     optimizer = callback.optimizer
     assert optimizer.phase is Phase.CLOSED
-    # 7 limits (400..100 W by 50) x 3 steps, with epochs of 8 steps cutting measurements.
-    assert [m.power_limit_mw for m in optimizer.measurements] == [w * 1000 for w in range(400, 99, -50)]
+    # Limits 400..100 W by 50, 3 steps each, with epochs of 8 steps cutting measurements; the
+    # sweep stops at 200 W (1.138x slower than 400 W, beyond 1.1x), skipping 150 and 100 W.
+    assert [m.power_limit_mw for m in optimizer.measurements] == [w * 1000 for w in range(400, 199, -50)]
+    assert optimizer.skipped_mw == [150_000, 100_000]
     for m in optimizer.measurements:
         t, e = predict("a100-sxm", WORK, 1410, m.power_limit_w)
         assert m.time_s == pytest.approx(t) and m.energy_j == pytest.approx(2 * e)
@@ -132,6 +135,49 @@ def test_callback_builds_its_optimizer_on_the_gpus_from_perseus_gpu(tmp_path, mo
     assert selected is not None
     assert workload.limits[-1] == [selected, selected]
     assert [g.power_limit_mw() for g in workload.gpus] == [400_000, 400_000]
+
+
+class Reporter(transformers.TrainerCallback):
+    """Stands for a report_to integration (TensorBoard, W&B, ...): the Trainer lists those before
+    the user's callbacks, and each reads `logs` in its own on_log."""
+
+    def __init__(self):
+        self.logs: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+@pytest.mark.slow
+def test_energy_power_and_limit_reach_every_reporter_and_the_log_history(tmp_path):
+    gpus = sim_gpus("a100-sxm", 2, VirtualClock())
+    reporter, workload = Reporter(), GPUWorkload(gpus)
+    callback = PowerLimitCallback(
+        monitor=Monitor(gpus=gpus, cpus=[]),
+        selector=MaxSlowdownConstraint(1.1),
+        warmup_steps=1,
+        profile_steps=2,
+        pl_step_w=50,
+        verbose=False,
+    )
+    run = trainer(tmp_path, [reporter, workload, callback], epochs=5, logging_strategy="steps", logging_steps=4)
+    run.train()
+
+    step_logs = [line for line in reporter.logs if "loss" in line]
+    assert len(step_logs) == 5 * STEPS_PER_EPOCH // 4
+    energies = [line["perseus/energy_j"] for line in step_logs]
+    assert all(b > a for a, b in zip(energies, energies[1:]))  # since training began
+    # Average power of 2 GPUs over steps that keep them busy: between idle and the highest limit.
+    idle_w = gpus[0].preset.idle_w
+    for line in step_logs:
+        assert 2 * idle_w < line["perseus/power_w"] <= 2 * 400
+        assert line["perseus/power_limit_w"] in {400, 350, 300, 250, 200}
+    assert callback.optimizer.selected_mw == 250_000
+    assert step_logs[-1]["perseus/power_limit_w"] == 250  # the choice, once the sweep is done
+    history = [h for h in run.state.log_history if "loss" in h]
+    assert [h["perseus/energy_j"] for h in history] == energies
+    summary = reporter.logs[-1]  # the Trainer's closing summary log carries the total
+    assert "train_runtime" in summary and summary["perseus/energy_j"] >= energies[-1]
 
 
 def test_optimizer_and_its_arguments_together_is_an_error():
