@@ -15,7 +15,8 @@ def add_gpu_argument(parser: argparse.ArgumentParser) -> None:
         "--gpu",
         metavar="SPEC",
         default=None,
-        help="GPU backend: 'nvml' or 'sim:PRESET[:COUNT]' (default: $PERSEUS_GPU, else nvml)",
+        help="GPU backend: 'nvml' (NVIDIA), 'amd' (AMD, through amdsmi), 'auto' (NVIDIA, else AMD) or "
+        "'sim:PRESET[:COUNT]' (default: $PERSEUS_GPU, else auto)",
     )
     parser.add_argument(
         "--gpu-indices",
@@ -56,5 +57,5 @@ def select_gpus(args: argparse.Namespace) -> list[GPU]:
 
 
 def backend_name(args: argparse.Namespace) -> str:
-    """'nvml' or 'sim', as chosen by --gpu, else $PERSEUS_GPU, else NVML."""
-    return parse_gpu_spec(args.gpu or os.environ.get(ENV_VAR) or "nvml").backend
+    """'auto', 'nvml', 'amd' or 'sim', as chosen by --gpu, else $PERSEUS_GPU, else auto-detection."""
+    return parse_gpu_spec(args.gpu or os.environ.get(ENV_VAR) or "auto").backend

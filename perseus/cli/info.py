@@ -11,15 +11,24 @@ from typing import Any
 from perseus.cli.common import add_gpu_argument, backend_name, select_gpus
 from perseus.devices.cpu import rapl_cpus
 from perseus.devices.gpu import GPU
+from perseus.devices.select import gpu_backend
 from perseus.devices.sim import PRESETS
 from perseus.exceptions import DeviceError
 
 EPILOG = """examples:
-  perseus info                                  real GPUs through NVML
+  perseus info                                  real GPUs: NVIDIA through NVML, else AMD through amdsmi
+  PERSEUS_GPU=amd perseus info                  AMD GPUs through amdsmi
   PERSEUS_GPU=sim:a100-sxm:4 perseus info       four simulated A100s
+  PERSEUS_GPU=sim:mi300x:4 perseus info         four simulated AMD Instinct MI300X
   perseus info --gpu sim:h100-sxm --json        machine-readable
   perseus info --presets                        list the simulated GPU models
 """
+
+
+PRIVILEGES = {
+    "nvml": "needs root or CAP_SYS_ADMIN",
+    "amd": "needs root, or write access to amdgpu's sysfs files",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,7 +52,10 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"backend": backend_name(args)}
     code = 0
     try:
-        report["gpus"] = [_describe(gpu) for gpu in select_gpus(args)]
+        gpus = select_gpus(args)
+        if report["backend"] == "auto" and gpus:
+            report["backend"] = gpu_backend(gpus)  # what auto-detection found
+        report["gpus"] = [_describe(gpu) for gpu in gpus]
     except DeviceError as e:
         report["gpus"], report["gpu_error"] = [], str(e)
         code = 1
@@ -108,7 +120,8 @@ def _print_report(report: dict[str, Any]) -> None:
         )
         counter = {True: "yes", False: "no (energy from sampled power)", None: "unknown"}[g["energy_counter"]]
         print(f"  energy counter   {counter}")
-        may = {True: "yes", False: "no (needs root or CAP_SYS_ADMIN)", None: "unknown"}[g["can_change_clocks"]]
+        needs = PRIVILEGES.get(report["backend"], "needs privileges")
+        may = {True: "yes", False: f"no ({needs})", None: "unknown"}[g["can_change_clocks"]]
         print(f"  may set clocks   {may}")
         for key, why in g.get("unavailable", {}).items():
             print(f"  ({key}: {why})")

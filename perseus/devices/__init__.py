@@ -1,7 +1,7 @@
-"""GPU and CPU energy devices: NVML, a simulated GPU, and RAPL.
+"""GPU and CPU energy devices: NVML (NVIDIA), amdsmi (AMD), a simulated GPU, and RAPL.
 
-Select GPUs with `get_gpus(spec)` or the `PERSEUS_GPU` environment variable:
-`nvml` (default) or `sim:PRESET[:COUNT]`, e.g. `sim:a100-sxm:4`. In one rank of a distributed
+Select GPUs with `get_gpus(spec)` or the `PERSEUS_GPU` environment variable: `auto` (default:
+NVIDIA, else AMD), `nvml`, `amd` or `sim:PRESET[:COUNT]`, e.g. `sim:a100-sxm:4`. In one rank of a distributed
 job, `local_gpu_indices` tells which of them are the rank's own. Make simulated GPUs do work
 with `emulate(gpus, Work(seconds, alpha=...))` (real GPUs are skipped).
 """

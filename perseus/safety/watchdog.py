@@ -25,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from perseus.devices.amd import AMDGPU
 from perseus.devices.gpu import GPU
 from perseus.devices.select import get_gpus
 from perseus.devices.sim import SIM_DIR_ENV, SimGPU
@@ -44,7 +45,11 @@ def backend_of(gpus: Sequence[GPU]) -> tuple[str, dict[str, str]]:
     """(`get_gpus` spec, extra environment) under which another process finds all of `gpus`."""
     sims = [g for g in gpus if isinstance(g, SimGPU)]
     if not sims:
-        return "nvml", {}
+        amd = [g for g in gpus if isinstance(g, AMDGPU)]
+        if amd and len(amd) != len(gpus):
+            raise ConfigError(f"one watchdog serves GPUs of one backend; got {list(gpus)}")
+        # The watchdog inherits this process's environment, so it sees the same *_VISIBLE_DEVICES.
+        return ("amd" if amd else "nvml"), {}
     backends = {(g.preset.name, os.path.dirname(g.state_path)) for g in sims}
     if len(sims) != len(gpus) or len(backends) != 1:
         raise ConfigError(f"one watchdog serves GPUs of one backend, preset and state folder; got {list(gpus)}")
