@@ -6,14 +6,15 @@ import argparse
 import json
 import sys
 
-from perseus.demo.launcher import DemoOptions, run_demo
+from perseus.demo.launcher import DemoOptions, default_preset, run_demo
 from perseus.demo.report import format_report
 
 DESCRIPTION = """Run Perseus end to end: start a planner service (`perseus serve` on loopback) and a torchrun
 job (gloo, CPU) that trains a small transformer split into pipeline stages with torch's Schedule1F1B,
-each rank on a simulated A100. The job runs baseline iterations at maximum clocks, then Perseus
-profiles the stages online, plans every instruction's SM clock and applies the plan. Prints iteration
-time and energy per phase and the predicted against the measured saving. Exits 1 if it fails,
+each rank on a simulated GPU (an A100-SXM unless --preset or PERSEUS_GPU=sim:PRESET names another).
+The job runs baseline iterations at maximum clocks, then Perseus profiles the stages online, plans
+every instruction's SM clock and applies the plan. Prints iteration time and energy per phase and the
+predicted against the measured saving. Exits 1 if it fails,
 a simulated GPU left off its default clocks included."""
 
 EPILOG = """examples:
@@ -23,9 +24,11 @@ EPILOG = """examples:
   perseus demo --state-dir ./state     keep the profile: a second run skips profiling
   perseus demo --dp 2 --straggler 1.2  2 data-parallel pipelines x 2 stages, the second on GPUs 20% slower:
                                        the service detects it and slows the other pipeline to its pace
+  PERSEUS_GPU=sim:mi300x:4 perseus demo
+                                       on simulated AMD Instinct MI300X GPUs (or: perseus demo --preset mi300x)
 
-No GPU needed: every rank runs on a simulated A100-SXM that takes the time and draws the power
-of a GPT-3 pipeline stage at its current SM clock.
+No GPU needed: every rank runs on a simulated GPU (`perseus info --presets` lists them) that takes
+the time and draws the power of a GPT-3 pipeline stage at its current SM clock.
 """
 
 
@@ -81,6 +84,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--port", type=int, default=None, metavar="PORT", help="planner service port on 127.0.0.1 (default: a free one)"
     )
+    parser.add_argument(
+        "--preset",
+        default=None,
+        metavar="NAME",
+        help="simulated GPU model of every rank (default: the preset of PERSEUS_GPU=sim:PRESET[:COUNT], else a100-sxm)",
+    )
     parser.add_argument("--seed", type=int, default=0, metavar="N", help="model and data seed (default 0)")
     parser.add_argument(
         "--time-scale",
@@ -109,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         plot_dir=args.plot,
         keep_dir=args.keep,
+        preset=args.preset or default_preset(),
     )
     progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     result = run_demo(options, progress)

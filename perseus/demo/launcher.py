@@ -1,5 +1,7 @@
-"""`perseus demo`: a planner service, a torchrun pipeline job on simulated A100s (4 ranks, or
+"""`perseus demo`: a planner service, a torchrun pipeline job on simulated GPUs (4 ranks, or
 several data-parallel pipelines, one of them a straggler), and what Perseus saved, measured.
+The GPUs are A100-SXMs unless the options name another preset (`perseus demo` takes it from
+PERSEUS_GPU=sim:PRESET[:COUNT], e.g. sim:mi300x:4; see `default_preset`).
 
 The launcher starts `perseus serve` on a free loopback port, throttles the straggler's
 simulated GPUs if asked, then torchrun with one `perseus.demo.worker` per rank (gloo on CPU,
@@ -27,6 +29,7 @@ from perseus.demo.processes import PRESET, ServiceProcess, log_tail, sim_gpus_at
 from perseus.demo.report import job_record, summarize, summarize_straggler, write_timeline
 from perseus.demo.results import gloo_latency, load_iterations, median_iteration, read_rank_record, split_phases
 from perseus.demo.workload import default_time_scale
+from perseus.devices.select import ENV_VAR, parse_gpu_spec
 from perseus.devices.sim import get_preset
 from perseus.exceptions import ConfigError, PerseusError
 
@@ -49,8 +52,10 @@ class DemoOptions:
     plot_dir: str | None = None
     keep_dir: bool = False  # keep the work folder (logs, per-rank records)
     timeout_s: float = 600.0
+    preset: str = PRESET  # the simulated GPU model every rank runs on
 
     def __post_init__(self) -> None:
+        get_preset(self.preset)  # ConfigError naming the presets if unknown
         if not 2 <= self.ranks <= 8:
             raise ConfigError(f"--ranks must be between 2 and 8, got {self.ranks}")
         if not 1 <= self.dp <= 4 or self.ranks * self.dp > MAX_PROCESSES:
@@ -76,6 +81,18 @@ class DemoOptions:
             raise ConfigError(f"--sweep-step must be >= 1, got {self.sweep_step}")
         if self.port is not None and not 1 <= self.port <= 65535:
             raise ConfigError(f"--port must be a TCP port (1-65535), got {self.port}")
+
+
+def default_preset(environ: dict[str, str] | None = None) -> str:
+    """The preset of PERSEUS_GPU when it names simulated GPUs (sim:PRESET[:COUNT]; the count is the
+    demo's ranks), else the A100-SXM: the demo runs on simulated GPUs whatever PERSEUS_GPU says."""
+    spec = (os.environ if environ is None else environ).get(ENV_VAR)
+    if spec:
+        parsed = parse_gpu_spec(spec)
+        if parsed.backend == "sim" and parsed.preset is not None:
+            get_preset(parsed.preset)
+            return parsed.preset
+    return PRESET
 
 
 def fetch_status(address: str, job_id: str | None) -> Any:
@@ -118,10 +135,11 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             pipelines = f"{options.dp} data-parallel pipelines x " if options.dp > 1 else ""
             say(
                 f"torchrun: {world} ranks (gloo, CPU), {pipelines}{options.ranks} stages, each rank on a simulated "
-                f"A100-SXM; {options.microbatches} microbatches per iteration, Schedule1F1B"
+                f"{get_preset(options.preset).product}; {options.microbatches} microbatches per iteration, "
+                "Schedule1F1B"
             )
             if slow_ranks is not None:
-                throttle(slow_ranks, options.straggler, sim_dir)
+                throttle(slow_ranks, options.straggler, sim_dir, options.preset)
                 say(
                     f"straggler: pipeline {slow} (ranks {slow_ranks[0]}-{slow_ranks[-1]}) on GPUs "
                     f"{options.straggler:g}x slower"
@@ -130,7 +148,7 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
                 rc = _run_job(options, world, config_path, sim_dir, os.path.join(work, "torchrun.log"), out_dir, say)
             finally:
                 if slow_ranks is not None:
-                    throttle(slow_ranks, 1.0, sim_dir)
+                    throttle(slow_ranks, 1.0, sim_dir, options.preset)
             job_id = _job_id(out_dir) if rc == 0 else None
             status = fetch_status(address, job_id)
         finally:
@@ -160,9 +178,9 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             dp=options.dp,
             microbatches=options.microbatches,
             time_scale=config.time_scale,
-            gpu=f"sim:{PRESET}",
+            gpu=f"sim:{options.preset}",
             job_id=job_id,
-            clocks_reset=sim_gpus_at_default(world, sim_dir),
+            clocks_reset=sim_gpus_at_default(world, sim_dir, options.preset),
             wall_time_s=time.monotonic() - began,
         )
         if options.plot_dir:
@@ -184,7 +202,7 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
 
 def demo_config(options: DemoOptions, out_dir: str, address: str | None) -> DemoConfig:
     """What every rank runs: `options` with the planner at `address` (None: baseline only)."""
-    sweep = list(get_preset(PRESET).frequencies[:: options.sweep_step])
+    sweep = list(get_preset(options.preset).frequencies[:: options.sweep_step])
     time_scale = options.time_scale or default_time_scale(options.ranks, options.microbatches)
     return DemoConfig(
         out_dir=out_dir,
@@ -220,7 +238,7 @@ def _run_job(
     say: Callable[[str], None],
 ) -> int:
     """Run torchrun to completion, reporting rank 0's finished iterations as they land."""
-    proc = start_job(world, config_path, sim_dir, log_path)
+    proc = start_job(world, config_path, sim_dir, log_path, preset=options.preset)
     deadline = time.monotonic() + options.timeout_s
     seen = 0
     try:

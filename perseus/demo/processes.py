@@ -20,7 +20,7 @@ from typing import Any
 from perseus.devices.sim import SimGPU
 from perseus.exceptions import PerseusError
 
-PRESET = "a100-sxm"  # the simulated GPU every rank runs on
+PRESET = "a100-sxm"  # the simulated GPU every rank runs on, unless the demo is given another
 SERVICE_START_TIMEOUT_S = 60.0
 
 
@@ -88,11 +88,11 @@ class ServiceProcess:
 
 
 def start_job(
-    ranks: int, config_path: str, sim_dir: str, log_path: str, max_restarts: int = 0
+    ranks: int, config_path: str, sim_dir: str, log_path: str, max_restarts: int = 0, preset: str = PRESET
 ) -> subprocess.Popen[bytes]:
     """Start torchrun with `ranks` demo workers (in their own process group), output to `log_path`.
 
-    Rank r runs on simulated GPU r, whose state lives in `sim_dir`. With `max_restarts`, torchrun
+    Rank r runs on simulated GPU r (of `preset`), whose state lives in `sim_dir`. With `max_restarts`, torchrun
     restarts the whole group that many times after a rank fails.
     """
     cmd = [
@@ -109,7 +109,7 @@ def start_job(
         config_path,
     ]
     env = child_env(
-        PERSEUS_GPU=f"sim:{PRESET}:{ranks}",
+        PERSEUS_GPU=f"sim:{preset}:{ranks}",
         PERSEUS_SIM_DIR=sim_dir,
         OMP_NUM_THREADS="1",
         # A restarted group must not share torchrun's rendezvous store: gloo would read the
@@ -150,10 +150,10 @@ def wait_for_job(
         time.sleep(0.05)
 
 
-def sim_gpus_at_default(ranks: int, sim_dir: str) -> bool:
+def sim_gpus_at_default(ranks: int, sim_dir: str, preset: str = PRESET) -> bool:
     """True when every simulated GPU of the job is at its default clocks and power limit."""
     for i in range(ranks):
-        gpu = SimGPU(PRESET, i, state_dir=sim_dir)
+        gpu = SimGPU(preset, i, state_dir=sim_dir)
         if os.path.exists(gpu.state_path) or gpu.sm_clock() != gpu.max_frequency():
             return False
         if gpu.power_limit_mw() != gpu.default_power_limit_mw():
@@ -161,10 +161,10 @@ def sim_gpus_at_default(ranks: int, sim_dir: str) -> bool:
     return True
 
 
-def throttle(gpus: list[int], factor: float, sim_dir: str) -> None:
+def throttle(gpus: list[int], factor: float, sim_dir: str, preset: str = PRESET) -> None:
     """Make the simulated GPUs `gpus` take `factor` times longer for their work (1.0: undo)."""
     for i in gpus:
-        gpu = SimGPU(PRESET, i, state_dir=sim_dir)
+        gpu = SimGPU(preset, i, state_dir=sim_dir)
         if factor == 1.0:
             gpu.reset_slowdown()
         else:
