@@ -1,6 +1,18 @@
-"""Energy saved by the global power-limit optimizer, and CarbonCost following the grid.
+"""Energy saved by the global power-limit optimizer, what its sweep costs, and CarbonCost
+following the grid.
 
-    python benchmarks/power_limit.py
+    python benchmarks/power_limit.py [--no-zeus]
+
+Part 0: the cost of choosing. On the same simulated GPUs and workloads (this step, and the
+simulator's default compute-bound fraction 0.78), each selector's sweep runs three ways, 10
+warm-up and 40 measured steps per limit, 400 -> 100 W by 25 W: Perseus measuring every limit
+(the sweep before early stopping), Perseus stopping once no lower limit can be chosen (the
+default), and Zeus 0.16's GlobalPowerLimitOptimizer (zeus' NVML calls served by the same
+simulated GPUs through perseus.testing.fake_nvml, its clock pointed at the same virtual clock).
+Printed: training steps spent sweeping, the GPUs' energy and the time they took, the chosen
+limit, and the ratios early/full and early/zeus. Exits 1 if early stopping ever chooses other
+than the full sweep. Zeus is optional (`pip install zeus==0.16.0`); its MaxSlowdownConstraint
+keeps the lowest limit within the slowdown, Perseus' the least energy within it.
 
 Part 1: four simulated A100-SXM GPUs run a memory-bound-ish training step (alpha 0.3: its time
 barely changes between 300 and 250 W). The optimizer sweeps 400 -> 100 W with its default
@@ -23,6 +35,7 @@ import sys
 import tempfile
 import time
 from datetime import datetime, timedelta, timezone
+from typing import NamedTuple
 
 
 def run_steps(gpus, work, steps, optimizer=None):
@@ -37,12 +50,184 @@ def run_steps(gpus, work, steps, optimizer=None):
             optimizer.on_step_end()
 
 
+class Sweep(NamedTuple):
+    """What one sweep cost: training steps, GPU energy (J, all GPUs), time (s), the chosen limit (W)."""
+
+    limits: int
+    steps: int
+    energy_j: float
+    time_s: float
+    chosen_w: float
+
+
+def perseus_sweep(gpus, clock, work, selector, early_stop):
+    from perseus.measurement import Monitor
+    from perseus.power_limit import GlobalPowerLimitOptimizer, Phase
+
+    start_j = sum(g.energy_mj() for g in gpus) / 1000
+    optimizer = GlobalPowerLimitOptimizer(
+        Monitor(gpus=gpus, cpus=[]), selector, early_stop=early_stop, watchdog=False, verbose=False
+    )
+    optimizer.on_epoch_begin()
+    while optimizer.phase is not Phase.DONE:
+        run_steps(gpus, work, 1, optimizer)
+    energy_j = sum(g.energy_mj() for g in gpus) / 1000 - start_j
+    result = Sweep(
+        len(optimizer.measurements), optimizer.sweep_steps, energy_j, clock.now(), optimizer.selected_mw / 1000
+    )
+    optimizer.close()
+    return result
+
+
+class ZeusRig:
+    """Zeus 0.16 over the fake pynvml, each fake GPU standing for a SimGPU that can be swapped."""
+
+    def __init__(self, num_gpus):
+        import logging
+        import warnings
+
+        from perseus.testing.fake_nvml import FakeGPU, installed
+
+        class SimBackedGPU(FakeGPU):
+            """zeus' NVML view of a SimGPU: its energy counter and power limit are the SimGPU's."""
+
+            sim = None
+
+            def energy(self):
+                return int(self.sim.energy_mj()) if self.sim is not None else 0
+
+            @property
+            def power_limit_mw(self):
+                return self.sim.power_limit_mw() if self.sim is not None else self.default_power_limit_mw
+
+            @power_limit_mw.setter
+            def power_limit_mw(self, mw):
+                if self.sim is not None:
+                    self.sim.set_power_limit_mw(int(mw))
+
+        self.fakes = [SimBackedGPU() for _ in range(num_gpus)]
+        self._installed = installed(self.fakes)
+        self._installed.__enter__()
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(num_gpus)))
+        warnings.filterwarnings("ignore", module="zeus")
+        import zeus  # imported here: zeus binds pynvml at import time
+        import zeus.monitor.energy as zeus_energy
+
+        logging.getLogger("zeus").setLevel(logging.WARNING)
+        self.version = zeus.__version__
+        self.clock = None
+        zeus_energy.time = lambda: self.clock.now()  # windows on the simulation's clock
+        zeus_energy.sync_execution_fn = lambda *a, **k: None  # each step already waits for its GPUs
+
+    def sweep(self, gpus, clock, work, selector_name):
+        from zeus.monitor import ZeusMonitor
+        from zeus.optimizer import power_limit as zeus_pl
+
+        self.clock = clock
+        for fake, gpu in zip(self.fakes, gpus):
+            fake.sim = gpu
+        selectors = {
+            "MaxSlowdownConstraint(1.1)": lambda: zeus_pl.MaxSlowdownConstraint(1.1),
+            "ZeusCost(0.5)": lambda: zeus_pl.ZeusCost(0.5, world_size=len(gpus)),
+            "Energy()": zeus_pl.Energy,
+            "Time()": zeus_pl.Time,
+        }
+        start_j = sum(g.energy_mj() for g in gpus) / 1000
+        monitor = ZeusMonitor(gpu_indices=list(range(len(gpus))), cpu_indices=[])
+        optimizer = zeus_pl.GlobalPowerLimitOptimizer(monitor, selectors[selector_name]())  # 10 + 40 steps, 25 W
+        steps = 0
+        while not isinstance(optimizer.state, zeus_pl.Done):
+            optimizer.on_step_begin()
+            run_steps(gpus, work, 1)
+            steps += 1
+        energy_j = sum(g.energy_mj() for g in gpus) / 1000 - start_j
+        chosen = optimizer.state.optimal_power_limit / 1000
+        for gpu in gpus:
+            gpu.reset_power_limit()
+        return Sweep(len(optimizer.measurements), steps, energy_j, clock.now(), chosen)
+
+
+def ratios(a: Sweep, b: Sweep) -> str:
+    return f"steps {a.steps / b.steps:.2f}, time {a.time_s / b.time_s:.2f}, energy {a.energy_j / b.energy_j:.2f}"
+
+
+def profiling_cost(args) -> bool:
+    """Part 0; False if early stopping ever chose other than the full sweep."""
+    from perseus.clock import VirtualClock
+    from perseus.devices.sim import DEFAULT_ALPHA, Work, sim_gpus
+    from perseus.power_limit import Energy, MaxSlowdownConstraint, Time, ZeusCost
+
+    selectors = {
+        "MaxSlowdownConstraint(1.1)": lambda: MaxSlowdownConstraint(1.1),
+        "ZeusCost(0.5)": lambda: ZeusCost(0.5),
+        "Energy()": Energy,
+        "Time()": Time,
+    }
+    rig = None
+    if not args.no_zeus:
+        try:
+            rig = ZeusRig(args.gpus)
+        except ImportError:
+            rig = None
+    zeus_name = f"zeus {rig.version}" if rig is not None else "zeus"
+    print(f"Part 0: what choosing costs, {args.gpus} x simulated A100-SXM, 10 warm-up + 40 measured steps per limit")
+    if rig is None:
+        print("  (zeus not installed or --no-zeus: pip install zeus==0.16.0 for its column)")
+    ok = True
+    totals = {"full": [0, 0.0], "early": [0, 0.0], "zeus": [0, 0.0]}
+    for alpha in dict.fromkeys((args.alpha, DEFAULT_ALPHA)):
+        work = Work(args.step_s, alpha=alpha)
+        print(f"\nstep {args.step_s:g} s at 400 W, alpha {alpha:g}")
+        print(f"  {'selector':28}{'sweep':14}{'limits':>7}{'steps':>7}{'time':>9}{'energy':>11}{'chosen':>8}")
+        for name, make in selectors.items():
+            runs = {}
+            for kind in ("full", "early", "zeus"):
+                clock = VirtualClock()
+                gpus = sim_gpus("a100-sxm", args.gpus, clock)
+                if kind == "zeus":
+                    if rig is None:
+                        continue
+                    runs[kind] = rig.sweep(gpus, clock, work, name)
+                else:
+                    runs[kind] = perseus_sweep(gpus, clock, work, make(), early_stop=kind == "early")
+            labels = {"full": "perseus, full", "early": "perseus, early", "zeus": zeus_name}
+            for kind, r in runs.items():
+                totals[kind][0] += r.steps
+                totals[kind][1] += r.energy_j
+                print(
+                    f"  {name if kind == 'full' else '':28}{labels[kind]:14}{r.limits:7d}{r.steps:7d}"
+                    f"{r.time_s / 60:8.1f}m{r.energy_j / 1e3:9.1f}kJ{r.chosen_w:7.0f}W"
+                )
+            full, early = runs["full"], runs["early"]
+            same = early.chosen_w == full.chosen_w
+            ok &= same
+            print(f"  {'':28}early/full: {ratios(early, full)}; same limit: {'yes' if same else 'NO'}")
+            if "zeus" in runs:
+                z = runs["zeus"]
+                chose = "the same" if z.chosen_w == early.chosen_w else f"{z.chosen_w:.0f} W"
+                print(f"  {'':28}early/zeus: {ratios(early, z)}; zeus chose {chose}")
+    full_steps, full_j = totals["full"]
+    early_steps, early_j = totals["early"]
+    print(
+        f"\nall of Part 0: early stopping took {early_steps / full_steps:.2f}x the steps and "
+        f"{early_j / full_j:.2f}x the energy of the full sweep"
+        + (
+            f", {early_steps / totals['zeus'][0]:.2f}x and {early_j / totals['zeus'][1]:.2f}x zeus'"
+            if rig is not None
+            else ""
+        )
+        + f"; same limit as the full sweep every time: {'yes' if ok else 'NO'}\n"
+    )
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--step-s", type=float, default=0.5, help="step time at the maximum limit (s)")
     parser.add_argument("--alpha", type=float, default=0.3, help="compute-bound fraction of the step")
     parser.add_argument("--steps", type=int, default=200, help="steps measured at each limit for the comparison")
+    parser.add_argument("--no-zeus", action="store_true", help="leave zeus out of Part 0")
     args = parser.parse_args()
     os.environ["PERSEUS_SIM_DIR"] = tempfile.mkdtemp(prefix="perseus-bench-")  # private simulated GPUs
 
@@ -54,13 +239,14 @@ def main() -> int:
 
     wall = time.perf_counter()
     work = Work(args.step_s, alpha=args.alpha)
-    ok = True
+    ok = profiling_cost(args)
 
     # Part 1: MaxSlowdownConstraint(1.1) against the maximum limit.
     clock = VirtualClock()
     gpus = sim_gpus("a100-sxm", args.gpus, clock)
     monitor = Monitor(gpus=gpus, cpus=[])
-    optimizer = GlobalPowerLimitOptimizer(monitor, MaxSlowdownConstraint(1.1))  # defaults: 10 warm-up, 40 measured
+    # Defaults: 10 warm-up and 40 measured steps per limit, early stopping; verbose=False: this prints its own table.
+    optimizer = GlobalPowerLimitOptimizer(monitor, MaxSlowdownConstraint(1.1), verbose=False)
     steps_per_epoch = 1000
     while optimizer.phase is not Phase.DONE:
         optimizer.on_epoch_begin()
@@ -69,7 +255,10 @@ def main() -> int:
     chosen = optimizer.selected_mw
     sweep_s = clock.now()
     print(f"{args.gpus} x simulated A100-SXM, step {args.step_s:g} s at 400 W, alpha {args.alpha:g}")
-    print(f"sweep: {len(optimizer.measurements)} limits in {sweep_s / 60:.1f} simulated minutes")
+    print(
+        f"sweep: {len(optimizer.measurements)} limits in {sweep_s / 60:.1f} simulated minutes "
+        f"({len(optimizer.skipped_mw)} skipped: none below could be chosen)"
+    )
     print(f"{'limit':>8} {'time/step':>10} {'energy/step':>12}   (sweep, all GPUs)")
     for m in optimizer.measurements:
         mark = "  <- chosen" if m.power_limit_mw == chosen else ""
@@ -105,8 +294,10 @@ def main() -> int:
     series = IntensityTimeSeries(
         [IntensityPoint(t0, 60.0), IntensityPoint(t0 + timedelta(hours=switch_h), 650.0)], clock=clock
     )
-    optimizer = GlobalPowerLimitOptimizer(monitor, CarbonCost(0.5, series), warmup_steps=5, profile_steps=20)
-    reporter = CarbonReporter(monitor, series)
+    optimizer = GlobalPowerLimitOptimizer(
+        monitor, CarbonCost(0.5, series), warmup_steps=5, profile_steps=20, verbose=False
+    )
+    reporter = CarbonReporter(monitor, series, verbose=False)
     epoch_steps = 600  # about 5 simulated minutes
     print(f"\nCarbonCost(0.5): grid at 60 g/kWh, 650 g/kWh after {switch_h:g} h; epochs of {epoch_steps} steps")
     print(f"{'epoch':>5} {'start':>7} {'g/kWh':>6} {'limit':>6} {'energy':>10} {'carbon':>8}")
