@@ -161,8 +161,8 @@ def test_restarted_service_resumes_without_profiling_again(serve, tmp_path):
     served = serve(state)
     endpoint = served.endpoint
     spec = job_spec()
-    c0 = PlannerClient(endpoint, timeout_s=0.5, poll_interval_s=0.05)
-    c1 = PlannerClient(endpoint, timeout_s=0.5, poll_interval_s=0.05)
+    c0 = PlannerClient(endpoint, timeout_s=3.0, poll_interval_s=0.05)
+    c1 = PlannerClient(endpoint, timeout_s=3.0, poll_interval_s=0.05)
     try:
         job_id = c0.register_job(spec)
         c0.register_rank(job_id, rank_info(0))
@@ -191,7 +191,7 @@ def test_restarted_service_resumes_without_profiling_again(serve, tmp_path):
 
         assert c0.assignment(10_001) is plan0  # the service is gone: the rank keeps its plan
         served = serve(state, bind=endpoint)
-        job = wait_until(lambda: c0.status(job_id)).jobs[0]
+        job = wait_until(lambda: c0.status(job_id), timeout_s=30).jobs[0]
         assert job.phase == "planned" and job.plan_version == 1 and job.profiled_stages == (0, 1)
         assert "planning" not in served.log()  # resumed, neither profiled nor planned again
         c1.report_iteration(job_id, 1, 10_002, 0.2, 20.0)
