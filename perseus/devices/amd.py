@@ -62,78 +62,36 @@ Vendor quirks handled:
   or more are read as Hz, so either is accepted.
 
 Every amdsmi failure surfaces as a perseus DeviceError (or subclass) that says what to do.
+
+This module is the AMDGPU device and its selection; loading amdsmi and mapping its errors is in
+`amd_smi`, the visibility variables in `amd_visibility`, the counter cross-check in `amd_counter_check`.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import glob
-import io
 import logging
 import os
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
 from perseus.clock import REAL_CLOCK, Clock
+from perseus.devices.amd_counter_check import CounterCheck
+from perseus.devices.amd_smi import SIMULATE_HINT, as_str, binding, call
+from perseus.devices.amd_visibility import gpu_uuids, hip_order, narrow, visibility_variables
 from perseus.devices.gpu import GPU
-from perseus.exceptions import (
-    ConfigError,
-    DeviceError,
-    DeviceNotFoundError,
-    DeviceNotSupportedError,
-    DevicePermissionError,
-)
+from perseus.exceptions import ConfigError, DeviceError, DeviceNotFoundError, DeviceNotSupportedError
 
 logger = logging.getLogger(__name__)
 
-SIMULATE_HINT = "to run without a GPU, simulate one: PERSEUS_GPU=sim:mi300x"
-PRIVILEGE_HINT = (
-    "amdgpu lets only root change clocks and power caps (amdsmi writes root's sysfs files "
-    "power_dpm_force_performance_level, pp_od_clk_voltage and hwmon power1_cap): run as root (sudo), "
-    "or have an administrator open those files to your group with a udev rule; in a container, /sys is "
-    "read-only unless it runs --privileged"
-)
-INSTALL_HINT = (
-    "install the amdsmi of your ROCm version (`pip install 'perseus[amd]'` gets the newest; "
-    "`pip install /opt/rocm/share/amd_smi` installs ROCm's own)"
-)
-
 #: Grid of supported GFX clocks offered for `lock_sm_clock` (AMD takes any whole MHz in range).
 CLOCK_STEP_MHZ = 20
-#: How long the energy counters are cross-checked against integrated power before first use.
-ENERGY_CHECK_S = 0.5
-ENERGY_CHECK_SAMPLES = 5
-#: A counter within this factor of the integrated power is trusted (power reads are whole watts,
-#: instantaneous, and a running job's power moves during the check).
-COUNTER_TOLERANCE = 1.5
-#: Below this average power (W) the check cannot judge the counter: the GPU reports no power.
-MIN_CHECK_W = 1.0
 WRAP = 2**32  # a 32-bit firmware accumulator's range
 SYSFS_PCI = "/sys/bus/pci/devices"  # where amdgpu's writable files are, per PCI address
-
-# amdsmi_status_t values (amdsmi.h; the Python package has them in amdsmi.amdsmi_wrapper).
-STATUS_INVAL = 1
-STATUS_NOT_SUPPORTED = 2
-STATUS_NOT_YET_IMPLEMENTED = 3
-STATUS_FAIL_LOAD_MODULE = 4
-STATUS_FAIL_LOAD_SYMBOL = 5
-STATUS_TIMEOUT = 8
-STATUS_RETRY = 9
-STATUS_NO_PERM = 10
-STATUS_INPUT_OUT_OF_BOUNDS = 17
-STATUS_INIT_ERROR = 18
-STATUS_BUSY = 30
-STATUS_NOT_FOUND = 31
-STATUS_DRIVER_NOT_LOADED = 34
-STATUS_NO_DRV = 51
-STATUS_SETTING_UNAVAILABLE = 55
-
-_init_lock = threading.Lock()
-_initialized: ModuleType | None = None  # the amdsmi module amdsmi_init succeeded on
 
 
 def amd_gpus(environ: Mapping[str, str] | None = None, clock: Clock | None = None) -> list[AMDGPU]:
@@ -152,7 +110,7 @@ def amd_gpus(environ: Mapping[str, str] | None = None, clock: Clock | None = Non
 
     def ids(position: int) -> list[str]:
         if position not in identities:
-            identities[position] = _identities(amdsmi, handles[position], position)
+            identities[position] = gpu_uuids(amdsmi, handles[position], position)
         return identities[position]
 
     for var in visibility_variables(env):
@@ -162,163 +120,6 @@ def amd_gpus(environ: Mapping[str, str] | None = None, clock: Clock | None = Non
     for gpu in gpus:
         gpu.counter_check = check
     return gpus
-
-
-def binding() -> ModuleType:
-    """The `amdsmi` module, initialised (for AMD GPUs) once per process."""
-    global _initialized
-    try:
-        # amdsmi prints to stdout when it cannot find libamd_smi.so; the error below says it better.
-        with contextlib.redirect_stdout(io.StringIO()):
-            import amdsmi
-    except ImportError as e:
-        raise DeviceNotFoundError(f"cannot import amdsmi ({e}): {INSTALL_HINT}; {SIMULATE_HINT}") from e
-    except Exception as e:  # OSError: no libamd_smi.so; AttributeError, KeyError: a package newer than the library
-        raise DeviceNotFoundError(
-            f"amdsmi cannot load AMD SMI's library ({type(e).__name__}: {e}): install ROCm, which provides "
-            f"libamd_smi.so (set ROCM_PATH if it is not in /opt/rocm), and {INSTALL_HINT}; {SIMULATE_HINT}"
-        ) from e
-    if _initialized is not None and amdsmi is _initialized:
-        return amdsmi
-    with _init_lock:
-        if amdsmi is not _initialized:
-            call(amdsmi, "amdsmi_init", amdsmi.AmdSmiInitFlags.INIT_AMD_GPUS)
-            _initialized = amdsmi
-    return amdsmi
-
-
-def call(amdsmi: ModuleType, name: str, *args: Any, where: str = "") -> Any:
-    """Call `amdsmi.<name>(*args)`, turning any amdsmi error into a DeviceError a user can act on."""
-    try:
-        function = getattr(amdsmi, name)
-    except AttributeError:
-        raise DeviceNotSupportedError(
-            f"the installed amdsmi has no {name} (too old for it): {INSTALL_HINT}, or upgrade ROCm"
-        ) from None
-    try:
-        return function(*args)
-    except amdsmi.AmdSmiException as e:
-        raise amdsmi_error(amdsmi, e, name, where) from e
-
-
-def amdsmi_error(amdsmi: ModuleType, error: Exception, name: str, where: str = "") -> DeviceError:
-    """The perseus exception for amdsmi `error` raised by call `name` on `where` (e.g. "GPU 0 (MI300X)")."""
-    on = f" on {where}" if where else ""
-    if not isinstance(error, amdsmi.AmdSmiLibraryException):  # a bad argument: a Perseus bug
-        return DeviceError(f"{name}{on} refused its arguments: {error}")
-    code = getattr(error, "err_code", None)
-    detail = f"{name}{on} failed: {' '.join(str(error).split())} (amdsmi status {code})"
-    if code == STATUS_NO_PERM:
-        return DevicePermissionError(f"{detail}. {PRIVILEGE_HINT}")
-    if code in (STATUS_NOT_SUPPORTED, STATUS_NOT_YET_IMPLEMENTED, STATUS_SETTING_UNAVAILABLE):
-        guest = (
-            "; amdsmi's setters do not work in a virtual machine guest (an SR-IOV virtual function)"
-            if name.startswith("amdsmi_set_")
-            else ""
-        )
-        return DeviceNotSupportedError(f"{where or 'this GPU'} does not support {name} (amdsmi: not supported){guest}")
-    if code in (STATUS_DRIVER_NOT_LOADED, STATUS_NO_DRV, STATUS_FAIL_LOAD_MODULE, STATUS_INIT_ERROR):
-        return DeviceNotFoundError(
-            f"no AMD GPU driver found ({detail}): load amdgpu (`sudo modprobe amdgpu`; ROCm installs it) "
-            f"and check `amd-smi list`; {SIMULATE_HINT}"
-        )
-    if code == STATUS_FAIL_LOAD_SYMBOL:
-        return DeviceError(f"{detail}: the amdsmi package does not match the installed ROCm: {INSTALL_HINT}")
-    if code == STATUS_NOT_FOUND:
-        return DeviceNotFoundError(f"{detail}: the GPU is gone (reset or removed?); see dmesg and `amd-smi list`")
-    if code in (STATUS_BUSY, STATUS_RETRY, STATUS_TIMEOUT):
-        return DeviceError(f"{detail}: the GPU or its driver was busy; try again")
-    if code in (STATUS_INVAL, STATUS_INPUT_OUT_OF_BOUNDS):
-        return DeviceError(f"{detail}: amdsmi rejected the arguments (a value out of range?)")
-    return DeviceError(detail)
-
-
-def hip_order(amdsmi: ModuleType, handles: Sequence[Any]) -> list[int]:
-    """Positions in `handles` in HIP's order (amdsmi's hip_id) where every GPU reports one, else as given."""
-    hip_ids = []
-    for handle in handles:
-        try:
-            hip_id = call(amdsmi, "amdsmi_get_gpu_enumeration_info", handle).get("hip_id")
-        except DeviceError:
-            hip_id = None
-        if not isinstance(hip_id, int):
-            return list(range(len(handles)))
-        hip_ids.append(hip_id)
-    return sorted(range(len(handles)), key=lambda i: hip_ids[i])
-
-
-def visibility_variables(env: Mapping[str, str]) -> list[str]:
-    """The variables that narrow the GPUs, in the order ROCm applies them."""
-    names = []
-    if "ROCR_VISIBLE_DEVICES" in env:
-        names.append("ROCR_VISIBLE_DEVICES")
-    if "HIP_VISIBLE_DEVICES" in env:
-        names.append("HIP_VISIBLE_DEVICES")
-    elif "CUDA_VISIBLE_DEVICES" in env:  # HIP reads it where HIP_VISIBLE_DEVICES is unset
-        names.append("CUDA_VISIBLE_DEVICES")
-    return names
-
-
-def narrow(var: str, value: str, visible: list[int], identities: Any) -> list[int]:
-    """The entries of `visible` (amdsmi positions) that `var`=`value` keeps, in its order.
-
-    Indices count within `visible`; `identities(position)` gives a GPU's UUIDs for other entries.
-    """
-    if not value.strip():
-        raise DeviceNotFoundError(
-            f"{var} is set to an empty string, which hides every GPU: unset it (`unset {var}`) "
-            f"or list the GPUs to use, e.g. {var}=0,1"
-        )
-    chosen: list[int] = []
-    for raw in value.split(","):
-        entry = raw.strip()
-        if entry.isdigit():
-            index = int(entry)
-            if index >= len(visible):
-                raise ConfigError(
-                    f"{var}={value!r} names GPU {index}, but {len(visible)} GPU(s) are visible to it "
-                    f"(indices 0 to {len(visible) - 1}; `amd-smi list` lists them)"
-                )
-            position = visible[index]
-        else:
-            position = _match_uuid(var, value, entry, visible, identities)
-        if position in chosen:
-            raise ConfigError(f"{var}={value!r} lists GPU {entry!r} twice")
-        chosen.append(position)
-    return chosen
-
-
-def _match_uuid(var: str, value: str, entry: str, visible: list[int], identities: Any) -> int:
-    """A full UUID or a unique prefix of one, with or without `GPU-`."""
-    wanted = entry.lower().removeprefix("gpu-")
-    if not wanted or not all(c in "0123456789abcdef-" for c in wanted):
-        raise ConfigError(
-            f"{var}={value!r}: {entry!r} is neither a GPU index nor a GPU UUID "
-            "(like GPU-4cc6d2e8d2a9b1f6; `rocminfo` and `amd-smi list` list them)"
-        )
-    matches = [p for p in visible if any(u.lower().removeprefix("gpu-").startswith(wanted) for u in identities(p))]
-    if len(matches) == 1:
-        return matches[0]
-    if not matches:
-        listed = ", ".join(u for p in visible for u in identities(p)) or "none"
-        raise ConfigError(f"{var}={value!r}: no GPU has a UUID starting {entry!r} (GPUs: {listed})")
-    raise ConfigError(f"{var}={value!r}: {entry!r} matches {len(matches)} GPUs; give more of the UUID")
-
-
-def _identities(amdsmi: ModuleType, handle: Any, position: int) -> list[str]:
-    """The UUIDs a user may name GPU `handle` by: amdsmi's, and ROCm's GPU-<unique id> (rocminfo's)."""
-    where = f"amdsmi GPU {position}"
-    names = [_text(call(amdsmi, "amdsmi_get_gpu_device_uuid", handle, where=where))]
-    try:
-        serial = call(amdsmi, "amdsmi_get_gpu_asic_info", handle, where=where).get("asic_serial")
-        names.append(f"GPU-{int(serial, 16):016x}")
-    except (DeviceError, TypeError, ValueError):
-        pass  # no unique id (N/A): amdsmi's UUID only
-    return names
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _mhz(value: Any) -> int | None:
@@ -331,92 +132,6 @@ def _mhz(value: Any) -> int | None:
 def clock_grid(floor: int, top: int, step: int = CLOCK_STEP_MHZ) -> list[int]:
     """The caps offered between a GPU's clock floor and top: top, top - step, ... while above the floor."""
     return list(range(top, floor, -step))
-
-
-class CounterCheck:
-    """Cross-checks the energy counters of some GPUs against their integrated power, once, all together."""
-
-    def __init__(self, gpus: Sequence[AMDGPU], duration_s: float = ENERGY_CHECK_S) -> None:
-        self.gpus = list(gpus)
-        self.duration_s = duration_s
-        self._lock = threading.Lock()
-        self._done = False
-
-    def run(self) -> None:
-        """Decide `has_energy_counter` for every GPU (waits `duration_s` once; later calls return at once)."""
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-            gpus = []
-            for gpu in self.gpus:
-                try:
-                    gpu.read_counter_mj()
-                    gpus.append(gpu)
-                except DeviceNotSupportedError as e:
-                    logger.info("%r has no energy counter (%s); measuring it by sampling power", gpu, e)
-                    gpu.set_counter_verdict(False)
-            if not gpus:
-                return
-            clock = gpus[0].clock
-            start = [gpu.read_counter_mj() for gpu in gpus]
-            times = [clock.now()]
-            powers = [[_power_or_none(gpu)] for gpu in gpus]
-            for _ in range(ENERGY_CHECK_SAMPLES):
-                clock.sleep(self.duration_s / ENERGY_CHECK_SAMPLES)
-                times.append(clock.now())
-                for gpu, samples in zip(gpus, powers):
-                    samples.append(_power_or_none(gpu))
-            end = [gpu.read_counter_mj() for gpu in gpus]
-            for gpu, e0, e1, samples in zip(gpus, start, end, powers):
-                gpu.set_counter_verdict(_judge(gpu, e1 - e0, times, samples))
-
-
-def _power_or_none(gpu: AMDGPU) -> float | None:
-    try:
-        return gpu.power_mw()
-    except DeviceError:
-        return None
-
-
-def _judge(gpu: AMDGPU, counted_mj: float, times: list[float], samples: list[float | None]) -> bool:
-    """Whether `gpu`'s counter, which advanced `counted_mj` while its power read `samples`, is usable."""
-    elapsed = times[-1] - times[0]
-    if elapsed <= 0 or any(p is None for p in samples):
-        return counted_mj > 0  # no power to check against: trust a counter that moves
-    powers = [float(p) for p in samples if p is not None]
-    integrated_mj = sum((powers[i] + powers[i + 1]) / 2 * (times[i + 1] - times[i]) for i in range(len(powers) - 1))
-    average_w = integrated_mj / elapsed / 1000
-    if average_w < MIN_CHECK_W:
-        if counted_mj > 0:
-            logger.warning(
-                "%r reads 0 W, so Perseus cannot check its energy counter against its power; using the counter", gpu
-            )
-            return True
-        pair = (
-            f"; an MI250X reports both GCDs of a package on its first (even) GCD: measure GPU {gpu.index - 1}, "
-            "whose figures include this one"
-            if "MI250" in gpu.name() and gpu.amdsmi_index % 2 == 1
-            else ""
-        )
-        logger.warning("%r reports neither power nor energy of its own: it measures as 0 J%s", gpu, pair)
-        return False
-    ratio = counted_mj / integrated_mj
-    if 1 / COUNTER_TOLERANCE <= ratio <= COUNTER_TOLERANCE:
-        return True
-    logger.warning(
-        "%r: its energy counter advanced %.0f mJ in %.2f s while its power averaged %.1f W (%.0f mJ): %.2fx. "
-        "Some AMD GPUs' counters run at a wrong rate or stand still (ROCm/amdsmi#38; a reboot or a firmware "
-        "update has fixed it); Perseus measures this GPU by sampling its power instead "
-        "(compare `amd-smi metric --energy --power`)",
-        gpu,
-        counted_mj,
-        elapsed,
-        average_w,
-        integrated_mj,
-        ratio,
-    )
-    return False
 
 
 class AMDGPU(GPU):
@@ -482,7 +197,7 @@ class AMDGPU(GPU):
 
     def uuid(self) -> str:
         if self._uuid is None:
-            self._uuid = _text(self._call("amdsmi_get_gpu_device_uuid"))
+            self._uuid = as_str(self._call("amdsmi_get_gpu_device_uuid"))
         return self._uuid
 
     def has_energy_counter(self) -> bool:
@@ -646,7 +361,7 @@ class AMDGPU(GPU):
         """Whether this process may write amdgpu's files for this GPU (root, or a group they were
         opened to). Where they cannot be found (no sysfs), whether it is root. Changes nothing."""
         try:
-            bdf = _text(self._call("amdsmi_get_gpu_device_bdf")).lower()
+            bdf = as_str(self._call("amdsmi_get_gpu_device_bdf")).lower()
         except DeviceError:
             bdf = ""
         device = os.path.join(SYSFS_PCI, bdf) if bdf else ""

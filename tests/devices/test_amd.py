@@ -13,8 +13,9 @@ import types
 import pytest
 
 from perseus.clock import VirtualClock
-from perseus.devices import amd
-from perseus.devices.amd import AMDGPU, _mhz, amd_gpus, call, clock_grid
+from perseus.devices import amd, amd_counter_check, amd_smi
+from perseus.devices.amd import AMDGPU, _mhz, amd_gpus, clock_grid
+from perseus.devices.amd_smi import call
 from perseus.devices.select import get_gpus, gpu_backend
 from perseus.exceptions import (
     ConfigError,
@@ -220,12 +221,12 @@ def test_unusable_power_cap_range_is_not_supported():
 def test_energy_counter_passes_the_check_and_integrates_power():
     (gpu,), smi, clock = select([FakeAMDGPU(power_w=300)])
     assert gpu.has_energy_counter()
-    assert clock.now() == pytest.approx(amd.ENERGY_CHECK_S)  # the check waited once
+    assert clock.now() == pytest.approx(amd_counter_check.ENERGY_CHECK_S)  # the check waited once
     before = gpu.energy_mj()
     clock.advance(10.0)
     assert gpu.energy_mj() - before == pytest.approx(3_000_000, abs=0.02)  # 300 W x 10 s, 15.3 uJ counts
     assert gpu.has_energy_counter()
-    assert clock.now() == pytest.approx(10.0 + amd.ENERGY_CHECK_S)  # and only once
+    assert clock.now() == pytest.approx(10.0 + amd_counter_check.ENERGY_CHECK_S)  # and only once
 
 
 def test_energy_before_amdsmi_6_2_1_is_under_the_key_power():
@@ -238,16 +239,16 @@ def test_energy_before_amdsmi_6_2_1_is_under_the_key_power():
 def test_the_check_runs_once_for_every_gpu_of_a_selection():
     gpus, _, clock = select([FakeAMDGPU(power_w=w) for w in (100, 200, 300, 400)])
     assert gpus[2].has_energy_counter()
-    assert clock.now() == pytest.approx(amd.ENERGY_CHECK_S)
+    assert clock.now() == pytest.approx(amd_counter_check.ENERGY_CHECK_S)
     assert all(g.has_energy_counter() for g in gpus)
-    assert clock.now() == pytest.approx(amd.ENERGY_CHECK_S)
+    assert clock.now() == pytest.approx(amd_counter_check.ENERGY_CHECK_S)
 
 
 @pytest.mark.parametrize("rate, shown", [(2.0, "2.00x"), (0.5, "0.50x"), (0.0, "0.00x")])
 def test_a_counter_at_the_wrong_rate_is_not_used_and_the_monitor_samples_power(caplog, rate, shown):
     fakes = [FakeAMDGPU(power_w=200), FakeAMDGPU(power_w=200, counter_rate=rate)]
     (good, bad), _, clock = select(fakes)
-    with caplog.at_level(logging.WARNING, logger="perseus.devices.amd"):
+    with caplog.at_level(logging.WARNING, logger="perseus.devices.amd_counter_check"):
         assert good.has_energy_counter() and not bad.has_energy_counter()
     assert shown in caplog.text and "ROCm/amdsmi#38" in caplog.text and "GPU 1" in caplog.text
     with pytest.raises(DeviceNotSupportedError, match="sampling power"):
@@ -267,7 +268,7 @@ def test_an_mi250x_second_gcd_reports_neither_power_nor_energy(caplog):
         FakeAMDGPU(market_name="AMD Instinct MI250X", power_key="average_socket_power", power_w=0),
     ]
     (first, second), _, _ = select(fakes)
-    with caplog.at_level(logging.WARNING, logger="perseus.devices.amd"):
+    with caplog.at_level(logging.WARNING, logger="perseus.devices.amd_counter_check"):
         assert first.has_energy_counter()
         assert not second.has_energy_counter()
     assert "neither power nor energy" in caplog.text and "measure GPU 0" in caplog.text
@@ -456,7 +457,7 @@ def test_not_supported_names_the_call_the_gpu_and_for_setters_the_vm_guest():
     with pytest.raises(DeviceNotSupportedError, match=r"GPU 0 \(AMD Instinct MI300X\) does not support amdsmi_get"):
         gpu.power_limit_mw()
     with pytest.raises(DeviceNotSupportedError) as info:
-        amd.call(gpu._amdsmi, "amdsmi_set_power_cap", gpu._handle, 0, 1, where="GPU 0")
+        call(gpu._amdsmi, "amdsmi_set_power_cap", gpu._handle, 0, 1, where="GPU 0")
     assert "virtual machine guest" in str(info.value)
 
 
@@ -538,7 +539,7 @@ def test_the_fake_requires_init_and_restores_the_previous_module():
 
 
 def test_the_backend_and_the_fake_agree_on_status_codes():
-    for name, code in vars(amd).items():
+    for name, code in vars(amd_smi).items():
         if name.startswith("STATUS_"):
             assert fake.STATUS[f"AMDSMI_{name}"] == code, name
 
