@@ -10,9 +10,9 @@ into `sys.modules["amdsmi"]` and restores what was there afterwards, so code tha
 Names and values mirror the real package: the functions Perseus calls (and a few more), the
 enums (`AmdSmiInitFlags`, `AmdSmiClkType`, `AmdSmiDevPerfLevel`), the exceptions
 (`AmdSmiLibraryException(err_code)` with `get_error_code()`, `AmdSmiParameterException` for a
-wrong argument type) and the status codes (`fake.amdsmi_wrapper.AMDSMI_STATUS_*`). Units too:
-power in W, power caps in uW, DPM clocks in Hz, the clock-range setter in MHz, energy in counts of
-`counter_resolution` uJ.
+wrong argument type) and the status codes (`fake.amdsmi_wrapper.AMDSMI_STATUS_*`), all defined in
+`perseus.testing.amdsmi_codes`. Units too: power in W, power caps in uW, DPM clocks in Hz, the
+clock-range setter in MHz, energy in counts of `counter_resolution` uJ.
 
 Each `FakeAMDGPU` integrates its power over the given clock into its energy accumulator (times
 `counter_rate`: 2.0 models a counter that runs at twice the right rate, 0.0 one that stands
@@ -32,126 +32,24 @@ import threading
 import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 from perseus.clock import REAL_CLOCK, Clock
-
-# amdsmi_status_t (amdsmi.h), as amdsmi.amdsmi_wrapper exports them.
-AMDSMI_STATUS_SUCCESS = 0
-AMDSMI_STATUS_INVAL = 1
-AMDSMI_STATUS_NOT_SUPPORTED = 2
-AMDSMI_STATUS_NOT_YET_IMPLEMENTED = 3
-AMDSMI_STATUS_FAIL_LOAD_MODULE = 4
-AMDSMI_STATUS_FAIL_LOAD_SYMBOL = 5
-AMDSMI_STATUS_DRM_ERROR = 6
-AMDSMI_STATUS_API_FAILED = 7
-AMDSMI_STATUS_TIMEOUT = 8
-AMDSMI_STATUS_RETRY = 9
-AMDSMI_STATUS_NO_PERM = 10
-AMDSMI_STATUS_INTERRUPT = 11
-AMDSMI_STATUS_IO = 12
-AMDSMI_STATUS_INPUT_OUT_OF_BOUNDS = 17
-AMDSMI_STATUS_INIT_ERROR = 18
-AMDSMI_STATUS_BUSY = 30
-AMDSMI_STATUS_NOT_FOUND = 31
-AMDSMI_STATUS_NOT_INIT = 32
-AMDSMI_STATUS_DRIVER_NOT_LOADED = 34
-AMDSMI_STATUS_NO_DATA = 40
-AMDSMI_STATUS_NO_DRV = 51
-AMDSMI_STATUS_FILE_NOT_FOUND = 52
-AMDSMI_STATUS_SETTING_UNAVAILABLE = 55
-AMDSMI_STATUS_UNKNOWN_ERROR = 4294967295
-STATUS = {name: value for name, value in globals().items() if name.startswith("AMDSMI_STATUS_")}
-_TEXT = {code: name.removeprefix("AMDSMI_STATUS_") for name, code in STATUS.items()}
-
-
-class AmdSmiInitFlags(IntEnum):
-    INIT_ALL_PROCESSORS = 0xFFFFFFFF
-    INIT_AMD_CPUS = 1
-    INIT_AMD_GPUS = 2
-    INIT_AMD_APUS = 3
-    INIT_NON_AMD_CPUS = 4
-    INIT_NON_AMD_GPUS = 8
-
-
-class AmdSmiClkType(IntEnum):
-    SYS = 0
-    GFX = 0  # an alias of SYS, as in amdsmi
-    DF = 1
-    DCEF = 2
-    SOC = 3
-    MEM = 4
-    PCIE = 5
-    VCLK0 = 6
-    VCLK1 = 7
-    DCLK0 = 8
-    DCLK1 = 9
-
-
-class AmdSmiDevPerfLevel(IntEnum):
-    AUTO = 0
-    LOW = 1
-    HIGH = 2
-    MANUAL = 3
-    STABLE_STD = 4
-    STABLE_PEAK = 5
-    STABLE_MIN_MCLK = 6
-    STABLE_MIN_SCLK = 7
-    DETERMINISM = 8
-    UNKNOWN = 256
-
-
-class AmdSmiException(Exception):
-    """Base of every amdsmi exception."""
-
-
-class AmdSmiLibraryException(AmdSmiException):
-    """A failed library call; `err_code` is its amdsmi_status_t."""
-
-    def __init__(self, err_code: int) -> None:
-        err_code = abs(err_code)
-        super().__init__(err_code)
-        self.err_code = err_code
-        self.err_info = f"AMDSMI_STATUS_{_TEXT.get(err_code, 'UNKNOWN_ERROR')}"
-
-    def __str__(self) -> str:
-        return f"Error code:\n\t{self.err_code} | {self.err_info}"
-
-    def get_error_code(self) -> int:
-        return self.err_code
-
-    def get_error_info(self, detailed: bool = True) -> str:
-        return self.err_info
-
-
-class AmdSmiRetryException(AmdSmiLibraryException):
-    def __init__(self) -> None:
-        super().__init__(AMDSMI_STATUS_RETRY)
-
-
-class AmdSmiTimeoutException(AmdSmiLibraryException):
-    def __init__(self) -> None:
-        super().__init__(AMDSMI_STATUS_TIMEOUT)
-
-
-class AmdSmiParameterException(AmdSmiException):
-    """An argument of the wrong type (raised before the library is called)."""
-
-    def __init__(self, received: object, expected: object, msg: str | None = None) -> None:
-        super().__init__(msg)
-        self.err_code = None
-        self.err_msg = msg or f"Invalid parameter:\nActual type: {type(received)}\nExpected type: {expected}"
-
-    def __str__(self) -> str:
-        return self.err_msg
-
-
-def _raise(code: int) -> None:
-    if code == AMDSMI_STATUS_RETRY:
-        raise AmdSmiRetryException()
-    if code == AMDSMI_STATUS_TIMEOUT:
-        raise AmdSmiTimeoutException()
-    raise AmdSmiLibraryException(code)
+from perseus.testing.amdsmi_codes import (
+    AMDSMI_STATUS_INVAL,
+    AMDSMI_STATUS_NOT_FOUND,
+    AMDSMI_STATUS_NOT_INIT,
+    AMDSMI_STATUS_NOT_SUPPORTED,
+    STATUS,
+    AmdSmiClkType,
+    AmdSmiDevPerfLevel,
+    AmdSmiException,
+    AmdSmiInitFlags,
+    AmdSmiLibraryException,
+    AmdSmiParameterException,
+    AmdSmiRetryException,
+    AmdSmiTimeoutException,
+    raise_status,
+)
 
 
 @dataclass
@@ -250,9 +148,9 @@ class FakeAMDSMI:
             else:
                 code = handle.errors.get(call)
         if code is not None:
-            _raise(code)
+            raise_status(code)
         if needs_init and self.init_count == 0:
-            _raise(AMDSMI_STATUS_NOT_INIT)
+            raise_status(AMDSMI_STATUS_NOT_INIT)
 
     def _write(self, call: str, handle: FakeAMDGPU, *args: object) -> None:
         self.writes.append((call, self.gpus.index(handle), args))
@@ -362,7 +260,7 @@ class FakeAMDSMI:
         self._enter("amdsmi_set_power_cap", handle)
         low, high = handle.power_cap_range_uw
         if sensor_ind != 0 or not low <= cap <= high:
-            _raise(AMDSMI_STATUS_INVAL)
+            raise_status(AMDSMI_STATUS_INVAL)
         handle.power_cap_uw = cap
         self._write("amdsmi_set_power_cap", handle, sensor_ind, cap)
 
@@ -374,7 +272,7 @@ class FakeAMDSMI:
         if clock_type == AmdSmiClkType.MEM:
             return {"clk": 1300, "min_clk": 900, "max_clk": 1300, "clk_locked": "N/A", "clk_deep_sleep": "N/A"}
         if clock_type != AmdSmiClkType.GFX:
-            _raise(AMDSMI_STATUS_NOT_SUPPORTED)
+            raise_status(AMDSMI_STATUS_NOT_SUPPORTED)
         low, high = handle.soft_range_mhz
         locked = handle.perf_level == AmdSmiDevPerfLevel.MANUAL
         return {"clk": handle.gfx_clock(), "min_clk": low, "max_clk": high, "clk_locked": locked, "clk_deep_sleep": 0}
@@ -385,7 +283,7 @@ class FakeAMDSMI:
             raise AmdSmiParameterException(clk_type, AmdSmiClkType)
         self._enter("amdsmi_get_clk_freq", handle)
         if clk_type != AmdSmiClkType.GFX:
-            _raise(AMDSMI_STATUS_NOT_SUPPORTED)
+            raise_status(AMDSMI_STATUS_NOT_SUPPORTED)
         low, high = handle.soft_range_mhz
         levels = sorted({low, handle.gfx_clock(), high})
         return {
@@ -417,7 +315,7 @@ class FakeAMDSMI:
         self._enter("amdsmi_set_gpu_clk_range", handle)
         low, high = handle.sclk_range_mhz
         if clk_type != AmdSmiClkType.GFX or not low <= min_clk_value < max_clk_value <= high:
-            _raise(AMDSMI_STATUS_INVAL)  # ROCm SMI needs min < max; amdgpu refuses values outside OD_RANGE
+            raise_status(AMDSMI_STATUS_INVAL)  # ROCm SMI needs min < max; amdgpu refuses values outside OD_RANGE
         handle.perf_level = AmdSmiDevPerfLevel.MANUAL
         handle.soft_range_mhz = (min_clk_value, max_clk_value)
         self._write("amdsmi_set_gpu_clk_range", handle, min_clk_value, max_clk_value, clk_type)

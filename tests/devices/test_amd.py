@@ -26,7 +26,7 @@ from perseus.exceptions import (
 )
 from perseus.measurement import Monitor
 from perseus.safety.watchdog import backend_of
-from perseus.testing import fake_amdsmi as fake
+from perseus.testing import amdsmi_codes as codes
 from perseus.testing.fake_amdsmi import FakeAMDGPU, installed, unimportable
 
 MI300X_CLOCKS = list(range(2100, 500, -20))
@@ -168,8 +168,8 @@ def test_reads_convert_amdsmi_units():
 def test_name_falls_back_to_the_board_product_name():
     (gpu,), _, _ = select([FakeAMDGPU(market_name="N/A", product_name="AMD Instinct MI250X")])
     assert gpu.name() == "AMD Instinct MI250X"
-    unsupported = {"amdsmi_get_gpu_asic_info": fake.AMDSMI_STATUS_NOT_SUPPORTED}
-    unsupported["amdsmi_get_gpu_board_info"] = fake.AMDSMI_STATUS_NOT_SUPPORTED
+    unsupported = {"amdsmi_get_gpu_asic_info": codes.AMDSMI_STATUS_NOT_SUPPORTED}
+    unsupported["amdsmi_get_gpu_board_info"] = codes.AMDSMI_STATUS_NOT_SUPPORTED
     (gpu,), _, _ = select([FakeAMDGPU(errors=unsupported)])
     assert gpu.name() == "AMD GPU"
 
@@ -183,12 +183,12 @@ def test_power_is_the_field_the_part_reports():
 
 
 def test_clock_range_falls_back_to_the_dpm_levels():
-    no_od = {"amdsmi_get_gpu_od_volt_info": fake.AMDSMI_STATUS_NOT_SUPPORTED}
+    no_od = {"amdsmi_get_gpu_od_volt_info": codes.AMDSMI_STATUS_NOT_SUPPORTED}
     (gpu,), smi, _ = select([FakeAMDGPU(sclk_range_mhz=(500, 1700), errors=no_od)])
     assert gpu.clock_limits() == (500, 1700)
     assert gpu.supported_frequencies() == list(range(1700, 500, -20))
     assert smi.calls["amdsmi_get_clk_freq"] == 1
-    both = dict(no_od, amdsmi_get_clk_freq=fake.AMDSMI_STATUS_NOT_SUPPORTED)
+    both = dict(no_od, amdsmi_get_clk_freq=codes.AMDSMI_STATUS_NOT_SUPPORTED)
     (gpu,), _, _ = select([FakeAMDGPU(errors=both)])
     with pytest.raises(DeviceNotSupportedError, match="amdsmi_get_clk_freq"):
         gpu.supported_frequencies()
@@ -204,7 +204,7 @@ def test_units_and_grid_helpers():
 def test_sm_clock_is_what_the_gpu_runs_at_now():
     (gpu,), _, _ = select([FakeAMDGPU(load_clock_mhz=800)])
     assert gpu.sm_clock() == 800  # idle-ish: below the cap
-    (gpu,), _, _ = select([FakeAMDGPU(errors={"amdsmi_get_clock_info": fake.AMDSMI_STATUS_NOT_SUPPORTED})])
+    (gpu,), _, _ = select([FakeAMDGPU(errors={"amdsmi_get_clock_info": codes.AMDSMI_STATUS_NOT_SUPPORTED})])
     with pytest.raises(DeviceNotSupportedError, match="amdsmi_get_clock_info"):
         gpu.sm_clock()
 
@@ -279,7 +279,7 @@ def test_a_counter_without_power_to_check_it_against_is_used_if_it_moves(caplog)
     assert gpu.has_energy_counter()
     (gpu,), _, _ = select([FakeAMDGPU(power_key="none", counter_rate=0.0)])
     assert not gpu.has_energy_counter()
-    no_counter = {"amdsmi_get_energy_count": fake.AMDSMI_STATUS_NOT_SUPPORTED}
+    no_counter = {"amdsmi_get_energy_count": codes.AMDSMI_STATUS_NOT_SUPPORTED}
     (gpu,), _, _ = select([FakeAMDGPU(errors=no_counter)])
     assert not gpu.has_energy_counter()
 
@@ -340,16 +340,16 @@ def test_lock_caps_the_gfx_clock_and_reset_hands_it_back_to_the_driver():
     (gpu,), smi, _ = select([FakeAMDGPU()])
     fake_gpu = smi.gpus[0]
     gpu.lock_sm_clock(1500)
-    assert smi.writes == [("amdsmi_set_gpu_clk_range", 0, (500, 1500, fake.AmdSmiClkType.GFX))]
-    assert fake_gpu.soft_range_mhz == (500, 1500) and fake_gpu.perf_level == fake.AmdSmiDevPerfLevel.MANUAL
+    assert smi.writes == [("amdsmi_set_gpu_clk_range", 0, (500, 1500, codes.AmdSmiClkType.GFX))]
+    assert fake_gpu.soft_range_mhz == (500, 1500) and fake_gpu.perf_level == codes.AmdSmiDevPerfLevel.MANUAL
     assert gpu.sm_clock() == 1500  # busy: at the cap
     smi.writes.clear()
     gpu.reset_sm_clock()
     assert smi.writes == [
-        ("amdsmi_set_gpu_clk_range", 0, (500, 2100, fake.AmdSmiClkType.GFX)),
-        ("amdsmi_set_gpu_perf_level", 0, (fake.AmdSmiDevPerfLevel.AUTO,)),
+        ("amdsmi_set_gpu_clk_range", 0, (500, 2100, codes.AmdSmiClkType.GFX)),
+        ("amdsmi_set_gpu_perf_level", 0, (codes.AmdSmiDevPerfLevel.AUTO,)),
     ]
-    assert fake_gpu.perf_level == fake.AmdSmiDevPerfLevel.AUTO and gpu.sm_clock() == 2100
+    assert fake_gpu.perf_level == codes.AmdSmiDevPerfLevel.AUTO and gpu.sm_clock() == 2100
     gpu.lock_sm_clock(520)  # the lowest cap: still above the floor, as ROCm SMI needs
     assert fake_gpu.soft_range_mhz == (500, 520)
 
@@ -442,7 +442,7 @@ def test_synchronize_waits_for_torch_only_where_it_drives_the_gpu(monkeypatch):
     ],
 )
 def test_no_permission_names_root_and_the_files(method, args, failing):
-    (gpu,), _, _ = select([FakeAMDGPU(errors={failing: fake.AMDSMI_STATUS_NO_PERM})])
+    (gpu,), _, _ = select([FakeAMDGPU(errors={failing: codes.AMDSMI_STATUS_NO_PERM})])
     with pytest.raises(DevicePermissionError) as info:
         getattr(gpu, method)(*args)
     message = str(info.value)
@@ -451,8 +451,8 @@ def test_no_permission_names_root_and_the_files(method, args, failing):
 
 
 def test_not_supported_names_the_call_the_gpu_and_for_setters_the_vm_guest():
-    errors = {"amdsmi_get_power_cap_info": fake.AMDSMI_STATUS_NOT_SUPPORTED}
-    errors["amdsmi_set_power_cap"] = fake.AMDSMI_STATUS_NOT_SUPPORTED
+    errors = {"amdsmi_get_power_cap_info": codes.AMDSMI_STATUS_NOT_SUPPORTED}
+    errors["amdsmi_set_power_cap"] = codes.AMDSMI_STATUS_NOT_SUPPORTED
     (gpu,), _, _ = select([FakeAMDGPU(errors=errors)])
     with pytest.raises(DeviceNotSupportedError, match=r"GPU 0 \(AMD Instinct MI300X\) does not support amdsmi_get"):
         gpu.power_limit_mw()
@@ -464,10 +464,10 @@ def test_not_supported_names_the_call_the_gpu_and_for_setters_the_vm_guest():
 @pytest.mark.parametrize(
     "code",
     [
-        fake.AMDSMI_STATUS_DRIVER_NOT_LOADED,
-        fake.AMDSMI_STATUS_NO_DRV,
-        fake.AMDSMI_STATUS_FAIL_LOAD_MODULE,
-        fake.AMDSMI_STATUS_INIT_ERROR,
+        codes.AMDSMI_STATUS_DRIVER_NOT_LOADED,
+        codes.AMDSMI_STATUS_NO_DRV,
+        codes.AMDSMI_STATUS_FAIL_LOAD_MODULE,
+        codes.AMDSMI_STATUS_INIT_ERROR,
     ],
 )
 def test_no_driver_says_so_and_hints_at_the_simulator(code):
@@ -478,14 +478,14 @@ def test_no_driver_says_so_and_hints_at_the_simulator(code):
 @pytest.mark.parametrize(
     "code, kind, words",
     [
-        (fake.AMDSMI_STATUS_FAIL_LOAD_SYMBOL, DeviceError, "does not match the installed ROCm"),
-        (fake.AMDSMI_STATUS_NOT_FOUND, DeviceNotFoundError, "the GPU is gone"),
-        (fake.AMDSMI_STATUS_BUSY, DeviceError, "try again"),
-        (fake.AMDSMI_STATUS_RETRY, DeviceError, "try again"),
-        (fake.AMDSMI_STATUS_TIMEOUT, DeviceError, "try again"),
-        (fake.AMDSMI_STATUS_INVAL, DeviceError, "rejected the arguments"),
-        (fake.AMDSMI_STATUS_INPUT_OUT_OF_BOUNDS, DeviceError, "rejected the arguments"),
-        (fake.AMDSMI_STATUS_IO, DeviceError, "amdsmi status 12"),
+        (codes.AMDSMI_STATUS_FAIL_LOAD_SYMBOL, DeviceError, "does not match the installed ROCm"),
+        (codes.AMDSMI_STATUS_NOT_FOUND, DeviceNotFoundError, "the GPU is gone"),
+        (codes.AMDSMI_STATUS_BUSY, DeviceError, "try again"),
+        (codes.AMDSMI_STATUS_RETRY, DeviceError, "try again"),
+        (codes.AMDSMI_STATUS_TIMEOUT, DeviceError, "try again"),
+        (codes.AMDSMI_STATUS_INVAL, DeviceError, "rejected the arguments"),
+        (codes.AMDSMI_STATUS_INPUT_OUT_OF_BOUNDS, DeviceError, "rejected the arguments"),
+        (codes.AMDSMI_STATUS_IO, DeviceError, "amdsmi status 12"),
     ],
 )
 def test_other_errors_are_perseus_errors_naming_the_call(code, kind, words):
@@ -529,7 +529,7 @@ def test_the_fake_requires_init_and_restores_the_previous_module():
             module = sys.modules["amdsmi"]
             with pytest.raises(module.AmdSmiLibraryException) as info:
                 module.amdsmi_get_processor_handles()
-            assert info.value.get_error_code() == fake.AMDSMI_STATUS_NOT_INIT
+            assert info.value.get_error_code() == codes.AMDSMI_STATUS_NOT_INIT
             with pytest.raises(module.AmdSmiParameterException):
                 module.amdsmi_init(2)  # a plain int, not AmdSmiInitFlags
             assert smi.init_count == 0
@@ -541,7 +541,7 @@ def test_the_fake_requires_init_and_restores_the_previous_module():
 def test_the_backend_and_the_fake_agree_on_status_codes():
     for name, code in vars(amd_smi).items():
         if name.startswith("STATUS_"):
-            assert fake.STATUS[f"AMDSMI_{name}"] == code, name
+            assert codes.STATUS[f"AMDSMI_{name}"] == code, name
 
 
 def test_the_fake_mirrors_the_installed_amdsmi_package():
@@ -563,12 +563,12 @@ def test_the_fake_mirrors_the_installed_amdsmi_package():
     assert names <= exported, names - exported
     assert os.path.exists(os.path.join(folder, "amdsmi_wrapper.py"))  # the submodule the fake's wrapper mirrors
     wrapper = dict(re.findall(r"^(AMDSMI_\w+|CLK_LIMIT_\w+) = (\d+)$", source("amdsmi_wrapper.py"), re.M))
-    for name, code in fake.STATUS.items():
+    for name, code in codes.STATUS.items():
         assert int(wrapper[name]) == code, name
-    assert int(wrapper["AMDSMI_INIT_AMD_GPUS"]) == fake.AmdSmiInitFlags.INIT_AMD_GPUS
-    assert int(wrapper["AMDSMI_CLK_TYPE_GFX"]) == fake.AmdSmiClkType.GFX
-    assert int(wrapper["AMDSMI_DEV_PERF_LEVEL_AUTO"]) == fake.AmdSmiDevPerfLevel.AUTO
-    assert int(wrapper["AMDSMI_DEV_PERF_LEVEL_MANUAL"]) == fake.AmdSmiDevPerfLevel.MANUAL
+    assert int(wrapper["AMDSMI_INIT_AMD_GPUS"]) == codes.AmdSmiInitFlags.INIT_AMD_GPUS
+    assert int(wrapper["AMDSMI_CLK_TYPE_GFX"]) == codes.AmdSmiClkType.GFX
+    assert int(wrapper["AMDSMI_DEV_PERF_LEVEL_AUTO"]) == codes.AmdSmiDevPerfLevel.AUTO
+    assert int(wrapper["AMDSMI_DEV_PERF_LEVEL_MANUAL"]) == codes.AmdSmiDevPerfLevel.MANUAL
     interface = source("amdsmi_interface.py")
     for key in ("energy_accumulator", "counter_resolution", "current_socket_power", "average_socket_power"):
         assert f'"{key}"' in interface or f"'{key}'" in interface, key
