@@ -352,11 +352,12 @@ class SimGPU(GPU):
         work into the total, and return the energy (J) running work has added so far. Call
         with the lock held."""
         records, missed_j = self._activity.read_new(now)
-        self._extra_j += missed_j
-        origin, idle = self._origin, self._idle_w
-        for start, end, busy_w in records:
-            if end > origin:
-                self._pending.append((max(start, origin), end, busy_w - idle))
+        if records or missed_j:
+            self._extra_j += missed_j
+            origin, idle = self._origin, self._idle_w
+            for start, end, busy_w in records:
+                if end > origin:
+                    self._pending.append((max(start, origin), end, busy_w - idle))
         if not self._pending:
             return 0.0
         partial = 0.0
@@ -462,8 +463,10 @@ class SimGPU(GPU):
         with self._lock:
             now = self._now()
             self._settle(now)
-            until = max((end for _, end, _ in self._pending), default=self._busy_until)
-            until = max(until, self._busy_until)
+            until = self._busy_until
+            for segment in self._pending:  # still running after _settle: end > now
+                if segment[1] > until:
+                    until = segment[1]
         if until > now:
             self._clock.sleep(until - now)
 
