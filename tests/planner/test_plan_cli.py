@@ -31,6 +31,7 @@ def profile_csv(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_writes_plan_frontier_and_plots(tmp_path, profile_csv):
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.json"

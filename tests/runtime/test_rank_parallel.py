@@ -150,6 +150,7 @@ class Cluster:
         return [(rec, clocks) for rec, clocks in self.logs[r] if rec.phase == "planned" and rec.plan_version == version]
 
 
+@pytest.mark.slow
 def test_a_throttled_pipeline_is_seen_by_compute_time_and_the_other_is_replanned_to_its_pace(service):
     endpoint, state = service
     # Torch order, dp=2 x pp=2: rank = stage + 2 * dp_index. Pipeline 1 (ranks 2, 3) is 20% slower.

@@ -96,6 +96,7 @@ def run_ranks(ranks, gpus, until, logs) -> None:
         assert not t.is_alive(), "a rank never finished"
 
 
+@pytest.mark.slow
 def test_two_ranks_profile_get_planned_and_keep_the_plan_when_the_service_dies(service):
     proc, endpoint = service
     schedule = build_schedule("1f1b", 2, MICROBATCHES)

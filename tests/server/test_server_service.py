@@ -156,6 +156,7 @@ def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path)
             c.close()
 
 
+@pytest.mark.slow
 def test_restarted_service_resumes_without_profiling_again(serve, tmp_path):
     state = tmp_path / "state"
     served = serve(state)

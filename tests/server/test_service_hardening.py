@@ -209,7 +209,7 @@ class FlakyState(StateDir):
 
 def test_finding_3_write_errors_degrade_the_job_refuse_unsaved_profiles_and_recover(tmp_path):
     local = Local(tmp_path)
-    state = local.service.state = FlakyState(tmp_path / "state")
+    state = local.service.keeper.state = FlakyState(tmp_path / "state")
     job_id = local.register(4)
     local.settle()
     for rank in (0, 1):
@@ -228,7 +228,7 @@ def test_finding_3_write_errors_degrade_the_job_refuse_unsaved_profiles_and_reco
     assert status["phase"] == "planned" and "Read-only file system" in status["warning"]
     assert _ok(local.call("get_table", job_id=job_id, rank=0, iteration=0))["frequencies"]
     state.error = None
-    local.service._saved_at = 0.0
+    local.service.keeper.saved_at = 0.0
     local.service.tend()
     assert "warning" not in local.call("status", job_id=job_id)["jobs"][0]
     assert json.loads((tmp_path / "state" / "jobs" / job_id / "job.json").read_text())["plans"]
@@ -422,6 +422,7 @@ def test_finding_7_names_with_control_characters_are_refused(serve, name):
     assert "\x1b" not in log and not any(line.startswith("INFO forged") for line in log.splitlines())
 
 
+@pytest.mark.slow
 def test_finding_7_idle_connections_do_not_lock_out_new_peers(serve):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 4096:

@@ -13,6 +13,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -29,6 +31,7 @@ fuzz = _load()
 STEPS = 1500
 
 
+@pytest.mark.slow
 def test_a_short_stateful_fuzz_run_breaks_no_invariant():
     report = fuzz.run_fuzz(
         STEPS,
