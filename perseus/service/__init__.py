@@ -1,9 +1,12 @@
 """The planner service (`perseus serve`): jobs, their profiles and plans, and their state on disk.
 
-service       PlannerService: answers the requests, moves work between the parts below
+service       PlannerService: puts the parts below together and runs the loop
 transport     the ROUTER socket and its loop
+handlers      the answer to each request
 admission     the jobs held within the Budget (budget.py): admission and idle eviction
 workers       the threads off the loop: schedule builder, planning pool
+results       the loop's side of them: takes built schedules and solved plans, publishes plans
+keeper        the jobs on disk: saved on change, retried, resumed at startup; fault isolation
 job           one job's state machine, made of:
   ranks         the registered ranks (coordinates, GPU models, uploader election)
   profiles      the sweep, uploaded and cached profiles, each pipeline's profile

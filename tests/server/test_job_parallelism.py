@@ -264,11 +264,11 @@ def test_a_gpu_model_profiled_before_is_taken_from_the_signature_cache(tmp_path)
     a40 = merge_profiles({0: stage_profile(0), 1: stage_profile(1)}, None)
     service.state.save_cached_profile(spec.profile_key(A40), spec.signature(A40), a40)
     assert spec.profile_key(A40) != spec.profile_key() and job_spec(world_size=4, tp=2).signature()["tp"] == 2
-    service._register_job(RegisterJob(spec))
+    service.handlers.register_job(RegisterJob(spec))
     job = service.jobs[spec.job_id()]
     service.workers.planning.add(job.job_id)  # keep the planner thread out of this test
     for r in (2, 3):
-        service._register_rank(RegisterRank(job.job_id, rank_info(r, stage=r % 2, dp_index=1, gpu_model=A40)))
+        service.handlers.register_rank(RegisterRank(job.job_id, rank_info(r, stage=r % 2, dp_index=1, gpu_model=A40)))
     assert A40 in job.cached and job.profiled_stages_of(A40) == (0, 1) and job.profiled_stages == ()
     assert job.table(2, 0, 0).profiled_stages == (0, 1)  # the A40 ranks skip the sweep
     assert job.to_record()["cached_models"] == [A40]

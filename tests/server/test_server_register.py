@@ -130,18 +130,18 @@ def test_profiles_uploaded_before_the_schedule_is_built_are_refused_until_it_is(
         target=service.workers._build_worker, daemon=True
     )  # started below, after the uploads
     spec = job_spec()
-    service._register_job(RegisterJob(spec))
+    service.handlers.register_job(RegisterJob(spec))
     job = service.jobs[spec.job_id()]
     service.workers.planning.add(job.job_id)  # keep the planner thread out of this test
     for r in (0, 1):
-        service._register_rank(RegisterRank(job.job_id, rank_info(r)))
+        service.handlers.register_rank(RegisterRank(job.job_id, rank_info(r)))
     with pytest.raises(ServiceError) as refused:
-        service._upload_profile(UploadProfile(job.job_id, 0, 0, stage_profile(0)))
+        service.handlers.upload_profile(UploadProfile(job.job_id, 0, 0, stage_profile(0)))
     assert refused.value.code == "not_ready"
     assert job.schedule is None and job.profiled_stages == ()
     service.workers._builder.start()
-    wait_until(lambda: service._finish_builds() or job.schedule is not None)
-    assert service._upload_profile(UploadProfile(job.job_id, 0, 0, stage_profile(0))).phase == "profiling"
+    wait_until(lambda: service.results.take_builds() or job.schedule is not None)
+    assert service.handlers.upload_profile(UploadProfile(job.job_id, 0, 0, stage_profile(0))).phase == "profiling"
     assert job.profiled_stages == (0,) and not job.error
     assert list((tmp_path / "jobs" / job.job_id).glob("stage-*.json"))  # saved before the ack
     service.close()

@@ -1,0 +1,215 @@
+"""The service's answers to each request, on the loop: they act on the admitted jobs, hand
+new schedules to the workers and have the jobs they change planned (`Results.plan`) and saved.
+
+A request that cannot be acted on raises ServiceError (the reply's error code and a message
+saying what to fix); `PlannerService.handle` turns it into the error reply.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from perseus.exceptions import ServiceError
+from perseus.service.admission import Admission
+from perseus.service.job import Job
+from perseus.service.keeper import Keeper
+from perseus.service.results import Results
+from perseus.service.text import clip
+from perseus.service.workers import Workers
+from perseus.wire.envelope import ErrorCode
+from perseus.wire.fields import Message
+from perseus.wire.messages import (
+    Ack,
+    DeclareStraggler,
+    GetStatus,
+    GetTable,
+    JobRegistered,
+    JobStatus,
+    RankRegistered,
+    RegisterJob,
+    RegisterRank,
+    ReportIteration,
+    Status,
+    UploadProfile,
+)
+
+log = logging.getLogger(__name__)
+
+LOG_FIRST = 3  # log this many planned iterations of each plan, then every `log_every`-th
+
+
+class Handlers:
+    """One method per request type; each returns the reply message."""
+
+    def __init__(
+        self, admission: Admission, workers: Workers, keeper: Keeper, results: Results, log_every: int = 10
+    ) -> None:
+        self.admission = admission
+        self.jobs: dict[str, Job] = admission.jobs
+        self.workers = workers
+        self.keeper = keeper
+        self.results = results
+        self.log_every = max(1, log_every)
+
+    def register_job(self, msg: RegisterJob) -> JobRegistered:
+        spec = msg.spec
+        job = self.jobs.get(spec.job_id())
+        if job is not None:
+            self.admission.touch(job.job_id)
+            job.rerun()
+            log.info("job %s registered again (phase %s)", job.job_id, job.phase.value)
+        else:
+            cost = self.admission.admit(spec)
+            cached = self.keeper.state.load_cached_profile(spec.profile_key(), spec.signature())
+            job = Job(spec, cached_profile=cached, build_schedule=False)
+            self.admission.add(job, cost)
+            self.workers.build(spec)
+            log.info(
+                "job %s registered: %s, %d stages x %d microbatches, dp %d, tp %d (world size %d, %s rank mapping), "
+                "GPU %s%s",
+                job.job_id,
+                spec.schedule_name,
+                spec.pp,
+                spec.num_microbatches,
+                spec.dp,
+                spec.tp,
+                spec.world_size,
+                spec.rank_mapping,
+                spec.gpu_model,
+                "; profile cached, skipping profiling" if cached is not None else "",
+            )
+        self.results.plan(job)
+        return JobRegistered(job.job_id, job.phase.value, spec.gpu_model in job.cached)
+
+    def register_rank(self, msg: RegisterRank) -> RankRegistered:
+        job = self.admission.get(msg.job_id)
+        info = msg.info
+        models = job.models(info.dp_index)
+        job.add_rank(info)
+        model = info.gpu_model
+        cached = None
+        if model not in job.cached and not job.profiled_stages_of(model):
+            cached = self.keeper.state.load_cached_profile(job.spec.profile_key(model), job.spec.signature(model))
+            if cached is not None:
+                job.add_cached(model, cached)
+                log.info("job %s: profile of GPU model %s cached, skipping its profiling", job.job_id, model)
+        level = logging.INFO if job.spec.world_size <= 64 or len(job.ranks) == job.spec.world_size else logging.DEBUG
+        log.log(
+            level,
+            "job %s: rank %d registered (stage %d, dp %d, tp %d, %s); %d of %d",
+            job.job_id,
+            info.rank,
+            info.stage,
+            info.dp_index,
+            info.tp_index,
+            model,
+            len(job.ranks),
+            job.spec.world_size,
+        )
+        if job.models(info.dp_index) != models or cached is not None:
+            self.results.plan(job)  # the pipeline's GPU models changed, or a cached profile came in
+        else:
+            self.keeper.unsaved.add(job.job_id)
+        return RankRegistered(job.phase.value)
+
+    def get_table(self, msg: GetTable) -> Message:
+        return self.admission.get(msg.job_id).table(msg.rank, msg.iteration, msg.plan_version)
+
+    def upload_profile(self, msg: UploadProfile) -> Ack:
+        job = self.admission.get(msg.job_id)
+        if job.schedule is None:
+            # Not acknowledged: a profile is only taken once it can be checked and saved, so a
+            # crash while the schedule builds never loses one the rank believes delivered.
+            job.rank(msg.rank)
+            if job.error:
+                raise ServiceError(
+                    ErrorCode.BAD_FIELD.value,
+                    f"job {job.job_id} failed ({job.error}); fix it and register the job again",
+                )
+            raise ServiceError(
+                ErrorCode.NOT_READY.value, f"job {job.job_id}'s schedule is still being built; the client retries"
+            )
+        name = job.add_profile(msg.rank, msg.stage, msg.profile)
+        if name is not None:
+            try:
+                self.keeper.state.save_stage_profile(job.job_id, name, msg.profile)
+            except OSError as e:
+                job.drop_upload(msg.rank, name)
+                reason = f"its state could not be saved: stage {msg.stage}'s profile ({e.strerror or e})"
+                job.degrade(reason)
+                log.error("job %s: %s; the rank is told to retry", job.job_id, reason)
+                raise ServiceError(ErrorCode.NOT_READY.value, f"{reason}; the client retries") from None
+            model = job.ranks[msg.rank].gpu_model
+            if msg.stage in job.profiled_stages_of(model):
+                log.info(
+                    "job %s: stage %d profiled on %s (%d of %d)",
+                    job.job_id,
+                    msg.stage,
+                    model,
+                    len(job.profiled_stages_of(model)),
+                    job.spec.pp,
+                )
+            else:
+                shares = len(job.profiling.uploads[(model, msg.stage)])
+                log.info(
+                    "job %s: stage %d tensor-parallel share %d of %d in", job.job_id, msg.stage, shares, job.spec.tp
+                )
+            self.results.plan(job)
+        return Ack(job.phase.value)
+
+    def report_iteration(self, msg: ReportIteration) -> Ack:
+        job = self.admission.get(msg.job_id)
+        done = job.record(msg)
+        if done is not None:
+            measured, planned = done
+            count = job.measurements.planned.count
+            if planned and (count <= LOG_FIRST or count % self.log_every == 0):
+                log.info("%s", job.describe(measured))
+            else:
+                log.debug(
+                    "job %s iteration %d: %.4f s, %.1f J",
+                    job.job_id,
+                    measured.iteration,
+                    measured.time_s,
+                    measured.energy_j,
+                )
+        if job.update_stragglers():
+            self.results.plan(job)
+        return Ack(job.phase.value)
+
+    def declare_straggler(self, msg: DeclareStraggler) -> Ack:
+        job = self.admission.get(msg.job_id)
+        job.declare_straggler(msg.pipeline, msg.factor)
+        if msg.factor is None:
+            log.info("job %s: pipeline %d no longer declared a straggler", job.job_id, msg.pipeline)
+        else:
+            log.info(
+                "job %s: pipeline %d declared a straggler (%.3fx its planned time)",
+                job.job_id,
+                msg.pipeline,
+                msg.factor,
+            )
+        self.results.plan(job)
+        return Ack(job.phase.value)
+
+    def status(self, msg: GetStatus) -> Status:
+        jobs = [self.admission.get(msg.job_id)] if msg.job_id is not None else [self.jobs[j] for j in sorted(self.jobs)]
+        return Status(tuple(self._job_status(job) for job in jobs))
+
+    def _job_status(self, job: Job) -> JobStatus:
+        """The job's status, or, if a bug keeps it from being told, a minimal one saying so: one
+        job never makes the status of all jobs fail."""
+        try:
+            return job.status()
+        except Exception as e:  # fault isolation: the traceback is logged, the status says so
+            log.exception("job %s: its status cannot be told", job.job_id)
+            return JobStatus(
+                job_id=job.job_id,
+                phase="failed",
+                world_size=job.spec.world_size,
+                ranks_registered=len(job.ranks),
+                profiled_stages=(),
+                plan_version=0,
+                last_iteration=-1,
+                error=clip(f"status unavailable: internal error ({type(e).__name__}: {e})"),
+            )

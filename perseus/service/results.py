@@ -1,0 +1,166 @@
+"""The loop's side of the worker threads: it takes built schedules and solved plans, publishes
+plans, and hands each job's missing plans to the planning pool. Each job's part runs under
+`Keeper.guard`, so a fault stays with its job."""
+
+from __future__ import annotations
+
+import logging
+
+from perseus.exceptions import PerseusError
+from perseus.schedules import Schedule
+from perseus.service.budget import Budget
+from perseus.service.job import Job
+from perseus.service.keeper import Keeper
+from perseus.service.planning import plan_choices
+from perseus.service.plans import PlanKey, document_name
+from perseus.service.text import clip
+from perseus.service.workers import Solved, Workers
+
+log = logging.getLogger(__name__)
+
+
+class Results:
+    """Moves the work of `jobs` (the service's, by id) between the loop and `workers`."""
+
+    def __init__(self, budget: Budget, workers: Workers, keeper: Keeper, jobs: dict[str, Job]) -> None:
+        self.budget = budget
+        self.workers = workers
+        self.keeper = keeper
+        self.jobs = jobs
+        self._cache_saved: set[tuple[str, str]] = set()  # (job, GPU model) whose profile went to the signature cache
+
+    def plan(self, job: Job) -> None:
+        """Publish what is solved, start solving what is missing, save the job."""
+        self.keeper.guard(job, "publishing its plans", self._publish, job)
+        self.keeper.guard(job, "starting its planning", self._start_planning, job)
+        self.keeper.guard(job, "saving its state", self.keeper.save, job)
+
+    def take_builds(self) -> None:
+        """Take the schedules built since the last call (and plan their jobs)."""
+        for spec, result, seconds in self.workers.built():
+            job = self.jobs.get(spec.job_id())
+            if job is None or job.spec != spec:
+                continue  # evicted meanwhile
+            self.keeper.guard(job, "building its schedule", self._take_schedule, job, result, seconds)
+
+    def take_plans(self) -> None:
+        """Take the plans solved since the last call (and publish them)."""
+        for job_id, done in self.workers.solved():
+            job = self.jobs.get(job_id)
+            if job is None:
+                continue  # evicted meanwhile
+            self.keeper.guard(job, "taking its solved plans", self._take_plans, job, done)
+            self.plan(job)
+
+    def _take_schedule(self, job: Job, result: Schedule | BaseException, seconds: float) -> None:
+        if isinstance(result, PerseusError):
+            job.fail(f"invalid job: {result}")
+            log.error("job %s: %s; its ranks stay at maximum clocks", job.job_id, job.error)
+        elif isinstance(result, BaseException):
+            job.fail(f"invalid job: internal error ({type(result).__name__}: {result})")
+            log.error("job %s: %s; its ranks stay at maximum clocks", job.job_id, job.error, exc_info=result)
+        else:
+            job.set_schedule(result)
+            log.info(
+                "job %s: schedule built in %.2f s (%d instructions)",
+                job.job_id,
+                seconds,
+                sum(len(r) for r in result.stages),
+            )
+        self.plan(job)
+
+    def _start_planning(self, job: Job) -> None:
+        if job.job_id in self.workers.planning or job.error or job.schedule is None:
+            return  # (no plan is missing while the schedule is being built: no profile is complete)
+        tasks = []
+        for key, profile in job.missing_plans():
+            choices = plan_choices(job.schedule, profile)
+            if choices > self.budget.max_plan_choices:
+                job.add_result(
+                    key,
+                    f"the profile gives {choices} (instruction, frequency) choices, over the service's planning budget "
+                    f"of {self.budget.max_plan_choices}; profile fewer frequencies (JobSpec.sweep_frequencies) or ask "
+                    "the operator to raise --max-plan-choices",
+                )
+                log.error(
+                    "job %s: %s (%s)",
+                    job.job_id,
+                    job.error or "a deadline is over the planning budget",
+                    _describe_key(key),
+                )
+            else:
+                tasks.append((key, profile))
+        if tasks:
+            log.info("job %s: planning %s", job.job_id, ", ".join(_describe_key(key) for key, _ in tasks))
+            self.workers.solve(job.job_id, job.schedule, tasks)
+
+    def _publish(self, job: Job) -> None:
+        changed = job.publish()
+        for k in changed if len(changed) <= 8 else changed[:1]:
+            plan = job.plans[k]
+            saving = 1.0 - plan.energy_j / plan.baseline_energy_j
+            log.info(
+                "job %s: pipeline %d plan v%d from iteration %d (%s): iteration %.4f s (max clocks %.4f s), "
+                "energy %.1f J (max clocks %.1f J, saving %.1f%%, lower bound %.1f J)",
+                job.job_id,
+                k,
+                plan.version,
+                plan.start_iteration,
+                _describe_key(plan.key),
+                plan.iteration_time_s,
+                plan.baseline_iteration_time_s,
+                plan.energy_j,
+                plan.baseline_energy_j,
+                100 * saving,
+                plan.lower_bound_j,
+            )
+        if len(changed) > 8:
+            log.info(
+                "job %s: plan v%d published for %d pipelines", job.job_id, job.plan_book.last_version, len(changed)
+            )
+
+    def _take_plans(self, job: Job, done: list[Solved]) -> None:
+        job_id = job.job_id
+        for key, result, seconds in done:
+            if isinstance(result, BaseException):
+                if isinstance(result, PerseusError):
+                    message = f"planning failed: {result}"
+                else:
+                    log.error("job %s: planner crashed", job_id, exc_info=result)
+                    message = f"planning failed with an internal error ({type(result).__name__}: {result})"
+                job.add_result(key, message)
+                log.error(
+                    "job %s: %s (%s); %s",
+                    job_id,
+                    clip(message),
+                    _describe_key(key),
+                    "its ranks stay at maximum clocks"
+                    if key[1] is None
+                    else "those pipelines keep their no-slowdown plans",
+                )
+                continue
+            plan, document = result
+            job.add_result(key, plan)
+            log.info(
+                "job %s: solved %s in %.2f s: %.4f s, %.1f J per pipeline",
+                job_id,
+                _describe_key(key),
+                seconds,
+                plan.iteration_time_s,
+                plan.energy_j,
+            )
+            # The plan is in force once published; its full document is a record for the operator,
+            # so a write error here degrades the job (see _guard) and loses nothing the ranks need.
+            self.keeper.state.save_plan_document(job_id, document, document_name(job.spec, key))
+        for model in list(job.profiles):
+            profile = job.model_profile(model)
+            if profile is not None and model not in job.cached and (job_id, model) not in self._cache_saved:
+                self.keeper.state.save_cached_profile(job.spec.profile_key(model), job.spec.signature(model), profile)
+                self._cache_saved.add((job_id, model))
+
+
+def _describe_key(key: PlanKey) -> str:
+    models, deadline = key
+    names = sorted(set(models))
+    where = names[0] if len(names) == 1 else "/".join(models)
+    return f"{where}, " + ("no slowdown" if deadline is None else f"deadline {deadline:.4f} s")
