@@ -8,7 +8,8 @@ imported only when it is called). A rank reaches the planner through a `PlannerP
 
 from perseus.runtime.port import PlannerPort, PortAssignment
 from perseus.runtime.progress import Progress
-from perseus.runtime.rank import IterationRecord, PerseusRank, ProfilingSettings
+from perseus.runtime.rank import PerseusRank
+from perseus.runtime.records import IterationRecord, ProfilingSettings
 from perseus.runtime.torch_stage import SUPPORTED_TORCH, instrument
 
 __all__ = [

@@ -29,44 +29,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from perseus.controller import FrequencyController
 from perseus.devices.gpu import GPU
-from perseus.exceptions import ConfigError, PlanError, ServiceError
+from perseus.exceptions import ConfigError, PlanError
 from perseus.profiler.online import OnlineProfiler, Sweep, SweepStep
+from perseus.runtime import registration
 from perseus.runtime.port import PlannerPort, PortAssignment
 from perseus.runtime.progress import Progress
+from perseus.runtime.records import IterationRecord, ProfilingSettings
 from perseus.schedules.instruction import Schedule
 from perseus.wire.parallelism import Parallelism
 from perseus.wire.phases import Phase
 from perseus.wire.spec import JobSpec, RankInfo
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class IterationRecord:
-    """What one finished iteration measured on this rank."""
-
-    iteration: int
-    phase: Phase
-    frequency: int | None  # the uniform clock (profiling), else None
-    plan_version: int
-    time_s: float
-    energy_j: float
-    compute_time_s: float | None = None  # to the end of the last instruction (see the module docstring)
-
-
-@dataclass(frozen=True)
-class ProfilingSettings:
-    """The online sweep; the planner service's job spec carries the same numbers."""
-
-    warmup_iterations: int = 2
-    iterations_per_frequency: int = 2
-    frequencies: tuple[int, ...] | None = None  # default: every supported clock, highest first
-    early_stop_rises: int = 3
 
 
 class PerseusRank:
@@ -120,7 +98,7 @@ class PerseusRank:
         close_client: bool = False,
         on_iteration: Callable[[IterationRecord], None] | None = None,
     ) -> None:
-        self.parallelism = resolve_parallelism(
+        self.parallelism = registration.resolve_parallelism(
             schedule,
             stage,
             parallelism,
@@ -434,94 +412,30 @@ class PerseusRank:
     # Registration (background: the planner may be late or down)
     def job_spec(self) -> JobSpec:
         """The job as rank 0 registers it (every rank builds it: its id names the job)."""
-        s, layout = self.schedule, self.parallelism
-        return JobSpec(
-            world_size=layout.world_size,
-            pp=layout.pp,
-            dp=layout.dp,
-            tp=layout.tp,
-            schedule_name=s.name,
-            num_microbatches=s.num_microbatches,
-            num_chunks=s.num_chunks,
-            schedule_style=s.style,
-            stage_orders=tuple(tuple((i.kind.value, i.microbatch, i.chunk) for i in row) for row in s.stages),
+        return registration.job_spec(
+            self.schedule,
+            self.parallelism,
+            self.gpu,
+            self.settings,
+            self.sweep.frequencies,
             tag=self.tag,
-            gpu_model=self.gpu.name(),
-            warmup_iterations=self.settings.warmup_iterations,
-            iterations_per_frequency=self.settings.iterations_per_frequency,
-            sweep_frequencies=self.sweep.frequencies,
-            rank_mapping=layout.rank_mapping,
             instruction_overhead_s=self.instruction_overhead_s,
             hop_latency_s=self.hop_latency_s,
         )
 
     def rank_info(self) -> RankInfo:
         """This rank as it registers itself."""
-        layout = self.parallelism
-        return RankInfo(
-            self.rank,
-            layout.stage,
-            dp_index=layout.dp_index,
-            tp_index=layout.tp_index,
-            gpu_model=self.gpu.name(),
-            frequencies=tuple(self.gpu.supported_frequencies()),
-        )
+        return registration.rank_info(self.rank, self.parallelism, self.gpu)
 
     def _register(self, retry_s: float) -> None:
-        """Rank 0 registers the job, every rank itself. The client retries an unreachable service
-        in the background; this loop only covers clients that raise instead."""
-        client = self._client
-        warned = False
-        while client is not None and not self._stop.is_set():
-            try:
-                spec, info = self.job_spec(), self.rank_info()
-                job_id = client.register_job(spec) if self.rank == 0 else spec.job_id()
-                client.register_rank(job_id, info)
-                self._job_id = job_id
-                return
-            except (ConfigError, ServiceError) as e:
-                logger.error(
-                    "rank %d: the Perseus planner refused this job (%s); running at default clocks", self.rank, e
-                )
-                return
-            except Exception as e:
-                if not warned:
-                    logger.warning(
-                        "rank %d: cannot reach the Perseus planner (%r); training runs at default clocks "
-                        "and registration is retried every %g s",
-                        self.rank,
-                        e,
-                        retry_s,
-                    )
-                    warned = True
-            self._stop.wait(retry_s)
+        """The registration thread: see `perseus.runtime.registration.register`."""
+        job_id = registration.register(
+            self._client, self.rank, lambda: (self.job_spec(), self.rank_info()), self._stop, retry_s
+        )
+        if job_id is not None:
+            self._job_id = job_id
 
     def _warn_once(self, where: str, message: str) -> None:
         if where not in self._warned:
             self._warned.add(where)
             logger.warning("rank %d: %s", self.rank, message)
-
-
-def resolve_parallelism(
-    schedule: Schedule, stage: int | None, parallelism: Parallelism | None, **keywords: Any
-) -> Parallelism:
-    """This rank's `Parallelism`: `parallelism` as given (checked against the schedule and
-    `stage`), or built from `stage` and the keywords (rank, dp, dp_index, tp, tp_index,
-    rank_mapping) that are not None. ConfigError naming what to fix."""
-    given = {name: value for name, value in keywords.items() if value is not None}
-    pp = schedule.num_stages
-    if parallelism is not None:
-        if not isinstance(parallelism, Parallelism):
-            raise ConfigError(f"parallelism must be a perseus.wire.Parallelism, got {type(parallelism).__name__}")
-        if given:
-            raise ConfigError(f"pass parallelism= or {', '.join(f'{n}=' for n in given)}, not both")
-        if parallelism.pp != pp:
-            raise ConfigError(f"parallelism.pp is {parallelism.pp} but the schedule has {pp} stages")
-        if stage is not None and stage != parallelism.stage:
-            raise ConfigError(f"this rank's pipeline stage is {stage} but parallelism.stage is {parallelism.stage}")
-        return parallelism
-    if stage is None:
-        raise ConfigError("PerseusRank needs this rank's pipeline stage: pass stage= or parallelism=")
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp:
-        raise ConfigError(f"stage {stage} is outside the schedule's stages 0..{pp - 1}")
-    return Parallelism(pp, stage, **given)

@@ -26,7 +26,8 @@ from perseus.devices import get_gpus
 from perseus.devices.gpu import GPU
 from perseus.exceptions import ConfigError
 from perseus.runtime.port import PlannerPort
-from perseus.runtime.rank import PerseusRank, resolve_parallelism
+from perseus.runtime.rank import PerseusRank
+from perseus.runtime.registration import resolve_parallelism
 from perseus.schedules import Schedule, build_schedule, from_torch_pipeline_order
 from perseus.schedules.instruction import Kind
 from perseus.wire.parallelism import Parallelism
