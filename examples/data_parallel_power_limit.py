@@ -117,16 +117,6 @@ def main() -> None:
                 )
         reporter.on_train_end()
 
-    if rank == 0 and optimizer.measurements:
-        top, chosen = (
-            optimizer.measurements[0],
-            next(m for m in optimizer.measurements if m.power_limit_mw == optimizer.selected_mw),
-        )
-        print(
-            f"chose {chosen.power_limit_w:.0f} W for {optimizer.num_gpus} GPU(s): per step "
-            f"{chosen.time_s / top.time_s:.3f}x the time and {chosen.energy_j / top.energy_j:.3f}x the energy "
-            f"of {top.power_limit_w:.0f} W"
-        )
     if distributed:
         dist.destroy_process_group()
 
