@@ -76,7 +76,8 @@ def load_profiles(folder: Path | None, stages: int):
 
 def simulated_profile(preset_name: str, stages: int):
     """A pipeline of unequal stages (the last carries the loss head) on a simulated GPU."""
-    from perseus.devices.sim import Work, get_preset, predict
+    from perseus.devices.sim_presets import get_preset
+    from perseus.devices.sim_work import Work, predict
     from perseus.profiler import Profile, ProfilePoint
 
     preset = get_preset(preset_name)

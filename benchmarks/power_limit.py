@@ -154,7 +154,8 @@ def ratios(a: Sweep, b: Sweep) -> str:
 def profiling_cost(args) -> bool:
     """Part 0; False if early stopping ever chose other than the full sweep."""
     from perseus.clock import VirtualClock
-    from perseus.devices.sim import DEFAULT_ALPHA, Work, sim_gpus
+    from perseus.devices.sim import sim_gpus
+    from perseus.devices.sim_work import DEFAULT_ALPHA, Work
     from perseus.power_limit import Energy, MaxSlowdownConstraint, Time, ZeusCost
 
     selectors = {
@@ -232,7 +233,8 @@ def main() -> int:
     os.environ["PERSEUS_SIM_DIR"] = tempfile.mkdtemp(prefix="perseus-bench-")  # private simulated GPUs
 
     from perseus.clock import VirtualClock
-    from perseus.devices.sim import Work, sim_gpus
+    from perseus.devices.sim import sim_gpus
+    from perseus.devices.sim_work import Work
     from perseus.measurement import Monitor
     from perseus.measurement.carbon import CarbonReporter, IntensityPoint, IntensityTimeSeries
     from perseus.power_limit import CarbonCost, GlobalPowerLimitOptimizer, MaxSlowdownConstraint, Phase

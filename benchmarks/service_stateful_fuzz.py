@@ -96,7 +96,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from service_fuzz import Fuzzer, pack
 from service_support import PRESET, ServeProcess, stage_profile
 
-from perseus.devices.sim import SimPreset, get_preset
+from perseus.devices.sim_presets import SimPreset, get_preset
 from perseus.wire import limits
 from perseus.wire.envelope import RequestRejected, decode_request
 from perseus.wire.limits import MAX_INSTRUCTIONS, MAX_ITERATION, MAX_RANKS

@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from perseus.devices.sim import SimPreset, Work, get_preset, predict
+from perseus.devices.sim_presets import SimPreset, get_preset
+from perseus.devices.sim_work import Work, predict
 from perseus.profiler.profile import Profile, ProfilePoint
 
 START_TIMEOUT_S = 60.0  # the full CLI imports every command; on a loaded 2-core machine that takes seconds

@@ -30,8 +30,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from perseus.clock import VirtualClock
-from perseus.devices import get_gpus, parse_gpu_spec
-from perseus.devices.sim import SimGPU, Work
+from perseus.devices import Work, get_gpus, parse_gpu_spec
+from perseus.devices.sim import SimGPU
 from perseus.measurement import Monitor
 from perseus.measurement.carbon import CarbonReporter, StaticIntensity
 from perseus.power_limit import GlobalPowerLimitOptimizer, MaxSlowdownConstraint

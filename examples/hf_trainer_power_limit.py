@@ -28,8 +28,8 @@ import torch
 import transformers
 
 from perseus.clock import VirtualClock
-from perseus.devices import get_gpus
-from perseus.devices.sim import Work, sim_gpus
+from perseus.devices import Work, get_gpus
+from perseus.devices.sim import sim_gpus
 from perseus.integrations.huggingface import PowerLimitCallback
 from perseus.measurement import Monitor
 from perseus.measurement.carbon import CarbonReporter, ElectricityMaps, StaticIntensity

@@ -12,7 +12,7 @@ from perseus.cli.common import add_gpu_argument, backend_name, select_gpus
 from perseus.devices.cpu import rapl_cpus
 from perseus.devices.gpu import GPU
 from perseus.devices.select import gpu_backend
-from perseus.devices.sim import PRESETS
+from perseus.devices.sim_presets import PRESETS
 from perseus.exceptions import DeviceError
 
 EPILOG = """examples:

@@ -22,7 +22,8 @@ from torch import nn
 
 from perseus.demo.model import StageModel
 from perseus.devices.gpu import GPU
-from perseus.devices.sim import SimGPU, Work
+from perseus.devices.sim import SimGPU
+from perseus.devices.sim_work import Work
 from perseus.exceptions import ConfigError
 from perseus.schedules.instruction import Kind
 

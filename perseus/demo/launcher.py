@@ -30,7 +30,7 @@ from perseus.demo.report import job_record, summarize, summarize_straggler, writ
 from perseus.demo.results import gloo_latency, load_iterations, median_iteration, read_rank_record, split_phases
 from perseus.demo.workload import default_time_scale
 from perseus.devices.select import ENV_VAR, parse_gpu_spec
-from perseus.devices.sim import get_preset
+from perseus.devices.sim_presets import get_preset
 from perseus.exceptions import ConfigError, PerseusError
 
 MAX_PROCESSES = 8  # torchrun ranks in all

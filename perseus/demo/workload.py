@@ -17,7 +17,7 @@ part of it.
 
 from __future__ import annotations
 
-from perseus.devices.sim import Work
+from perseus.devices.sim_work import Work
 from perseus.exceptions import ConfigError
 from perseus.schedules.instruction import Kind
 

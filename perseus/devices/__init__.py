@@ -9,6 +9,7 @@ with `emulate(gpus, Work(seconds, alpha=...))` (real GPUs are skipped).
 from perseus.devices.gpu import GPU
 from perseus.devices.local_rank import local_gpu_indices
 from perseus.devices.select import get_gpus, parse_gpu_spec
-from perseus.devices.sim import Work, emulate
+from perseus.devices.sim import emulate
+from perseus.devices.sim_work import Work
 
 __all__ = ["GPU", "Work", "emulate", "get_gpus", "local_gpu_indices", "parse_gpu_spec"]

@@ -2,17 +2,14 @@
 
 A simulated GPU behaves like a real one where Perseus can tell:
 - Work runs at the locked SM clock, slowed further when its power would exceed the power
-  limit. For work of nominal time t0 at f_max with compute-bound fraction alpha,
-  t(f) = t0 * (alpha * f_max / f + 1 - alpha) and busy power
-  P(f) = P_floor + intensity * P_dyn * (f / f_max) ** gamma.
-  Defaults are calibrated on the measured GPT-3 175B stage profiles on A100-SXM (1080 MHz
-  takes about 1.24x the time and 0.74x the energy of 1410 MHz).
+  limit, taking the time and energy of perseus.devices.sim_work's model; the GPU models
+  (clocks, power limits, power figures) are perseus.devices.sim_presets'.
 - The energy counter (mJ) integrates idle power plus the busy power of the work issued
   through `execute`, analytically over the GPU's clock (real or virtual), so it never
   decreases and needs no background thread. Like hardware, a GPU counts the work of every
   SimGPU object for it: on the real clock, in any process (see perseus.devices.sim_activity;
   `perseus monitor -- CMD` measures the simulated work CMD runs); on a virtual clock, in this
-  process, among the objects sharing that clock.
+  process, among the objects sharing that clock (perseus.devices.sim_shared_activity).
 - `synchronize` is a device sync: it waits until all work queued on the GPU has finished,
   whichever SimGPU object (or, on the real clock, process) issued it.
 - The locked SM clock, the power limit and a throttle factor (`slowdown`, a straggler whose
@@ -27,7 +24,7 @@ time-share); the counter's origin is when the SimGPU object was made.
 Making a simulated GPU do work in your own script (e.g. what one training step would cost on
 the GPU, so that the power limit and clocks change its time and energy):
 
-    from perseus.devices.sim import Work, emulate
+    from perseus.devices import Work, emulate
 
     emulate(monitor.gpus, Work(0.05, alpha=0.3))  # 50 ms at full clock on each simulated GPU
 
@@ -44,173 +41,19 @@ import os
 import threading
 import time
 import uuid as uuid_lib
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from perseus.atomic import write_json_atomic
 from perseus.clock import REAL_CLOCK, Clock, RealClock
 from perseus.devices.gpu import GPU
-from perseus.devices.sim_activity import ActivityLog, Record
+from perseus.devices.sim_activity import ActivityLog
+from perseus.devices.sim_presets import SimPreset, get_preset
+from perseus.devices.sim_shared_activity import SharedActivity
+from perseus.devices.sim_work import Work, predict
 from perseus.exceptions import ConfigError, DeviceError
 
 SIM_DIR_ENV = "PERSEUS_SIM_DIR"
-FREQUENCY_STEP_MHZ = 15
-
-# Calibration (see tests/devices/test_sim.py::test_calibration_against_measured_gpt3_profiles).
-DEFAULT_ALPHA = 0.78
-DEFAULT_GAMMA = 4.5
-FLOOR_FRACTION = 0.40  # P_floor / TDP
-DYNAMIC_FRACTION = 0.55  # P_dyn / TDP: intensity-1 work draws 0.95 x TDP at f_max
-
-
-@dataclass(frozen=True)
-class SimPreset:
-    """One simulated GPU model. Power in W, frequency in MHz."""
-
-    name: str
-    product: str
-    max_mhz: int
-    min_mhz: int
-    tdp_w: float  # default power limit
-    min_power_limit_w: float
-    max_power_limit_w: float
-    idle_w: float  # power while idle or blocked on a peer
-    gamma: float = DEFAULT_GAMMA
-    clocks: tuple[int, ...] = ()  # supported SM clocks, highest first; empty: max_mhz down to min_mhz in 15 MHz
-
-    def __post_init__(self) -> None:
-        c = self.clocks
-        if c and (c[0] != self.max_mhz or c[-1] != self.min_mhz or any(a <= b for a, b in zip(c, c[1:]))):
-            raise ConfigError(
-                f"simulated GPU preset {self.name!r}: clocks must fall from max_mhz ({self.max_mhz}) "
-                f"to min_mhz ({self.min_mhz}), highest first"
-            )
-
-    @property
-    def floor_w(self) -> float:
-        return FLOOR_FRACTION * self.tdp_w
-
-    @property
-    def dynamic_w(self) -> float:
-        return DYNAMIC_FRACTION * self.tdp_w
-
-    @property
-    def frequencies(self) -> tuple[int, ...]:
-        """Supported SM clocks, highest first."""
-        return self.clocks or tuple(range(self.max_mhz, self.min_mhz - 1, -FREQUENCY_STEP_MHZ))
-
-    @property
-    def step_mhz(self) -> int:
-        """The step between supported clocks (the largest one, where they are uneven)."""
-        f = self.frequencies
-        return max((a - b for a, b in zip(f, f[1:])), default=0)
-
-
-PRESETS: dict[str, SimPreset] = {
-    p.name: p
-    for p in (
-        # Blocking power 83.64 W and 70.38 W: measured in the Perseus paper's artifact.
-        SimPreset("a100-sxm", "NVIDIA A100-SXM4-40GB", 1410, 210, 400.0, 100.0, 400.0, 83.64),
-        SimPreset("a100-pcie", "NVIDIA A100-PCIE-40GB", 1410, 210, 250.0, 150.0, 250.0, 55.0),
-        SimPreset("h100-sxm", "NVIDIA H100 80GB HBM3", 1980, 345, 700.0, 200.0, 700.0, 115.0),
-        SimPreset("a40", "NVIDIA A40", 1740, 210, 300.0, 100.0, 300.0, 70.38),
-        # AMD Instinct. From AMD's public spec sheets: peak engine clock and board power (TBP), MI300X
-        # 2100 MHz and 750 W; MI250X 1700 MHz and 500 W for the package (the air-cooled OAM; 560 W
-        # liquid-cooled is not modelled), whose two GCDs appear as two GPUs: one GCD gets half, 250 W.
-        # The clocks are the caps the amdsmi backend offers (perseus.devices.amd.clock_grid): 20 MHz
-        # steps from the peak down to just above the 500 MHz floor of the GFX clock range, which is
-        # amdgpu's and not on the spec sheets. Not published either, so estimates: the lowest power cap
-        # (40% of TBP; a real GPU reports its own, amdsmi_get_power_cap_info) and idle power (about a
-        # fifth of TBP, as the A100's measured 83.64 W is of 400 W); the power curve is the A100's.
-        SimPreset(
-            "mi300x", "AMD Instinct MI300X", 2100, 520, 750.0, 300.0, 750.0, 150.0, clocks=tuple(range(2100, 500, -20))
-        ),
-        SimPreset(
-            "mi250x",
-            "AMD Instinct MI250X (GCD)",
-            1700,
-            520,
-            250.0,
-            100.0,
-            250.0,
-            50.0,
-            clocks=tuple(range(1700, 500, -20)),
-        ),
-    )
-}
-
-
-def get_preset(name: str | SimPreset) -> SimPreset:
-    if isinstance(name, SimPreset):
-        return name
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown simulated GPU preset {name!r}; available: {', '.join(PRESETS)} (e.g. PERSEUS_GPU=sim:a100-sxm:4)"
-        ) from None
-
-
-@dataclass(frozen=True)
-class Work:
-    """A piece of GPU work for a simulated GPU (`SimGPU.execute`, `emulate`).
-
-    time_s: seconds it takes at the highest SM clock with no power cap.
-    alpha: the compute-bound fraction, whose time scales with 1/clock (the rest, e.g. memory
-    traffic, does not): 0.78 is a GPT-3 stage on an A100; lower is more memory-bound, whose
-    time barely moves as the power limit drops.
-    intensity: scales dynamic power (1.0: a large matmul-heavy training step).
-    What it costs at a given clock and power limit: `predict` or `SimGPU.predict`.
-    """
-
-    time_s: float
-    alpha: float = DEFAULT_ALPHA
-    intensity: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.time_s >= 0:
-            raise ConfigError(f"Work.time_s must be >= 0 seconds, got {self.time_s!r}")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ConfigError(f"Work.alpha (compute-bound fraction) must be in [0, 1], got {self.alpha!r}")
-        if not self.intensity >= 0:
-            raise ConfigError(f"Work.intensity must be >= 0, got {self.intensity!r}")
-
-
-def busy_power_w(preset: SimPreset, work: Work, frequency: float) -> float:
-    """Busy power at SM clock `frequency` (before any power capping)."""
-    return preset.floor_w + work.intensity * preset.dynamic_w * (frequency / preset.max_mhz) ** preset.gamma
-
-
-def effective_frequency(preset: SimPreset, work: Work, frequency: float, power_limit_w: float) -> float:
-    """The clock the work really runs at: `frequency`, lowered until power fits the limit.
-
-    Never below the minimum supported clock (there the GPU draws what it draws).
-    """
-    if busy_power_w(preset, work, frequency) <= power_limit_w:
-        return frequency
-    headroom = (power_limit_w - preset.floor_w) / (work.intensity * preset.dynamic_w)
-    if headroom <= 0:
-        return float(preset.min_mhz)
-    return max(float(preset.min_mhz), preset.max_mhz * headroom ** (1.0 / preset.gamma))
-
-
-def predict(
-    preset: str | SimPreset,
-    work: Work,
-    frequency: float,
-    power_limit_w: float | None = None,
-    slowdown: float = 1.0,
-) -> tuple[float, float]:
-    """(time_s, energy_j) of `work` with the SM clock at `frequency` and the given power limit.
-
-    `power_limit_w` defaults to the preset's TDP; `slowdown` stretches time at the same power.
-    """
-    p = get_preset(preset)
-    limit = p.tdp_w if power_limit_w is None else power_limit_w
-    f = effective_frequency(p, work, frequency, limit)
-    t = work.time_s * (work.alpha * p.max_mhz / f + 1.0 - work.alpha) * slowdown
-    return t, busy_power_w(p, work, f) * t
 
 
 def sim_dir() -> str:
@@ -228,55 +71,6 @@ class _State:
 
 
 _DEFAULT_STATE = _State()
-
-
-class _Feed:
-    """The work queued on one GPU on one virtual clock, shared by its SimGPUs in this process."""
-
-    TRIM = 4096  # records kept before dropping those every reader has taken in
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.records: list[Record] = []
-        self.base = 0  # the sequence number of records[0]
-        self.readers: weakref.WeakSet[_SharedActivity] = weakref.WeakSet()
-
-
-_feeds: weakref.WeakKeyDictionary[Clock, dict[str, _Feed]] = weakref.WeakKeyDictionary()
-_feeds_lock = threading.Lock()
-
-
-class _SharedActivity:
-    """One SimGPU's view of a `_Feed`: what ActivityLog is on the real clock, kept in memory."""
-
-    def __init__(self, clock: Clock, path: str) -> None:
-        with _feeds_lock:
-            try:
-                feed = _feeds.setdefault(clock, {}).setdefault(path, _Feed())
-            except TypeError:  # a clock that cannot be weakly referenced: this object's own feed
-                feed = _Feed()
-        self._feed = feed
-        with feed.lock:
-            self._next = feed.base  # work still running when this object was made counts too
-            feed.readers.add(self)
-
-    def append(self, start: float, end: float, busy_w: float) -> None:
-        feed = self._feed
-        with feed.lock:
-            feed.records.append((start, end, busy_w))
-            if len(feed.records) >= 2 * feed.TRIM:
-                done = min((r._next for r in feed.readers), default=feed.base + len(feed.records))
-                drop = min(done - feed.base, len(feed.records) - feed.TRIM)
-                if drop > 0:
-                    del feed.records[:drop]
-                    feed.base += drop
-
-    def read_new(self, now: float) -> tuple[list[Record], float]:
-        feed = self._feed
-        with feed.lock:
-            new = feed.records[max(0, self._next - feed.base) :]
-            self._next = feed.base + len(feed.records)
-        return new, 0.0
 
 
 class SimGPU(GPU):
@@ -308,12 +102,12 @@ class SimGPU(GPU):
         self._busy_until = self._origin
         # Work is shared by every SimGPU of this GPU: on the real clock with other processes
         # through the activity log, on a virtual clock with this process's objects on that clock.
-        self._activity: ActivityLog | _SharedActivity
+        self._activity: ActivityLog | SharedActivity
         if isinstance(self._clock, RealClock):
             log = os.path.join(os.path.dirname(self._path), "activity", f"{self.preset.name}-{index}.log")
             self._activity = ActivityLog(log, self._idle_w)
         else:
-            self._activity = _SharedActivity(self._clock, self._path)
+            self._activity = SharedActivity(self._clock, self._path)
 
     @property
     def clock(self) -> Clock:

@@ -16,7 +16,8 @@ import sys
 import pytest
 
 from perseus.cli.main import main
-from perseus.devices.sim import PRESETS, sim_gpus
+from perseus.devices.sim import sim_gpus
+from perseus.devices.sim_presets import PRESETS
 
 A100_IDLE_W = PRESETS["a100-sxm"].idle_w
 # The longest a loaded machine may keep a process from running between two adjacent reads

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from perseus.clock import VirtualClock
-from perseus.devices.sim import PRESETS, SimGPU, Work, busy_power_w, predict, sim_gpus
+from perseus.devices.sim import SimGPU, sim_gpus
+from perseus.devices.sim_presets import PRESETS
+from perseus.devices.sim_work import Work, busy_power_w, predict
 from perseus.exceptions import ConfigError, DeviceError
 
 DATA = Path(__file__).resolve().parents[3] / "shared/data/perseus-sosp24/stage_profiles"

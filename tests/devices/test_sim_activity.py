@@ -11,8 +11,10 @@ import time
 import pytest
 
 from perseus.devices import sim_activity
-from perseus.devices.sim import PRESETS, SimGPU, Work, busy_power_w, predict
+from perseus.devices.sim import SimGPU
 from perseus.devices.sim_activity import RECORD, ActivityLog
+from perseus.devices.sim_presets import PRESETS
+from perseus.devices.sim_work import Work, busy_power_w, predict
 from perseus.exceptions import DeviceError
 from perseus.measurement import Monitor
 
@@ -65,7 +67,10 @@ def test_monitor_counts_work_a_child_process_runs():
     gpus = [TimedReads("a100-sxm", i) for i in range(2)]
     monitor = Monitor(gpus=gpus, cpus=[])
     monitor.begin_window("child")
-    code = "from perseus.devices.sim import SimGPU, Work; SimGPU('a100-sxm', 1).execute(Work(0.2))"
+    code = (
+        "from perseus.devices.sim import SimGPU; from perseus.devices.sim_work import Work; "
+        "SimGPU('a100-sxm', 1).execute(Work(0.2))"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     m = monitor.end_window("child")
     _, work_j = predict("a100-sxm", Work(0.2), 1410)

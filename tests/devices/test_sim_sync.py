@@ -13,7 +13,8 @@ import pytest
 
 from perseus.clock import VirtualClock
 from perseus.devices import GPU, Work, emulate
-from perseus.devices.sim import SimGPU, predict
+from perseus.devices.sim import SimGPU
+from perseus.devices.sim_work import predict
 from perseus.measurement import Monitor
 
 WORK = Work(0.05, alpha=0.3)
@@ -65,7 +66,8 @@ def test_sync_waits_for_work_another_process_queued_on_the_real_clock(sim_dir):
     """A process queues 0.3 s of work without blocking and exits; this one's sync waits for it."""
     code = textwrap.dedent(
         """
-        from perseus.devices.sim import SimGPU, Work
+        from perseus.devices.sim import SimGPU
+        from perseus.devices.sim_work import Work
         gpu = SimGPU("a100-sxm", 0)
         gpu.execute(Work(0.3), blocking=False)
         print(gpu._busy_until, flush=True)

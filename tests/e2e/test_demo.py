@@ -36,7 +36,7 @@ from perseus.demo.launcher import DemoOptions, demo_config, run_demo
 from perseus.demo.processes import PRESET, ServiceProcess, log_tail, sim_gpus_at_default, start_job, wait_for_job
 from perseus.demo.report import format_report
 from perseus.demo.results import Iteration, load_iterations, read_rank_record, split_phases
-from perseus.devices.sim import get_preset
+from perseus.devices.sim_presets import get_preset
 
 RANKS = 2
 # Three iterations per clock: the first is dropped, the medians of the other two (8 samples per

@@ -19,7 +19,8 @@ from perseus.demo.processes import stop_job, wait_for_job
 from perseus.demo.report import plan_applied, predict_at_pace, summarize
 from perseus.demo.results import Iteration, model_overheads, read_rank_record, split_phases
 from perseus.demo.workload import DEFAULT_TIME_SCALE, GPT3_A100_STAGES, default_time_scale, stage_works
-from perseus.devices.sim import SimGPU, predict
+from perseus.devices.sim import SimGPU
+from perseus.devices.sim_work import predict
 from perseus.exceptions import ConfigError, PerseusError
 from perseus.schedules.instruction import Kind
 from perseus.wire.messages import JobStatus

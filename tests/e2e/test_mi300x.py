@@ -12,7 +12,9 @@ import pytest
 
 from perseus.cli.main import main
 from perseus.clock import VirtualClock
-from perseus.devices.sim import PRESETS, Work, predict, sim_gpus
+from perseus.devices.sim import sim_gpus
+from perseus.devices.sim_presets import PRESETS
+from perseus.devices.sim_work import Work, predict
 from perseus.measurement import Monitor
 from perseus.power_limit import GlobalPowerLimitOptimizer, MaxSlowdownConstraint, Phase
 

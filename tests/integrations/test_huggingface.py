@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from perseus.clock import VirtualClock
-from perseus.devices.sim import Work, predict, sim_gpus
+from perseus.devices.sim import sim_gpus
+from perseus.devices.sim_work import Work, predict
 from perseus.exceptions import ConfigError
 from perseus.integrations.huggingface import PowerLimitCallback
 from perseus.measurement import Monitor

@@ -14,7 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from perseus.clock import VirtualClock
-from perseus.devices.sim import Work, predict, sim_gpus
+from perseus.devices.sim import sim_gpus
+from perseus.devices.sim_work import Work, predict
 from perseus.exceptions import CarbonIntensityError, ConfigError
 from perseus.measurement import Measurement, Monitor
 from perseus.measurement.carbon import (

@@ -7,7 +7,9 @@ import json
 import pytest
 
 from perseus.clock import VirtualClock
-from perseus.devices.sim import PRESETS, SimGPU, Work, predict, sim_gpus
+from perseus.devices.sim import SimGPU, sim_gpus
+from perseus.devices.sim_presets import PRESETS
+from perseus.devices.sim_work import Work, predict
 from perseus.exceptions import ConfigError, MeasurementError
 from perseus.measurement import Measurement, Monitor
 

@@ -7,7 +7,9 @@ import time
 import pytest
 
 from perseus.clock import VirtualClock
-from perseus.devices.sim import PRESETS, SimGPU, Work, busy_power_w
+from perseus.devices.sim import SimGPU
+from perseus.devices.sim_presets import PRESETS
+from perseus.devices.sim_work import Work, busy_power_w
 from perseus.exceptions import ConfigError, DeviceError, MeasurementError
 from perseus.measurement import PowerMonitor
 

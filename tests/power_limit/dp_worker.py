@@ -10,7 +10,8 @@ import sys
 import torch.distributed as dist
 
 from perseus.clock import VirtualClock
-from perseus.devices.sim import SimGPU, Work
+from perseus.devices.sim import SimGPU
+from perseus.devices.sim_work import Work
 from perseus.measurement import Monitor
 from perseus.power_limit import GlobalPowerLimitOptimizer, MaxSlowdownConstraint
 

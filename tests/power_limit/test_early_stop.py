@@ -9,7 +9,8 @@ import logging
 import pytest
 
 from perseus.clock import VirtualClock
-from perseus.devices.sim import Work, predict, sim_gpus
+from perseus.devices.sim import sim_gpus
+from perseus.devices.sim_work import Work, predict
 from perseus.measurement import Monitor
 from perseus.measurement.carbon import StaticIntensity
 from perseus.power_limit import (

@@ -14,7 +14,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from perseus.clock import VirtualClock
-from perseus.devices.sim import Work, predict, sim_gpus
+from perseus.devices.sim import sim_gpus
+from perseus.devices.sim_work import Work, predict
 from perseus.exceptions import ConfigError, ProfileError
 from perseus.measurement import Monitor
 from perseus.measurement.carbon import IntensityPoint, IntensityTimeSeries, StaticIntensity

@@ -8,7 +8,9 @@ import logging
 import pytest
 
 from perseus.clock import VirtualClock
-from perseus.devices.sim import PRESETS, SimGPU, Work, predict
+from perseus.devices.sim import SimGPU
+from perseus.devices.sim_presets import PRESETS
+from perseus.devices.sim_work import Work, predict
 from perseus.exceptions import ConfigError, DeviceError
 from perseus.profiler.online import OnlineProfiler, Sweep, SweepStep
 from perseus.wire.phases import Phase

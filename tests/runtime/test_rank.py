@@ -11,7 +11,8 @@ import pytest
 
 from perseus.client.planner_client import Assignment
 from perseus.clock import VirtualClock
-from perseus.devices.sim import SimGPU, Work
+from perseus.devices.sim import SimGPU
+from perseus.devices.sim_work import Work
 from perseus.exceptions import ConfigError
 from perseus.runtime import PerseusRank, Progress
 from perseus.schedules import build_schedule

@@ -27,7 +27,8 @@ import pytest
 from test_rank_service import WORKS, serve
 
 from perseus.client import PlannerClient
-from perseus.devices.sim import PRESETS, SimGPU
+from perseus.devices.sim import SimGPU
+from perseus.devices.sim_presets import PRESETS
 from perseus.runtime import PerseusRank, ProfilingSettings
 from perseus.schedules import build_schedule
 

@@ -22,7 +22,8 @@ import time
 import pytest
 
 from perseus.client import PlannerClient
-from perseus.devices.sim import SimGPU, Work
+from perseus.devices.sim import SimGPU
+from perseus.devices.sim_work import Work
 from perseus.runtime import PerseusRank, ProfilingSettings
 from perseus.schedules import build_schedule
 
