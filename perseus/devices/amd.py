@@ -73,7 +73,6 @@ import bisect
 import glob
 import logging
 import os
-import sys
 import threading
 from collections.abc import Mapping
 from types import ModuleType
@@ -83,7 +82,7 @@ from perseus.clock import REAL_CLOCK, Clock
 from perseus.devices.amd_counter_check import CounterCheck
 from perseus.devices.amd_smi import SIMULATE_HINT, as_str, binding, call
 from perseus.devices.amd_visibility import gpu_uuids, hip_order, narrow, visibility_variables
-from perseus.devices.gpu import GPU
+from perseus.devices.gpu import GPU, torch_synchronize
 from perseus.exceptions import ConfigError, DeviceError, DeviceNotFoundError, DeviceNotSupportedError
 
 logger = logging.getLogger(__name__)
@@ -373,14 +372,5 @@ class AMDGPU(GPU):
         return all(os.access(f, os.W_OK) for f in present)
 
     def synchronize(self) -> None:
-        """Wait for this GPU's queued work when torch (its ROCm build, which calls HIP `torch.cuda`)
-        drives it; as NVMLGPU.synchronize: only an already-imported torch that initialised the GPUs."""
-        torch = sys.modules.get("torch")
-        if torch is None:
-            return
-        try:
-            driven = torch.cuda.is_initialized() and self.index < torch.cuda.device_count()
-        except Exception:
-            return
-        if driven:
-            torch.cuda.synchronize(self.index)
+        """Wait for this GPU's queued work (see torch_synchronize)."""
+        torch_synchronize(self.index)

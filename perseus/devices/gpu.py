@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import sys
 
 from perseus.clock import REAL_CLOCK, Clock
 from perseus.exceptions import ConfigError
@@ -93,3 +94,22 @@ class GPU(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.index}: {self.name()}>"
+
+
+def torch_synchronize(index: int) -> None:
+    """Wait for GPU `index`'s queued work when torch drives it: Perseus' one device sync, for
+    NVIDIA (CUDA) and AMD (ROCm's torch, which exposes HIP as `torch.cuda`) alike.
+
+    Looks only at an already-imported torch (a program launching GPU work has imported it;
+    importing torch to find out costs seconds) that has initialised its GPUs (else nothing is
+    queued). A broken GPU setup has nothing to wait for.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    try:
+        driven = torch.cuda.is_initialized() and index < torch.cuda.device_count()
+    except Exception:  # torch's GPU runtime could not be asked (no driver, broken install): nothing queued
+        return
+    if driven:
+        torch.cuda.synchronize(index)

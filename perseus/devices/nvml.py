@@ -14,12 +14,11 @@ Every NVML failure surfaces as a perseus DeviceError (or subclass) that says wha
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from types import ModuleType
 from typing import Any
 
-from perseus.devices.gpu import GPU
+from perseus.devices.gpu import GPU, torch_synchronize
 from perseus.exceptions import (
     ConfigError,
     DeviceError,
@@ -321,18 +320,5 @@ class NVMLGPU(GPU):
         return arch >= self._nvml.NVML_DEVICE_ARCH_VOLTA
 
     def synchronize(self) -> None:
-        """Wait for this GPU's queued CUDA work when torch drives it: Perseus' one CUDA sync.
-
-        Looks only at an already-imported torch (a program launching CUDA work has imported it;
-        importing torch to find out costs seconds) that has initialised CUDA (else nothing is
-        queued). A broken CUDA setup has nothing to wait for.
-        """
-        torch = sys.modules.get("torch")
-        if torch is None:
-            return
-        try:
-            driven = torch.cuda.is_initialized() and self.index < torch.cuda.device_count()
-        except Exception:
-            return
-        if driven:
-            torch.cuda.synchronize(self.index)
+        """Wait for this GPU's queued work (see torch_synchronize)."""
+        torch_synchronize(self.index)

@@ -116,6 +116,14 @@ class Local:
     def register(self, microbatches: int) -> str:
         return _ok(self.call("register_job", spec=job_spec(num_microbatches=microbatches).to_wire()))["job_id"]
 
+    def profile(self, job_id: str) -> None:
+        """Both ranks of a 2-stage job register and upload their stage's profile."""
+        for rank in (0, 1):
+            _ok(self.call("register_rank", job_id=job_id, info=rank_info(rank).to_wire()))
+        for stage in (0, 1):
+            wire = profile_to_wire(stage_profile(stage))
+            _ok(self.call("upload_profile", job_id=job_id, rank=stage, stage=stage, profile=wire))
+
     def settle(self) -> None:
         """Tend the service until its schedule builder and planners are idle."""
         self.service.tend()
@@ -146,14 +154,7 @@ def test_finding_2_jobs_idle_past_their_time_to_live_are_evicted_and_their_profi
     local = Local(tmp_path, job_ttl_s=3600.0)
     job_id = local.register(4)
     local.settle()
-    for rank in (0, 1):
-        _ok(local.call("register_rank", job_id=job_id, info=rank_info(rank).to_wire()))
-    for stage in (0, 1):
-        _ok(
-            local.call(
-                "upload_profile", job_id=job_id, rank=stage, stage=stage, profile=profile_to_wire(stage_profile(stage))
-            )
-        )
+    local.profile(job_id)
     local.settle()
     assert local.service.jobs[job_id].plans
     local.now += 3599
@@ -377,14 +378,7 @@ def test_finding_6_a_profile_over_the_planning_budget_fails_its_job_with_a_clear
     local = Local(tmp_path, max_plan_choices=20)
     job_id = local.register(4)
     local.settle()
-    for rank in (0, 1):
-        _ok(local.call("register_rank", job_id=job_id, info=rank_info(rank).to_wire()))
-    for stage in (0, 1):
-        _ok(
-            local.call(
-                "upload_profile", job_id=job_id, rank=stage, stage=stage, profile=profile_to_wire(stage_profile(stage))
-            )
-        )
+    local.profile(job_id)
     local.settle()
     status = local.call("status", job_id=job_id)["jobs"][0]
     assert status["phase"] == "failed"
@@ -480,14 +474,7 @@ def test_a_rank_back_on_another_gpu_model_gets_no_plan_made_for_the_old_one(tmp_
     local = Local(tmp_path)
     job_id = local.register(4)
     local.settle()
-    for rank in (0, 1):
-        _ok(local.call("register_rank", job_id=job_id, info=rank_info(rank).to_wire()))
-    for stage in (0, 1):
-        _ok(
-            local.call(
-                "upload_profile", job_id=job_id, rank=stage, stage=stage, profile=profile_to_wire(stage_profile(stage))
-            )
-        )
+    local.profile(job_id)
     local.settle()
     assert _ok(local.call("get_table", job_id=job_id, rank=1))["frequencies"]
     other = rank_info(1, gpu_model="sim-a40", frequencies=(1740, *FREQUENCIES))
