@@ -170,6 +170,8 @@ def test_restarted_service_resumes_without_profiling_again(serve, tmp_path):
         c1.register_rank(job_id, rank_info(1))
         c0.upload_profile(job_id, 0, stage_profile(0))
         assert c0.flush(5.0)
+        # Acknowledged (not not_ready while the schedule still builds, which the client retries):
+        wait_until(lambda: (st := c0.status(job_id)) is not None and st.jobs[0].profiled_stages == (0,), timeout_s=30)
         served.stop(signal.SIGKILL)  # mid-profiling: stage 0 is in, stage 1 is not
 
         served = serve(state, bind=endpoint)
