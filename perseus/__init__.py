@@ -1,6 +1,6 @@
 """Perseus: measure and cut the energy of deep-learning training on GPUs."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["instrument"]
 
