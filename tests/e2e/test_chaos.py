@@ -12,22 +12,12 @@ timeout, so the median stall over the outages must stay well under it."""
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 pytest.importorskip("torch")
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load_chaos():
-    spec = importlib.util.spec_from_file_location("chaos", BENCHMARKS / "chaos.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def stalls_during_outages(records, outages: list[dict]) -> list[float]:
@@ -50,7 +40,7 @@ def stalls_during_outages(records, outages: list[dict]) -> list[float]:
 
 @pytest.mark.slow
 def test_service_restarts_and_a_killed_rank_lose_no_profile_and_block_no_rank(tmp_path, monkeypatch):
-    chaos = _load_chaos()
+    chaos = load_benchmark("chaos")
     seen = {}
     figures = chaos.figures
 

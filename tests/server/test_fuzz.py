@@ -8,25 +8,11 @@ service starts; the real job's planning imports the planner (scipy, HiGHS) in th
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import msgpack
+from benchmark_scripts import load_benchmark
 from server_helpers import raw_request, request
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load_fuzz_module():
-    spec = importlib.util.spec_from_file_location("service_fuzz", BENCHMARKS / "service_fuzz.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["service_fuzz"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_fuzz_module()
+fuzz = load_benchmark("service_fuzz")
 
 
 def _ping_ok(endpoint: str) -> None:

@@ -9,24 +9,10 @@ service, the sentinel job's plan).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from benchmark_scripts import load_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("service_stateful_fuzz", BENCHMARKS / "service_stateful_fuzz.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["service_stateful_fuzz"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load()
+fuzz = load_benchmark("service_stateful_fuzz")
 
 STEPS = 1500
 
