@@ -52,6 +52,7 @@ from perseus.power_limit.selectors import (
     PowerLimitSelector,
     SelectionContext,
 )
+from perseus.power_limit.zeus_names import alias, as_monitor
 from perseus.safety import ResetGuard, Watchdog
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ class GlobalPowerLimitOptimizer:
     """Finds and applies one power limit for the GPUs of `monitor` (see the module docstring).
 
     monitor: the GPUs to cap and measure (default: `Monitor(cpus=[])`, i.e. this rank's own
-    GPU(s) under torchrun, else every visible GPU; closed with the optimizer).
+    GPU(s) under torchrun, else every visible GPU; closed with the optimizer). A Zeus
+    `ZeusMonitor` is taken for its `gpu_indices`: a Perseus Monitor measures those GPUs.
     selector: how to choose (default MaxSlowdownConstraint(1.1): least energy, at most 10%
     slower). early_stop: stop the sweep once the selector says no lower limit could be chosen
     (default); False measures every limit. profile_path: a JSON file; written atomically when
@@ -88,6 +90,9 @@ class GlobalPowerLimitOptimizer:
     once. watchdog: start a process that restores the default limits if this one is SIGKILLed
     (it costs one Python start-up, a fraction of a second). verbose: rank 0 prints one line
     when it chooses (see the module docstring); False keeps it to the log at INFO.
+    pl_step_w: the sweep's step between limits, in W (default 25).
+    Zeus 0.16's names work too: `optimum_selector` (= selector), `pl_step` (= pl_step_w) and
+    `wait_steps` (steps to let pass at the highest limit before the first warm-up; default 0).
     """
 
     def __init__(
@@ -96,12 +101,21 @@ class GlobalPowerLimitOptimizer:
         selector: PowerLimitSelector | None = None,
         warmup_steps: int = 10,
         profile_steps: int = 40,
-        pl_step_w: float = 25,
+        pl_step_w: float | None = None,
         profile_path: str | os.PathLike[str] | None = None,
         watchdog: bool = True,
         early_stop: bool = True,
         verbose: bool = True,
+        *,
+        wait_steps: int = 0,
+        optimum_selector: PowerLimitSelector | None = None,
+        pl_step: float | None = None,
     ) -> None:
+        selector = alias("selector", selector, "optimum_selector", optimum_selector)
+        pl_step_w = alias("pl_step_w", pl_step_w, "pl_step", pl_step)
+        pl_step_w = 25 if pl_step_w is None else pl_step_w
+        if not isinstance(wait_steps, int) or isinstance(wait_steps, bool) or wait_steps < 0:
+            raise ConfigError(f"wait_steps must be an integer >= 0, got {wait_steps!r}")
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         if not isinstance(profile_steps, int) or profile_steps < 1:
@@ -113,9 +127,8 @@ class GlobalPowerLimitOptimizer:
             raise ConfigError(
                 f"selector must be a PowerLimitSelector (Time(), Energy(), ZeusCost(eta), ...), got {selector!r}"
             )
-        self._owns_monitor = monitor is None
-        if monitor is None:
-            monitor = Monitor(cpus=[])
+        self._owns_monitor = not isinstance(monitor, Monitor)
+        monitor = Monitor(cpus=[]) if monitor is None else as_monitor(monitor)
         self.monitor = monitor
         self.selector = selector
         self.early_stop = bool(early_stop)
@@ -142,6 +155,9 @@ class GlobalPowerLimitOptimizer:
         self.num_gpus = len(self.gpus)
         self._sweep_index = 0
         self._steps = 0  # in the current warm-up or measurement
+        self._wait = wait_steps  # steps still to pass before the first warm-up counts (Zeus' wait_steps)
+        self._in_step = False  # on_step_begin came and its on_step_end has not (yet)
+        self._begins_steps = False  # the loop calls on_step_begin (else only on_step_end)
         self._epoch_steps = 0
         self._last_epoch_steps: int | None = None
         self._warned_short_epoch = False
@@ -176,17 +192,43 @@ class GlobalPowerLimitOptimizer:
                     notice(logger, line)
 
     def on_step_begin(self) -> None:
-        if self.phase is Phase.WARMUP and self._steps >= self.warmup_steps:
+        """A step begins. A loop may call only this hook (as Zeus' Hugging Face wrapper does):
+        then each step ends where the next begins."""
+        if self.phase is Phase.CLOSED:
+            return
+        self._begins_steps = True
+        if self._in_step:
+            self._step_ended()
+        self._step_begins()
+        self._in_step = True
+
+    def on_step_end(self) -> None:
+        """A step ended. A loop may call only this hook: then each step begins where the last ended
+        (the first step of all counts as warm-up: where it began is not known)."""
+        if self.phase is Phase.CLOSED:
+            return
+        if not self._begins_steps:
+            self._step_ended()
+            if self.phase is not Phase.CLOSED:
+                self._step_begins()
+            return
+        if self._in_step:
+            self._in_step = False
+            self._step_ended()
+
+    def _step_begins(self) -> None:
+        if self.phase is Phase.WARMUP and self._wait == 0 and self._steps >= self.warmup_steps:
             self.monitor.begin_window(self._window)
             self.phase = Phase.MEASURE
             self._steps = 0
 
-    def on_step_end(self) -> None:
-        if self.phase is Phase.CLOSED:
-            return
+    def _step_ended(self) -> None:
         self._epoch_steps += 1
         if self.phase is Phase.WARMUP:
-            self._steps += 1
+            if self._wait > 0:
+                self._wait -= 1
+            else:
+                self._steps += 1
             self.sweep_steps += 1
         elif self.phase is Phase.MEASURE:
             self._steps += 1
@@ -197,6 +239,9 @@ class GlobalPowerLimitOptimizer:
     def on_epoch_end(self) -> None:
         if self.phase is Phase.CLOSED:
             return
+        if self._in_step:  # a loop calling only on_step_begin: the epoch's last step ends here
+            self._in_step = False
+            self._step_ended()
         self._last_epoch_steps = self._epoch_steps
         if self.phase in (Phase.WARMUP, Phase.MEASURE):
             if self.phase is Phase.MEASURE:
@@ -205,7 +250,13 @@ class GlobalPowerLimitOptimizer:
                     "epoch ended while measuring %.0f W; it will be measured again",
                     self.power_limits_mw[self._sweep_index] / 1000,
                 )
-            if self._epoch_steps < self.warmup_steps + self.profile_steps and not self._warned_short_epoch:
+            if self._epoch_steps == 0 and not self._warned_short_epoch:
+                self._warned_short_epoch = True
+                logger.warning(
+                    "an epoch ended with no step counted: call on_step_begin() or on_step_end() (or both) once "
+                    "per training step"
+                )
+            elif self._epoch_steps < self.warmup_steps + self.profile_steps and not self._warned_short_epoch:
                 self._warned_short_epoch = True
                 logger.warning(
                     "epochs have %d steps, fewer than warmup_steps + profile_steps = %d: profiling cannot "

@@ -120,18 +120,35 @@ def _check_eta(eta_knob: float, who: str) -> float:
     return float(eta_knob)
 
 
-class ZeusCost(PowerLimitSelector):
-    """Zeus' cost: eta * energy + (1 - eta) * max_power * num_gpus * time (both in joules)."""
+def _eta(eta_knob: float | None, eta: float | None, who: str) -> float:
+    """`eta_knob`, also accepted as `eta=`."""
+    if eta_knob is not None and eta is not None:
+        raise ConfigError(f"{who}: eta_knob= and eta= name the same knob: pass one")
+    value = eta_knob if eta_knob is not None else eta
+    if value is None:
+        raise ConfigError(f"{who} needs eta_knob (1: energy only, 0: time only), e.g. {who}(0.5)")
+    return _check_eta(value, who)
 
-    def __init__(self, eta_knob: float) -> None:
-        self.eta_knob = _check_eta(eta_knob, "ZeusCost")
+
+class ZeusCost(PowerLimitSelector):
+    """Zeus' cost: eta * energy + (1 - eta) * max_power * num_gpus * time (both in joules).
+
+    `eta=` is accepted for `eta_knob`. num_gpus is counted over all ranks; `world_size` (Zeus'
+    name for the job's GPU count) sets it instead.
+    """
+
+    def __init__(self, eta_knob: float | None = None, world_size: int | None = None, *, eta: float | None = None):
+        self.eta_knob = _eta(eta_knob, eta, "ZeusCost")
+        if world_size is not None and (
+            isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
+        ):
+            raise ConfigError(f"ZeusCost: world_size must be a positive number of GPUs, got {world_size!r}")
+        self._world_size = world_size  # not in the repr: None (counted) in all but Zeus-style code
 
     def cost(self, measurement: PowerLimitMeasurement, context: SelectionContext) -> float:
         max_power_w = context.max_power_limit_mw / 1000.0
-        return (
-            self.eta_knob * measurement.energy_j
-            + (1 - self.eta_knob) * max_power_w * context.num_gpus * measurement.time_s
-        )
+        num_gpus = context.num_gpus if self._world_size is None else self._world_size
+        return self.eta_knob * measurement.energy_j + (1 - self.eta_knob) * max_power_w * num_gpus * measurement.time_s
 
 
 class MaxSlowdownConstraint(PowerLimitSelector):
@@ -177,8 +194,15 @@ class CarbonCost(PowerLimitSelector):
 
     reevaluate_each_epoch = True
 
-    def __init__(self, eta_knob: float, provider: CarbonIntensityProvider, reference_g_per_kwh: float = 400.0) -> None:
-        self.eta_knob = _check_eta(eta_knob, "CarbonCost")
+    def __init__(
+        self,
+        eta_knob: float | None = None,
+        provider: CarbonIntensityProvider | None = None,
+        reference_g_per_kwh: float = 400.0,
+        *,
+        eta: float | None = None,
+    ) -> None:
+        self.eta_knob = _eta(eta_knob, eta, "CarbonCost")
         if not isinstance(provider, CarbonIntensityProvider):
             raise ConfigError(f"CarbonCost needs a CarbonIntensityProvider, got {type(provider).__name__}")
         if not (
