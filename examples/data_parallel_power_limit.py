@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from perseus.clock import VirtualClock
 from perseus.devices import Work, get_gpus, parse_gpu_spec
 from perseus.devices.sim import SimGPU
+from perseus.devices.sim_realism import sim_realism
 from perseus.measurement import Monitor
 from perseus.measurement.carbon import CarbonReporter, StaticIntensity
 from perseus.power_limit import GlobalPowerLimitOptimizer, MaxSlowdownConstraint
@@ -60,7 +61,7 @@ def main() -> None:
     spec = parse_gpu_spec(os.environ.get("PERSEUS_GPU") or f"sim:a100-sxm:{os.environ.get('LOCAL_WORLD_SIZE', 1)}")
     simulated = spec.backend == "sim"
     if simulated:
-        gpu = SimGPU(spec.preset, index=local_rank, clock=VirtualClock())
+        gpu = SimGPU(spec.preset, index=local_rank, clock=VirtualClock(), realism=sim_realism(spec.preset))
         device = torch.device("cpu")
     else:
         gpu = get_gpus()[local_rank]

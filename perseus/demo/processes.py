@@ -154,9 +154,7 @@ def sim_gpus_at_default(ranks: int, sim_dir: str, preset: str = PRESET) -> bool:
     """True when every simulated GPU of the job is at its default clocks and power limit."""
     for i in range(ranks):
         gpu = SimGPU(preset, i, state_dir=sim_dir)
-        if os.path.exists(gpu.state_path) or gpu.sm_clock() != gpu.max_frequency():
-            return False
-        if gpu.power_limit_mw() != gpu.default_power_limit_mw():
+        if not gpu.at_defaults():
             return False
     return True
 

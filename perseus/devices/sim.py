@@ -6,7 +6,12 @@ A simulated GPU behaves like a real one where Perseus can tell:
   (clocks, power limits, power figures) are perseus.devices.sim_presets'.
 - The energy counter (mJ) integrates idle power plus the busy power of the work issued
   through `execute`, analytically over the GPU's clock (real or virtual), so it never
-  decreases and needs no background thread. Like hardware, a GPU counts the work of every
+  decreases and needs no background thread. Like NVML's, it can advance in steps (a read
+  returns the energy at the last update instant), and power readings can be averaged, partly
+  sampled and noisy; a clock change can take effect a while after the call, work issued
+  meanwhile running at the old clock. How much of this a GPU does is its `realism`
+  (perseus.devices.sim_realism): none for a SimGPU made directly, the default mode's for
+  `sim_gpus` and `PERSEUS_GPU=sim:...`. Like hardware, a GPU counts the work of every
   SimGPU object for it: on the real clock, in any process (see perseus.devices.sim_activity;
   `perseus monitor -- CMD` measures the simulated work CMD runs); on a virtual clock, in this
   process, among the objects sharing that clock (perseus.devices.sim_shared_activity).
@@ -16,7 +21,8 @@ A simulated GPU behaves like a real one where Perseus can tell:
   work takes that many times longer) persist in a small JSON file per GPU in a runtime
   folder ($PERSEUS_SIM_DIR, default /tmp/perseus-sim-<uid>), shared by every process: a
   lock left by a killed process stays visible until `perseus reset` clears it. The file
-  exists only while the GPU is away from its defaults.
+  exists only while the GPU is away from its defaults; a clock change in flight is a second
+  file beside it (perseus.devices.sim_switch).
 
 Two SimGPUs running work on the same GPU at once both add their power (real GPUs would
 time-share); the counter's origin is when the SimGPU object was made.
@@ -37,6 +43,7 @@ from __future__ import annotations
 import bisect
 import fcntl
 import json
+import math
 import os
 import threading
 import time
@@ -49,7 +56,9 @@ from perseus.clock import REAL_CLOCK, Clock, RealClock
 from perseus.devices.gpu import GPU
 from perseus.devices.sim_activity import ActivityLog
 from perseus.devices.sim_presets import SimPreset, get_preset
+from perseus.devices.sim_realism import IDEAL, SimRealism, sim_realism
 from perseus.devices.sim_shared_activity import SharedActivity
+from perseus.devices.sim_switch import ClockSwitch, SwitchFile, clock_token
 from perseus.devices.sim_work import Work, predict
 from perseus.exceptions import ConfigError, DeviceError
 
@@ -82,9 +91,15 @@ class SimGPU(GPU):
         index: int = 0,
         clock: Clock | None = None,
         state_dir: str | None = None,
+        realism: SimRealism | str | None = None,
     ) -> None:
+        """realism: how this GPU departs from an ideal one (a SimRealism, or a mode, "ideal" or
+        "realistic", for `sim_realism`); None: ideal, exact in every reading."""
         self.preset = get_preset(preset)
         self.index = index
+        if isinstance(realism, str):
+            realism = sim_realism(self.preset, realism)
+        self.realism = realism or IDEAL
         self._clock = clock or REAL_CLOCK
         self._now = self._clock.now
         self._freqs = self.preset.frequencies
@@ -93,12 +108,17 @@ class SimGPU(GPU):
         self._path = os.path.join(state_dir or sim_dir(), f"{self.preset.name}-{index}.json")
         self._state_key: tuple[int, int, int] | None = None
         self._state_cache = _DEFAULT_STATE
+        self._switch = SwitchFile(self._path[: -len(".json")] + ".switch.json", clock_token(self._clock))
         self._lock = threading.Lock()
-        # Energy: idle power since _origin, plus the extra (busy - idle) energy of finished
-        # work, plus the finished part of pending work [(start, end, extra_w)].
+        # Energy: idle power since _origin, plus the extra (busy - idle) energy of work finished
+        # by the counter's last update, plus the part of pending work [(start, end, extra_w)]
+        # done by then. Power readings look back over `_history_s`: folded work kept in _recent.
         self._origin = self._clock.now()
         self._extra_j = 0.0
         self._pending: list[tuple[float, float, float]] = []
+        self._recent: list[tuple[float, float, float]] = []
+        r = self.realism
+        self._history_s = r.power_window_s + r.power_update_s
         self._busy_until = self._origin
         # Work is shared by every SimGPU of this GPU: on the real clock with other processes
         # through the activity log, on a virtual clock with this process's objects on that clock.
@@ -128,23 +148,37 @@ class SimGPU(GPU):
         return True
 
     def energy_mj(self) -> float:
+        """The energy counter: exact now on an ideal GPU; else the energy at its last update."""
         with self._lock:
             now = self._now()
-            partial = self._settle(now)
+            at = self._counter_instant(now)
+            partial = self._settle(now, at)
             extra = self._extra_j
-        return (self._idle_w * (now - self._origin) + extra + partial) * 1000.0
+        return (self._idle_w * (at - self._origin) + extra + partial) * 1000.0
 
     def power_mw(self) -> float:
+        """The power reading: instantaneous on an ideal GPU; else as `realism` says (refreshed on a
+        grid, averaged over a window of which only part is sampled, with noise)."""
+        r = self.realism
         with self._lock:
             now = self._now()
-            self._settle(now)
-            extra_w = sum(x for start, end, x in self._pending if start <= now < end)
-        return (self._idle_w + extra_w) * 1000.0
+            self._settle(now, self._counter_instant(now))
+            at = _grid_instant(now, r.power_update_s)
+            if r.power_window_s == 0:
+                extra_w = sum(x for start, end, x in (*self._recent, *self._pending) if start <= at < end)
+            else:
+                samples = _sampled_spans(at, r.power_window_s, r.power_update_s, r.power_coverage)
+                extra_w = sum(self._extra_j_between(a, b) for a, b in samples) / sum(b - a for a, b in samples)
+        return (self._idle_w + extra_w) * r.noise(self.index, at) * 1000.0
 
-    def _settle(self, now: float) -> float:
-        """Take in work issued since the last call (by any SimGPU of this GPU), fold finished
-        work into the total, and return the energy (J) running work has added so far. Call
-        with the lock held."""
+    def _counter_instant(self, now: float) -> float:
+        """The energy counter's last update instant (now where it updates continuously)."""
+        return max(self._origin, _grid_instant(now, self.realism.counter_period_s))
+
+    def _settle(self, now: float, horizon: float) -> float:
+        """Take in work issued since the last call (by any SimGPU of this GPU), fold work that
+        finished by `horizon` (never decreasing, at most `now`) into the total, and return the
+        energy (J) that work still pending had added by `horizon`. Call with the lock held."""
         records, missed_j = self._activity.read_new(now)
         if records or missed_j:
             self._extra_j += missed_j
@@ -152,20 +186,35 @@ class SimGPU(GPU):
             for start, end, busy_w in records:
                 if end > origin:
                     self._pending.append((max(start, origin), end, busy_w - idle))
+        if self._history_s:
+            keep_from = now - self._history_s
+            if self._recent and self._recent[0][1] < keep_from:
+                self._recent = [s for s in self._recent if s[1] >= keep_from]
         if not self._pending:
             return 0.0
         partial = 0.0
         running = []
         for segment in self._pending:
             start, end, extra_w = segment
-            if end <= now:
+            if end <= horizon:
                 self._extra_j += extra_w * (end - start)
+                if self._history_s:
+                    self._recent.append(segment)
             else:
                 running.append(segment)
-                if start < now:
-                    partial += extra_w * (now - start)
+                if start < horizon:
+                    partial += extra_w * (horizon - start)
         self._pending = running
         return partial
+
+    def _extra_j_between(self, a: float, b: float) -> float:
+        """Busy energy above idle (J) between `a` and `b`, from work this object still remembers."""
+        total = 0.0
+        for start, end, extra_w in (*self._recent, *self._pending):
+            overlap = min(b, end) - max(a, start)
+            if overlap > 0:
+                total += extra_w * overlap
+        return total
 
     def supported_frequencies(self) -> list[int]:
         return list(self._freqs)
@@ -174,8 +223,23 @@ class SimGPU(GPU):
         return self._freqs[0]
 
     def sm_clock(self) -> int:
-        locked = self._state().sm_clock_mhz
+        """The SM clock in force now (a clock change in flight has not changed it yet)."""
+        return self._clock_at(self._now(), self._state())
+
+    def _clock_at(self, t: float, state: _State) -> int:
+        switch = self._switch_in_flight(state)
+        locked = switch.from_mhz if switch is not None and t < switch.at else state.sm_clock_mhz
         return self._freqs[0] if locked is None else locked
+
+    def _switch_in_flight(self, state: _State) -> ClockSwitch | None:
+        """The recorded change to the state's locked clock, if one was recorded (it may be done)."""
+        switch = self._switch.read()
+        return switch if switch is not None and switch.to_mhz == state.sm_clock_mhz else None
+
+    def at_defaults(self) -> bool:
+        """Whether this GPU runs at its default clock, power limit and speed now."""
+        state = self._state()
+        return state == _DEFAULT_STATE and self._clock_at(self._now(), state) == self._freqs[0]
 
     def power_limit_mw(self) -> int:
         limit = self._state().power_limit_mw
@@ -204,6 +268,10 @@ class SimGPU(GPU):
     def reset_sm_clock(self) -> None:
         self._update(sm_clock_mhz=None)
 
+    def clock_switch_latency_s(self, target_mhz: int | None = None) -> float:
+        """Seconds from a change to `target_mhz` (None: the default clock) until it is in force."""
+        return self.realism.switch_latency_for(self.preset, self._freqs[0] if target_mhz is None else target_mhz)
+
     def set_power_limit_mw(self, mw: int) -> None:
         self._update(power_limit_mw=self.check_power_limit_mw(mw))
 
@@ -222,33 +290,57 @@ class SimGPU(GPU):
 
     # Work
     def predict(self, work: Work, frequency: int | None = None) -> tuple[float, float]:
-        """(time_s, energy_j) of `work` at `frequency` (default: the current SM clock) under
-        the current power limit and slowdown."""
+        """(time_s, energy_j) of `work` at `frequency` (default: the SM clock in force now) under
+        the current power limit and slowdown: the ground truth a GPU held at that clock measures."""
         state = self._state()
         if frequency is None:
-            frequency = self._freqs[0] if state.sm_clock_mhz is None else state.sm_clock_mhz
+            frequency = self._clock_at(self._now(), state)
+        return self._cost(work, frequency, state)
+
+    def _cost(self, work: Work, frequency: int, state: _State) -> tuple[float, float]:
         limit_mw = self.default_power_limit_mw() if state.power_limit_mw is None else state.power_limit_mw
         return predict(self.preset, work, frequency, limit_mw / 1000.0, state.slowdown)
 
     def execute(self, work: Work, blocking: bool = True) -> float:
-        """Run `work` at the current SM clock, power limit and slowdown (read at issue time).
+        """Run `work` at the SM clock in force when it runs, under the power limit and slowdown
+        read at issue time.
 
-        Work queues behind earlier non-blocking work of this object, as on a CUDA stream. With
+        Work queues behind earlier non-blocking work of this object, as on a CUDA stream. Work
+        still running when a clock change comes into force runs the rest at the new clock. With
         `blocking`, wait on the GPU's clock until all work queued on the GPU has finished (see
         `synchronize`); without it, return at once, as a kernel launch does. Returns the
         work's duration in seconds. Its energy lands in the energy counter of every SimGPU of
         this GPU. To run work on several GPUs at once, see `emulate`.
         """
-        duration, energy_j = self.predict(work)
+        state = self._state()
         with self._lock:
             start = max(self._now(), self._busy_until)
-            end = start + duration
+            segments = self._run(work, start, state)
+            end = segments[-1][1] if segments else start
             self._busy_until = end
-            if duration > 0:
-                self._activity.append(start, end, energy_j / duration)
+            warm = self.realism.thermal_factor(start - self._origin)
+            for seg_start, seg_end, busy_w in segments:
+                self._activity.append(seg_start, seg_end, busy_w * warm)
         if blocking:
             self.synchronize()
-        return duration
+        return end - start
+
+    def _run(self, work: Work, start: float, state: _State) -> list[tuple[float, float, float]]:
+        """The (start, end, busy power) pieces of `work` started at `start`: one per clock it runs at."""
+        switch = self._switch_in_flight(state)
+        if switch is not None and start < switch.at:
+            old = self._freqs[0] if switch.from_mhz is None else switch.from_mhz
+            t_old, e_old = self._cost(work, old, state)
+            if start + t_old > switch.at:  # still running when the new clock comes into force
+                done = (switch.at - start) / t_old
+                t_new, e_new = self._cost(work, self._clock_at(switch.at, state), state)
+                rest = (1.0 - done) * t_new
+                return [(start, switch.at, e_old / t_old)] + (
+                    [(switch.at, switch.at + rest, e_new / t_new)] if rest > 0 else []
+                )
+            return [(start, start + t_old, e_old / t_old)] if t_old > 0 else []
+        duration, energy_j = self._cost(work, self._clock_at(start, state), state)
+        return [(start, start + duration, energy_j / duration)] if duration > 0 else []
 
     def synchronize(self) -> None:
         """Wait until all work queued on this GPU has finished, like a device sync: this
@@ -256,9 +348,9 @@ class SimGPU(GPU):
         clock; in this process, on the same clock, on a virtual one)."""
         with self._lock:
             now = self._now()
-            self._settle(now)
+            self._settle(now, self._counter_instant(now))
             until = self._busy_until
-            for segment in self._pending:  # still running after _settle: end > now
+            for segment in self._pending:  # unfinished at the counter's last update: may run past now
                 if segment[1] > until:
                     until = segment[1]
         if until > now:
@@ -306,6 +398,7 @@ class SimGPU(GPU):
 
         A reset (every change back to its default) also replaces an unreadable state file, whose
         other settings cannot be known and so go back to defaults too: `perseus reset` always works.
+        A change of the locked clock records the switch in flight for the GPU's switch latency.
         """
         resetting = all(getattr(_DEFAULT_STATE, field) == value for field, value in changes.items())
         try:
@@ -329,6 +422,8 @@ class SimGPU(GPU):
                     power_limit_mw=changes.get("power_limit_mw", old.power_limit_mw),  # type: ignore[arg-type]
                     slowdown=changes.get("slowdown", old.slowdown),  # type: ignore[arg-type]
                 )
+                if new.sm_clock_mhz != old.sm_clock_mhz:
+                    self._record_switch(old, new.sm_clock_mhz)
                 if new == _DEFAULT_STATE:
                     try:
                         os.unlink(self._path)
@@ -341,6 +436,16 @@ class SimGPU(GPU):
                 f"{self!r}: cannot write its state in {folder} ({e}); set {SIM_DIR_ENV} to a writable folder"
             ) from e
         self._state_key = None  # re-stat on the next read
+
+    def _record_switch(self, old: _State, target: int | None) -> None:
+        """Record the change from `old`'s clock to `target`: in flight for the switch latency
+        (the clock in force now stays until then), or in force at once. Under the state lock."""
+        latency = self.clock_switch_latency_s(target)
+        if latency == 0:
+            self._switch.clear()
+            return
+        now = self._now()
+        self._switch.write(ClockSwitch(self._clock_at(now, old), target, now + latency, clock_token(self._clock)))
 
     def _write_state(self, state: _State) -> None:
         doc = {"sm_clock_mhz": state.sm_clock_mhz, "power_limit_mw": state.power_limit_mw, "slowdown": state.slowdown}
@@ -377,9 +482,33 @@ def emulate(gpus: GPU | Iterable[GPU], work: Work | float, blocking: bool = True
     return longest
 
 
-def sim_gpus(preset: str, count: int = 1, clock: Clock | None = None) -> list[SimGPU]:
-    """`count` simulated GPUs of `preset`, indices 0..count-1, state in `sim_dir()`."""
+def sim_gpus(
+    preset: str, count: int = 1, clock: Clock | None = None, realism: SimRealism | str | None = None
+) -> list[SimGPU]:
+    """`count` simulated GPUs of `preset`, indices 0..count-1, state in `sim_dir()`.
+
+    realism: a SimRealism, or a mode ("ideal", "realistic"); None: `sim_realism(preset)`, the
+    default mode with the environment's overrides (what `PERSEUS_GPU=sim:...` gets).
+    """
     get_preset(preset)
     if count < 1:
         raise ConfigError(f"simulated GPU count must be >= 1, got {count}")
-    return [SimGPU(preset, i, clock) for i in range(count)]
+    if not isinstance(realism, SimRealism):
+        realism = sim_realism(preset, realism)
+    return [SimGPU(preset, i, clock, realism=realism) for i in range(count)]
+
+
+def _grid_instant(now: float, period: float) -> float:
+    """The last instant of a grid of `period` at or before `now` (now itself for period 0)."""
+    if period == 0:
+        return now
+    return math.floor(now / period + 1e-9) * period
+
+
+def _sampled_spans(at: float, window: float, period: float, coverage: float) -> list[tuple[float, float]]:
+    """The spans a power reading refreshed at `at` averages: the last `coverage` of each
+    refresh period within `window` before `at` (the whole window when it refreshes continuously)."""
+    if period == 0:
+        return [(at - window, at)]
+    count = max(1, round(window / period))
+    return [(end - coverage * period, end) for end in (at - k * period for k in range(count))]

@@ -4,9 +4,12 @@ The model, apart from the device (perseus.devices.sim) so that planners, tests a
 can predict a cost without making a GPU. Work runs at the locked SM clock, slowed further when
 its power would exceed the power limit. For work of nominal time t0 at f_max with
 compute-bound fraction alpha, t(f) = t0 * (alpha * f_max / f + 1 - alpha) and busy power
-P(f) = P_floor + intensity * P_dyn * (f / f_max) ** gamma. Defaults are calibrated on the
-measured GPT-3 175B stage profiles on A100-SXM (1080 MHz takes about 1.24x the time and 0.74x
-the energy of 1410 MHz); P_floor, P_dyn and gamma are the preset's (perseus.devices.sim_presets).
+P(f) = P_floor + intensity * P_dyn * r * max(knee, r) ** gamma with r = f / f_max: below the
+voltage knee dynamic power falls in proportion to the clock, above it faster. Calibrated on the
+measured GPT-3 175B and Bloom 176B stage profiles on A100-SXM (1080 MHz takes about 1.24x the time
+and 0.74x the energy of 1410 MHz); P_floor, P_dyn, knee and gamma are the preset's
+(perseus.devices.sim_presets). `predict` is the ground truth: what the work costs on a GPU held
+at that clock, which a simulated GPU's counters integrate.
 """
 
 from __future__ import annotations
@@ -45,9 +48,15 @@ class Work:
             raise ConfigError(f"Work.intensity must be >= 0, got {self.intensity!r}")
 
 
+def dynamic_share(preset: SimPreset, frequency: float) -> float:
+    """Dynamic power at `frequency` as a share of that at the highest clock (1.0 there)."""
+    r = frequency / preset.max_mhz
+    return r * max(preset.knee, r) ** preset.gamma
+
+
 def busy_power_w(preset: SimPreset, work: Work, frequency: float) -> float:
     """Busy power at SM clock `frequency` (before any power capping)."""
-    return preset.floor_w + work.intensity * preset.dynamic_w * (frequency / preset.max_mhz) ** preset.gamma
+    return preset.floor_w + work.intensity * preset.dynamic_w * dynamic_share(preset, frequency)
 
 
 def effective_frequency(preset: SimPreset, work: Work, frequency: float, power_limit_w: float) -> float:
@@ -57,10 +66,15 @@ def effective_frequency(preset: SimPreset, work: Work, frequency: float, power_l
     """
     if busy_power_w(preset, work, frequency) <= power_limit_w:
         return frequency
-    headroom = (power_limit_w - preset.floor_w) / (work.intensity * preset.dynamic_w)
-    if headroom <= 0:
+    share = (power_limit_w - preset.floor_w) / (work.intensity * preset.dynamic_w)
+    if share <= 0:
         return float(preset.min_mhz)
-    return max(float(preset.min_mhz), preset.max_mhz * headroom ** (1.0 / preset.gamma))
+    knee_share = preset.knee ** (1.0 + preset.gamma)  # dynamic_share at the knee
+    if share <= knee_share:
+        r = share / preset.knee**preset.gamma  # below the knee: linear in the clock
+    else:
+        r = share ** (1.0 / (1.0 + preset.gamma))
+    return max(float(preset.min_mhz), preset.max_mhz * r)
 
 
 def predict(

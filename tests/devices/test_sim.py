@@ -14,7 +14,7 @@ import pytest
 from perseus.clock import VirtualClock
 from perseus.devices.sim import SimGPU, sim_gpus
 from perseus.devices.sim_presets import PRESETS
-from perseus.devices.sim_work import Work, busy_power_w, predict
+from perseus.devices.sim_work import Work, busy_power_w, effective_frequency, predict
 from perseus.exceptions import ConfigError, DeviceError
 
 DATA = Path(__file__).resolve().parents[3] / "shared/data/perseus-sosp24/stage_profiles"
@@ -34,7 +34,7 @@ def test_presets_have_real_frequency_lists():
         assert all(a - b == 15 for a, b in zip(freqs, freqs[1:]))
     assert PRESETS["a100-sxm"].idle_w == 83.64 and PRESETS["a40"].idle_w == 70.38
     for p in PRESETS.values():
-        assert p.idle_w < p.floor_w < p.floor_w + p.dynamic_w <= p.tdp_w
+        assert 0 < p.floor_w < p.floor_w + p.dynamic_w <= p.tdp_w
 
 
 def test_unknown_preset_lists_the_presets():
@@ -56,13 +56,55 @@ def test_power_limit_lowers_the_effective_clock():
     assert busy_power_w(preset, heavy, 1410) > 400
     t_capped, e_capped = predict(preset, heavy, 1410, power_limit_w=250)
     assert e_capped / t_capped == pytest.approx(250)
-    f_eff = 1410 * ((250 - preset.floor_w) / (1.3 * preset.dynamic_w)) ** (1 / preset.gamma)
+    f_eff = effective_frequency(preset, heavy, 1410, 250)
+    assert busy_power_w(preset, heavy, f_eff) == pytest.approx(250)
     assert t_capped == pytest.approx(1410 / f_eff)
-    # Below the floor power the clock bottoms out at the minimum supported frequency.
+    # Where even the lowest clock draws more than the limit, the clock bottoms out there.
+    assert busy_power_w(preset, heavy, 210) > 100
     t_min, _ = predict(preset, heavy, 1410, power_limit_w=100)
     assert t_min == pytest.approx(1410 / 210)
     # Under the limit nothing changes.
     assert predict(preset, Work(1.0), 1080, 400) == predict(preset, Work(1.0), 1080)
+
+
+def test_clocks_fall_gradually_with_the_power_cap():
+    """Down to the lowest clocks: 150 W and 100 W are different clocks, each above the minimum
+    for default work, and every 10 W less is a lower clock (no floor at 40% of TDP)."""
+    preset = PRESETS["a100-sxm"]
+    work = Work(0.3)
+    clocks = [effective_frequency(preset, work, 1410, limit) for limit in range(400, 99, -10)]
+    assert all(a >= b for a, b in zip(clocks, clocks[1:]))
+    assert len(set(clocks)) == len(clocks) - clocks.count(1410) + 1
+    f150, f100 = effective_frequency(preset, work, 1410, 150), effective_frequency(preset, work, 1410, 100)
+    assert 210 < f100 < f150 < 900
+    assert (
+        predict(preset, work, 1410, 100)[0] > predict(preset, work, 1410, 150)[0] > predict(preset, work, 1410, 200)[0]
+    )
+    # Below the voltage knee busy power is linear in the clock: the low end is a straight line.
+    p = [busy_power_w(preset, work, f) for f in (300, 500, 700)]
+    assert p[1] - p[0] == pytest.approx(p[2] - p[1])
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="shared Perseus data absent")
+def test_power_curve_follows_the_measured_profiles_down_to_their_lowest_clock():
+    """Busy power relative to the highest clock's, against every measured A100-SXM stage (GPT-3 and
+    Bloom) at every measured clock from 855 MHz up: within 7% of the measured ratio everywhere."""
+    preset = PRESETS["a100-sxm"]
+    top = busy_power_w(preset, Work(1.0), 1410)
+    lowest = 10_000
+    for name in ("gpt3-175b+a100_sxm_bf16.csv", "bloom+a100_sxm_bf16.csv"):
+        rows = defaultdict(dict)
+        with open(DATA / name) as f:
+            for row in csv.DictReader(f):
+                rows[(row["stage"], row["instruction"])][int(row["frequency"])] = float(row["energy"]) / float(
+                    row["time"]
+                )
+        for powers in rows.values():
+            for freq, watts in powers.items():
+                lowest = min(lowest, freq)
+                measured = watts / powers[1410]
+                assert busy_power_w(preset, Work(1.0), freq) / top == pytest.approx(measured, abs=0.07), (name, freq)
+    assert lowest == 855
 
 
 @pytest.mark.skipif(not DATA.exists(), reason="shared Perseus data absent")

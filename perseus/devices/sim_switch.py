@@ -1,0 +1,80 @@
+"""A simulated GPU's clock change in flight: asked for, not yet in force.
+
+A real GPU runs at its old clock for a while after a clock change call returns (see
+perseus.devices.sim_realism). The change in flight lives in a small JSON file beside the GPU's
+state file, so every process sees the same clock at the same instant; the state file keeps
+meaning "away from defaults" (a reset removes it at once even while the switch back is in flight).
+Times are on the clock of the SimGPU that asked: the system-wide monotonic clock, or a virtual
+clock, which only that process's objects on that clock share; others ignore the record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from perseus.atomic import write_json_atomic
+from perseus.clock import Clock, RealClock
+
+
+def clock_token(clock: Clock) -> str:
+    """Names the clock a switch time is on: the same for every process on the real clock."""
+    return "monotonic" if isinstance(clock, RealClock) else f"virtual:{os.getpid()}:{id(clock)}"
+
+
+@dataclass(frozen=True)
+class ClockSwitch:
+    """SM clock `from_mhz` stays in force until `at`, then `to_mhz` (None: the default, highest)."""
+
+    from_mhz: int | None
+    to_mhz: int | None
+    at: float
+    clock: str
+
+
+class SwitchFile:
+    """Reads and writes one GPU's switch record; reads are cached on the file's stat."""
+
+    def __init__(self, path: str, token: str) -> None:
+        self.path = path
+        self._token = token
+        self._key: tuple[int, int, int] | None = None
+        self._cached: ClockSwitch | None = None
+
+    def read(self) -> ClockSwitch | None:
+        """The switch in flight on this clock, if any (in flight or already done: callers compare `at`)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            self._key, self._cached = None, None
+            return None
+        key = (st.st_mtime_ns, st.st_ino, st.st_size)
+        if key != self._key:
+            self._cached, self._key = self._load(), key
+        return self._cached
+
+    def _load(self) -> ClockSwitch | None:
+        # A record that cannot be read is treated as no switch: the new clock is in force, and the
+        # next change overwrites it.
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                raw = json.load(f)
+            switch = ClockSwitch(raw["from_mhz"], raw["to_mhz"], float(raw["at"]), str(raw["clock"]))
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        return switch if switch.clock == self._token else None
+
+    def write(self, switch: ClockSwitch) -> None:
+        doc = {"from_mhz": switch.from_mhz, "to_mhz": switch.to_mhz, "at": switch.at, "clock": switch.clock}
+        write_json_atomic(self.path, doc, indent=None, fsync=False)  # runtime state, lost on reboot like hardware's
+        stamp = time.time_ns()  # a fine-grained mtime: the stat cache key changes on every write
+        os.utime(self.path, ns=(stamp, stamp))
+        self._key = None
+
+    def clear(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self._key, self._cached = None, None
