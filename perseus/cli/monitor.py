@@ -15,11 +15,16 @@ from perseus.cli.common import add_gpu_argument, select_gpus
 from perseus.devices.cpu import RaplCPU, rapl_cpus
 from perseus.exceptions import ConfigError, DeviceError, DeviceNotFoundError
 from perseus.measurement import Measurement, Monitor
+from perseus.metrics.exporter import DEFAULT_HOST as DEFAULT_METRICS_HOST
+from perseus.metrics.exporter import MetricsServer, start_metrics_server
 
 EPILOG = """examples:
   perseus monitor -- python train.py --epochs 1
   PERSEUS_GPU=sim:a100-sxm:2 perseus monitor --json -- sleep 1
   perseus monitor --gpu-indices 0,1 -- torchrun --nproc-per-node 2 train.py
+  perseus monitor --prometheus-port 9401 -- python train.py
+                    the GPUs' energy, power, SM clock and power limit on http://127.0.0.1:9401/metrics
+                    while the command runs
 
 The command's exit code becomes perseus' exit code (128+N when signal N killed it).
 Ctrl-C and SIGTERM are passed on to the command; the energy up to its exit is still reported.
@@ -36,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "starts until it exits.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="%(prog)s [-h] [--gpu SPEC] [--gpu-indices I,J] [--json] -- CMD [ARGS ...]",
+        usage="%(prog)s [-h] [--gpu SPEC] [--gpu-indices I,J] [--json] [--prometheus-port PORT] -- CMD [ARGS ...]",
     )
     add_gpu_argument(parser)
     parser.add_argument(
@@ -44,6 +49,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print one JSON object on stdout (keys time_s, gpu_energy_j as a list in GPU "
         "index order, gpu_indices, cpu_energy_j, total_energy_j, average_power_w, exit_code)",
+    )
+    parser.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="while CMD runs, serve the GPUs' metrics on http://HOST:PORT/metrics (0: any free port; needs "
+        "pip install 'perseus-energy[metrics]')",
+    )
+    parser.add_argument(
+        "--prometheus-host",
+        default=DEFAULT_METRICS_HOST,
+        metavar="HOST",
+        help=f"address the metrics endpoint binds (default {DEFAULT_METRICS_HOST})",
     )
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="the command to run, after --")
     parser.set_defaults(func=run, _parser=parser)
@@ -54,11 +73,16 @@ def run(args: argparse.Namespace) -> int:
     if not cmd:
         args._parser.error("give the command to measure after --, e.g. perseus monitor -- sleep 1")
     monitor = Monitor(gpus=select_gpus(args), cpus=_readable_cpus(), sync=False)
+    metrics: MetricsServer | None = None
     try:
+        if args.prometheus_port is not None:
+            metrics = _serve_metrics(monitor, args.prometheus_port, args.prometheus_host)
         monitor.begin_window("command")
         exit_code = _run_forwarding_signals(cmd)
         measurement = monitor.end_window("command")
     finally:
+        if metrics is not None:
+            metrics.close()
         monitor.close()
     assert measurement is not None
     if args.json:
@@ -66,6 +90,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_summary(measurement, cmd, exit_code)
     return exit_code
+
+
+def _serve_metrics(monitor: Monitor, port: int, host: str) -> MetricsServer:
+    from perseus.metrics.collectors import GPUCollector  # needs prometheus-client (ConfigError naming it)
+
+    server = start_metrics_server([GPUCollector(monitor)], port, host)
+    print(f"perseus monitor: metrics on {server.url}", file=sys.stderr, flush=True)
+    return server
 
 
 def _readable_cpus() -> list[RaplCPU]:

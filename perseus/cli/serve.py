@@ -8,6 +8,8 @@ import signal
 import sys
 
 from perseus.exceptions import ConfigError
+from perseus.metrics.exporter import DEFAULT_HOST as DEFAULT_METRICS_HOST
+from perseus.metrics.exporter import MetricsServer, start_metrics_server
 from perseus.service.budget import Budget
 from perseus.service.service import PlannerService
 from perseus.service.state import default_state_dir
@@ -20,6 +22,7 @@ EPILOG = f"""examples:
   perseus serve                                       listen on {DEFAULT_ADDRESS}
   perseus serve --state-dir ./perseus-state           keep profiles and plans beside the job
   perseus serve --bind tcp://127.0.0.1:0              pick a free port (printed on start)
+  perseus serve --metrics-port 9400                   Prometheus metrics on http://127.0.0.1:9400/metrics
   perseus keys --dir keys --client node1 --client node2
   perseus serve --bind tcp://0.0.0.0:7787 --curve-keys keys
                                                       other machines, CURVE-authenticated: ranks
@@ -142,6 +145,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (0: any free port, printed on start; needs "
+        "pip install 'perseus-energy[metrics]')",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=DEFAULT_METRICS_HOST,
+        metavar="HOST",
+        help=f"address the metrics endpoint binds (default {DEFAULT_METRICS_HOST}; 0.0.0.0 for a Prometheus elsewhere)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -177,18 +194,29 @@ def run(args: argparse.Namespace) -> int:
     service = PlannerService(
         args.bind, args.state_dir, security=security, insecure=args.insecure, log_every=args.log_every, budget=budget
     )
+    metrics: MetricsServer | None = None
     try:
         endpoint = service.bind()
+        if args.metrics_port is not None:
+            from perseus.metrics.collectors import ServiceCollector  # needs prometheus-client (ConfigError naming it)
+
+            metrics = start_metrics_server(
+                [ServiceCollector(service.metrics.board)], args.metrics_port, args.metrics_host
+            )
         previous = {sig: signal.signal(sig, lambda *_: service.stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
         if hasattr(signal, "SIGHUP"):  # not on Windows
             previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: _reload_keys(security, args.curve_keys))
         print(f"perseus serve: listening on {endpoint}", flush=True)
+        if metrics is not None:
+            print(f"perseus serve: metrics on {metrics.url}", flush=True)
         try:
             service.serve_forever()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     finally:
+        if metrics is not None:
+            metrics.close()
         service.close()
     return 0
 

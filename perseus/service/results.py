@@ -28,6 +28,8 @@ class Results:
         self.keeper = keeper
         self.jobs = jobs
         self._cache_saved: set[tuple[str, str]] = set()  # (job, GPU model) whose profile went to the signature cache
+        self.plans_solved = 0  # for the metrics: plans solved, and the seconds their solving took
+        self.planning_s = 0.0
 
     def plan(self, job: Job) -> None:
         """Publish what is solved, start solving what is missing, save the job."""
@@ -140,6 +142,8 @@ class Results:
                 )
                 continue
             plan, document = result
+            self.plans_solved += 1
+            self.planning_s += seconds
             job.add_result(key, plan)
             log.info(
                 "job %s: solved %s in %.2f s: %.4f s, %.1f J per pipeline",

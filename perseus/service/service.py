@@ -31,6 +31,7 @@ from typing import Any
 
 from perseus import __version__
 from perseus.exceptions import ConfigError, ProfileError, ScheduleError, ServiceError
+from perseus.metrics.service import OK, ServiceMetrics
 from perseus.service.admission import Admission
 from perseus.service.budget import Budget
 from perseus.service.handlers import Handlers
@@ -89,6 +90,7 @@ class PlannerService:
         self.results = Results(self.budget, self.workers, self.keeper, self.jobs)
         self.handlers = Handlers(self.admission, self.workers, self.keeper, self.results, log_every)
         self._evicted_at = clock()
+        self.metrics = ServiceMetrics()  # counted on this loop; published when /metrics is scraped
         self._stop = threading.Event()
         self._transport = Transport(address, security, insecure=insecure)
         self._routes: dict[type[Message], Callable[[Any], Message]] = {
@@ -141,6 +143,7 @@ class PlannerService:
     def tend(self) -> None:
         """The loop's work between requests: take built schedules and solved plans, save what is
         unsaved, evict jobs idle past their time-to-live."""
+        start = time.perf_counter()
         self.results.take_builds()
         self.results.take_plans()
         if self.keeper.save_due():
@@ -149,6 +152,7 @@ class PlannerService:
         if now - self._evicted_at >= EVICT_CHECK_S:
             self._evicted_at = now
             self.admission.evict_idle(now)
+        self.metrics.tended(self, start)
 
     @property
     def busy(self) -> bool:
@@ -163,20 +167,25 @@ class PlannerService:
 
     def handle(self, frames: list[bytes]) -> list[bytes]:
         """Reply frames for one ROUTER message: [routing id, payload] in, [routing id, reply] out."""
+        start = time.perf_counter()
         identity, payload = frames[0], frames[1:]
         if len(payload) != 1:
             message = (
                 f"expected exactly one frame per message, got {len(payload)}; "
                 "send one msgpack map per message (a DEALER socket, no empty delimiter)"
             )
+            self.metrics.handled(self, None, ErrorCode.BAD_FRAME.value, start)
             return [identity, encode_error(None, ErrorCode.BAD_FRAME, message)]
         try:
             request_id, request = decode_request(payload[0])
         except RequestRejected as e:
             log.info("rejected a request: %s", clip(str(e), LOG_TEXT))
+            self.metrics.handled(self, None, ErrorCode(e.code).value, start)
             return [identity, encode_error(e.request_id, ErrorCode(e.code), e.message)]
         try:
-            return [identity, encode_reply(request_id, self._routes[type(request)](request))]
+            reply = [identity, encode_reply(request_id, self._routes[type(request)](request))]
+            self.metrics.handled(self, request, OK, start)
+            return reply
         except ServiceError as e:
             code, message = ErrorCode(e.code), e.message
         except (ConfigError, ProfileError, ScheduleError) as e:
@@ -197,6 +206,7 @@ class PlannerService:
             code.value,
             clip(message, LOG_TEXT),
         )
+        self.metrics.handled(self, request, code.value, start)
         return [identity, encode_error(request_id, code, message)]
 
     # ---- jobs ----------------------------------------------------------------------------------
