@@ -24,13 +24,16 @@ class Assignment:
 
     `frequencies`: one MHz value per instruction of the rank, in schedule order (phase planned),
     or None: leave clocks at maximum/default. `profiling_frequency`: the sweep's frequency for
-    every instruction (phase profiling), else None. Shared between calls: do not mutate.
+    every instruction (phase profiling), else None. `spans`: the service asks for this
+    iteration's instruction spans (it is calibrating its model of the job). Shared between
+    calls: do not mutate.
     """
 
     phase: Phase
     frequencies: list[int] | None
     profiling_frequency: int | None
     plan_version: int
+    spans: bool = False
 
 
 UNPLANNED = Assignment(Phase.UNPLANNED, None, None, 0)
@@ -109,18 +112,19 @@ class RankState:
         if plan is None or table.plan_start_iteration == 0:
             previous = None
         failed = table.phase == JobPhase.FAILED.value  # no plan will come: no sweep either
+        spans = table.spans
         self.view = View(
             warmup_iterations=table.warmup_iterations,
             iterations_per_frequency=table.iterations_per_frequency,
             sweep=()
             if failed
-            else tuple(Assignment(Phase.PROFILING, None, f, version) for f in table.sweep_frequencies),
+            else tuple(Assignment(Phase.PROFILING, None, f, version, spans) for f in table.sweep_frequencies),
             stage_profiled=info.stage in table.profiled_stages,
             plan=plan,
             plan_start=table.plan_start_iteration,
             previous=previous,
-            warmup=UNPLANNED if failed else Assignment(Phase.WARMUP, None, None, version),
-            waiting=UNPLANNED if failed else Assignment(Phase.PLANNING, None, None, version),
+            warmup=UNPLANNED if failed else Assignment(Phase.WARMUP, None, None, version, spans),
+            waiting=UNPLANNED if failed else Assignment(Phase.PLANNING, None, None, version, spans),
             upload=table.upload,
         )
         if plan is not None and (old is None or old.plan is not plan):

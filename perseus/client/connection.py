@@ -27,12 +27,14 @@ from perseus.wire.fields import Message
 from perseus.wire.limits import HARD_MESSAGE_BYTES
 from perseus.wire.messages import REQUESTS, GetTable, RegisterJob, RegisterRank, ReportIteration, Table, UploadProfile
 from perseus.wire.security import Security
+from perseus.wire.spans import ReportSpans
 
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_REPORTS = 4096
 _RETRY_CODES = (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_RANK.value, ErrorCode.NOT_READY.value)
-_RANK_REQUESTS = (RegisterRank, GetTable, UploadProfile, ReportIteration)  # retried on _RETRY_CODES
+_RANK_REQUESTS = (RegisterRank, GetTable, UploadProfile, ReportIteration, ReportSpans)  # retried on _RETRY_CODES
+_REPORTS = (ReportIteration, ReportSpans)  # sent while connected, dropped past MAX_QUEUED_REPORTS
 
 
 class Waiter:
@@ -181,7 +183,7 @@ class Connection:
                 out = self.handoff.commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(out.message, ReportIteration):
+            if isinstance(out.message, _REPORTS):
                 self.reports.append(out)
             elif isinstance(out.message, UploadProfile):
                 self.held = out
@@ -263,9 +265,7 @@ class Connection:
     def _update_idle(self) -> None:
         handoff = self.handoff
         busy = (
-            self.reports
-            or self.delayed
-            or any(o.reliable or isinstance(o.message, ReportIteration) for o in self._pending())
+            self.reports or self.delayed or any(o.reliable or isinstance(o.message, _REPORTS) for o in self._pending())
         )
         with handoff.idle_lock:
             if busy or not handoff.commands.empty():

@@ -35,6 +35,7 @@ from perseus.wire.messages import (
     UploadProfile,
 )
 from perseus.wire.security import Security, security_from_env
+from perseus.wire.spans import ReportSpans
 from perseus.wire.spec import JobSpec, RankInfo
 
 # Assignment and UNPLANNED are what assignment() returns: importable from here, where they always were.
@@ -135,6 +136,11 @@ class PlannerClient:
                 log.warning("dropping an iteration report the service would refuse: %s", e)
             return
         self._handoff.send(Outgoing(message, reliable=False))
+
+    def report_spans(self, spans: ReportSpans) -> None:
+        """Queue one iteration's instruction spans (the service asked for them: `Assignment.spans`).
+        Never raises: a report the service would refuse is logged (once) and dropped."""
+        self._handoff.send(Outgoing(spans, reliable=False))
 
     def declare_straggler(self, job_id: str, pipeline: int, factor: float | None) -> bool:
         """Tell the service that pipeline (data-parallel index) `pipeline` runs `factor` x its

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from perseus.profiler.profile import Profile
 from perseus.wire.phases import Phase
+from perseus.wire.spans import ReportSpans
 from perseus.wire.spec import JobSpec, RankInfo
 
 
@@ -35,6 +36,11 @@ class PortAssignment(Protocol):
 
     @property
     def plan_version(self) -> int: ...
+
+    @property
+    def spans(self) -> bool:
+        """The service asks for this iteration's instruction spans (`report_spans`)."""
+        ...
 
 
 class PlannerPort(Protocol):
@@ -66,6 +72,10 @@ class PlannerPort(Protocol):
         compute_time_s: float | None = None,
     ) -> None:
         """One iteration's measured time and energy on this rank's GPU. Never raises."""
+        ...
+
+    def report_spans(self, spans: ReportSpans) -> None:
+        """One iteration's instruction spans, when the assignment asked for them. Never raises."""
         ...
 
     def close(self) -> None:

@@ -33,15 +33,19 @@ from typing import Any
 
 from perseus.controller import FrequencyController
 from perseus.devices.gpu import GPU
+from perseus.devices.sim import SimGPU
 from perseus.exceptions import ConfigError, PlanError
 from perseus.profiler.online import OnlineProfiler, Sweep, SweepStep
 from perseus.runtime import registration
+from perseus.runtime.emulation import InstructionWork, WorkSpec
 from perseus.runtime.port import PlannerPort, PortAssignment
 from perseus.runtime.progress import Progress
 from perseus.runtime.records import IterationRecord, ProfilingSettings
+from perseus.runtime.spans import MAX_SPAN_REPORTS, SpanRecorder, WorkCheck
 from perseus.schedules.instruction import Schedule
 from perseus.wire.parallelism import Parallelism
 from perseus.wire.phases import Phase
+from perseus.wire.spans import ReportSpans
 from perseus.wire.spec import JobSpec, RankInfo
 
 logger = logging.getLogger(__name__)
@@ -66,9 +70,12 @@ class PerseusRank:
     `wait_for_clock`: block each clock change until applied; only for emulated GPUs whose work
     reads the clock when issued (real kernels
     run long after the CPU issues them, and the training thread must not wait on the driver).
-    `instruction_overhead_s` and `hop_latency_s`: host work between this job's instructions and
-    what one stage-to-stage hop takes beyond it, measured by the caller; the planner adds them to
-    the profile (see `Profile.with_overheads`). Default 0: plan on the GPU work alone.
+    `instruction_overhead_s` and `hop_latency_s`: optional overrides of what the service
+    measures itself (see perseus.service.calibration): host work between this job's instructions
+    and what one stage-to-stage hop takes beyond it; the planner adds them to the profile (see
+    `Profile.with_overheads`). Default 0: the service fits them from the ranks' timelines.
+    `emulate`: on a simulated GPU, the GPU work each instruction stands for (see
+    perseus.runtime.emulation); ignored on real GPUs.
     """
 
     def __init__(
@@ -97,6 +104,7 @@ class PerseusRank:
         startup_wait_s: float = 3.0,
         close_client: bool = False,
         on_iteration: Callable[[IterationRecord], None] | None = None,
+        emulate: WorkSpec | None = None,
     ) -> None:
         self.parallelism = registration.resolve_parallelism(
             schedule,
@@ -136,6 +144,7 @@ class PerseusRank:
         if client is not None:
             self.job_spec()  # a bad field (the overheads, say) raises ConfigError here, not in the registration thread
         self.profiler = OnlineProfiler(gpu, self.sweep)
+        self._emulated = InstructionWork(gpu, emulate) if emulate is not None else None
         self.controller = FrequencyController(gpu, handle_signals=handle_signals, watchdog=watchdog)
 
         self.iteration = -1
@@ -149,6 +158,10 @@ class PerseusRank:
         self._step_start: tuple[float, float] = (0.0, 0.0)
         self._done = 0  # instructions ended in this iteration
         self._compute_end: float | None = None  # when the iteration's last instruction ended
+        self._record_spans = False  # the planner asked for this iteration's instruction spans
+        self._spans: SpanRecorder | None = None
+        self._span_reports = 0
+        self._work_check = WorkCheck(gpu.preset.idle_w) if isinstance(gpu, SimGPU) else None
         self._warned: set[str] = set()
         self._closed = False
 
@@ -208,6 +221,7 @@ class PerseusRank:
             self._begin_iteration()
             self._done, self._compute_end = 0, None
             self._step_start = (self.gpu.clock.now(), self.gpu.energy_mj())
+            self._spans = SpanRecorder(self._step_start[0], len(self.order)) if self._record_spans else None
         except Exception as e:
             self._warn_once(
                 "step_begin", f"Perseus failed at the start of iteration {self.iteration}: {e!r}; training continues"
@@ -225,6 +239,9 @@ class PerseusRank:
                 self.controller.wait_applied()
             if self._profiling:
                 self.profiler.before_instruction()
+            self._mark_begin()
+            if self._emulated is not None:
+                self._emulated.begin(str(kind), microbatch, chunk)
         except Exception as e:
             self._warn_once(
                 "instruction_begin", f"Perseus failed before {kind} {microbatch}: {e!r}; training continues"
@@ -235,6 +252,9 @@ class PerseusRank:
         if self._closed or not self._in_step:
             return
         try:
+            if self._emulated is not None:
+                self._emulated.end()
+            self._mark_end()
             if self._profiling:
                 self.profiler.after_instruction(str(kind), self._virtual.get(chunk, self.stage))
             self._done += 1
@@ -312,11 +332,62 @@ class PerseusRank:
         self.controller.begin_iteration()
         self.phase = phase
         self._frequency = frequency
+        self._record_spans = (
+            assignment is not None
+            and bool(getattr(assignment, "spans", False))
+            and phase in (Phase.WARMUP, Phase.PROFILING, Phase.PLANNING)
+            and self._span_reports < MAX_SPAN_REPORTS
+        )
         if self._progress is not None:
             step = self.sweep.step_at(job_iteration or 0)
             total = len(self.sweep.frequencies)
             done = step.index if phase is Phase.PROFILING and step.index >= 0 else None
             self._progress.update(self.iteration, phase, frequency, done, total if done is not None else None)
+
+    def _mark_begin(self) -> None:
+        """An instruction begins: its span starts, in iterations the planner wants spans of."""
+        if self._spans is not None:
+            self.gpu.synchronize()
+            self._spans.begin(self.gpu.clock.now())
+
+    def _mark_end(self) -> None:
+        if self._spans is not None:
+            self.gpu.synchronize()
+            self._spans.end(self.gpu.clock.now())
+
+    def _check_gpu_work(self, record: IterationRecord) -> None:
+        """On a simulated GPU, warn once if this rank's first iterations ran no simulated work."""
+        if self._work_check is None or record.iteration == 0:  # the first iteration: set-up and warm-up
+            return
+        if self._work_check.add(record.time_s, record.energy_j):
+            self._work_check = None
+            logger.warning(
+                "rank %d: its instructions ran no work on its simulated GPU (%s) in iterations 1-%d: Perseus "
+                "profiles and plans GPU work, so there is nothing to plan. Give each instruction the work it stands "
+                "for: perseus.instrument(..., emulate={'forward': Work(0.006), 'backward': Work(0.012)}), or "
+                "perseus.devices.emulate(gpu, Work(seconds)) inside the stage (README: Emulating GPU work)",
+                self.rank,
+                self.gpu.name(),
+                record.iteration,
+            )
+        elif self._work_check.done:
+            self._work_check = None
+
+    def _send_spans(self, job_iteration: int | None, step_s: float) -> None:
+        """Send the iteration's instruction spans, if the planner asked for them and all were seen."""
+        spans, self._spans = self._spans, None
+        if spans is None or not spans.complete or self._client is None or self._job_id is None:
+            return
+        if job_iteration is None or self._span_reports >= MAX_SPAN_REPORTS:
+            return
+        begins, ends = spans.offsets_us()
+        step_us = max(round(step_s * 1e6), ends[-1], 1)
+        self._span_reports += 1
+        self._client.report_spans(
+            ReportSpans(
+                self._job_id, self.rank, job_iteration, self.phase.value, self._frequency, step_us, begins, ends
+            )
+        )
 
     def _apply_plan(self, frequencies: Any, version: int) -> None:
         self.plan_version = version
@@ -345,10 +416,12 @@ class PerseusRank:
             compute if compute is not None and compute > 0 else None,
         )
         self.last_iteration = record
+        self._check_gpu_work(record)
         if self.phase is Phase.PROFILING and not self.sweep.done and self.profiler.end_iteration():
             self._upload_profile()
         self._profiling = False
         job_iteration = self.job_iteration
+        self._send_spans(job_iteration, t1 - t0)
         if self._client is not None and self._job_id is not None and job_iteration is not None:
             self._client.report_iteration(
                 self._job_id,

@@ -36,6 +36,7 @@ from perseus.wire.limits import (
 )
 from perseus.wire.phases import JOB_PHASES
 from perseus.wire.profiles import profile_from_wire, profile_to_wire
+from perseus.wire.spans import ReportSpans
 from perseus.wire.spec import JobSpec, RankInfo
 
 
@@ -119,6 +120,8 @@ class Table(Message):
     `upload`: this rank uploads its stage profile -- it has the lowest data-parallel index
     among the ranks of its GPU model, stage and tensor-parallel index, whose profiles the
     service shares (omitted on the wire when true, as earlier releases had every rank upload).
+    `spans`: the service calibrates the job's model and asks for each iteration's instruction
+    spans (`ReportSpans`) until a plan is in force (omitted on the wire when false).
     """
 
     phase: str
@@ -131,6 +134,7 @@ class Table(Message):
     frequencies: tuple[int, ...] | None
     error: str = ""
     upload: bool = True
+    spans: bool = False
 
     def __post_init__(self) -> None:
         check_str(self.phase, "table.phase", 16, choices=JOB_PHASES)
@@ -152,6 +156,7 @@ class Table(Message):
             )
         check_str(self.error, "table.error", 4096, printable=False)
         check_bool(self.upload, "table.upload")
+        check_bool(self.spans, "table.spans")
 
     def to_wire(self) -> dict[str, Any]:
         doc = super().to_wire()
@@ -160,6 +165,8 @@ class Table(Message):
         doc["frequencies"] = None if self.frequencies is None else list(self.frequencies)
         if self.upload:
             del doc["upload"]  # the default
+        if not self.spans:
+            del doc["spans"]  # the default, and what earlier releases send and accept
         return doc
 
 
@@ -396,6 +403,7 @@ REQUESTS: dict[str, tuple[type[Message], type[Message]]] = {
     GetTable.TYPE: (GetTable, Table),
     UploadProfile.TYPE: (UploadProfile, Ack),
     ReportIteration.TYPE: (ReportIteration, Ack),
+    ReportSpans.TYPE: (ReportSpans, Ack),
     DeclareStraggler.TYPE: (DeclareStraggler, Ack),
     GetStatus.TYPE: (GetStatus, Status),
     Ping.TYPE: (Ping, Pong),
