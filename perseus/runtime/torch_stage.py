@@ -35,8 +35,15 @@ from perseus.wire.security import Security
 
 logger = logging.getLogger(__name__)
 
-#: torch versions (major, minor), inclusive, whose PipelineStage methods these hooks match.
-SUPPORTED_TORCH = ((2, 6), (2, 13))
+#: torch versions (major, minor), inclusive, whose PipelineStage methods these hooks match. Checked
+#: release by release (2.6.0, 2.7.1, 2.8.0, 2.9.1, 2.10.0, 2.11.0, 2.12.1, 2.13.0, 2.14.1, 2.15.0):
+#: every schedule's step() calls clear_runtime_states() first and runs F, B, I and W through
+#: forward_one_chunk(fwd_chunk_id, args, ...), backward_one_chunk(bwd_chunk_id, loss, full_backward,
+#: ...) and backward_weight_one_chunk(bwd_chunk_id, ...). What later releases added around them --
+#: OVERLAP_F_B (2.9: its sub-actions still call those methods), REDUCE_GRAD (2.10), WAIT_SEND_F/B and
+#: WAIT_REDUCE_GRAD with start/wait_for_gradient_reduction (2.15) -- is communication, not an
+#: instruction. A release past the last one checked is refused until it is checked.
+SUPPORTED_TORCH = ((2, 6), (2, 15))
 PLANNER_ENV = "PERSEUS_PLANNER"
 #: torch's single-stage schedules and the perseus builder that gives the order they run.
 _SINGLE_STAGE_SCHEDULES = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
@@ -63,7 +70,7 @@ def check_torch_version(version: str | None = None) -> None:
     if not low <= (major, minor) <= high:
         raise ConfigError(
             f"perseus.instrument supports torch {low[0]}.{low[1]} to {high[0]}.{high[1]}, found {version}; "
-            f"install a supported torch (pip install 'torch>={low[0]}.{low[1]},<={high[0]}.{high[1]}.0') or use "
+            f"install a supported torch (pip install 'torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}') or use "
             "the framework-neutral hooks (PerseusRank.on_instruction_begin/end)"
         )
 

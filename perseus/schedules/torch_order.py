@@ -2,10 +2,10 @@
 
 `pipeline_order` maps rank -> list of `_Action(stage_index, computation_type, microbatch_index,
 sub_actions)` or None (an idle slot). Compute types F, B (full backward), I and W become
-instructions; OVERLAP_F_B contributes its sub-actions in order; communication, FSDP and
-REDUCE_GRAD actions are dropped. The rank and chunk of each torch stage index come from the
-order itself (the rank that runs it); chunk = stage_index // N, and the layout must be torch's
-"loop" (stage i on rank i % N) or "v" (zig-zag) mapping. Works on the objects only: torch is
+instructions; OVERLAP_F_B contributes its sub-actions in order; communication, FSDP,
+REDUCE_GRAD and the WAIT_* actions are dropped. The rank and chunk of each torch stage index
+come from the order itself (the rank that runs it); chunk = stage_index // N, and the layout
+must be torch's "loop" (stage i on rank i % N) or "v" (zig-zag) mapping. Works on the objects only: torch is
 not imported here.
 """
 
@@ -21,8 +21,11 @@ _KINDS = {"F": Kind.FORWARD, "B": Kind.BACKWARD, "I": Kind.BACKWARD_INPUT, "W": 
 
 
 def _type_letter(action: Any) -> str:
+    """The action's letter: the enum's value from torch 2.11 (a str enum), its str() before (an
+    int enum whose __str__ gives the letter), or a plain string."""
     ctype = action.computation_type
-    return getattr(ctype, "value", ctype)
+    value = getattr(ctype, "value", ctype)
+    return value if isinstance(value, str) else str(ctype)
 
 
 def _compute_actions(actions: Iterable[Any]) -> Iterable[Any]:

@@ -247,11 +247,16 @@ def test_bad_input_is_refused_clearly(gpu):
         perseus.instrument(stage, schedule="1f1b", client=False, gpu=gpu)
     with pytest.raises(ConfigError, match="PipelineStage"):
         perseus.instrument(object(), schedule="1f1b", num_microbatches=2, client=False, gpu=gpu)
-    with pytest.raises(ConfigError, match="supports torch 2.6 to 2.13"):
+    with pytest.raises(ConfigError, match="supports torch 2.6 to 2.15"):
         check_torch_version("2.3.1")
+    with pytest.raises(
+        ConfigError, match=r"found 2.16.0; install a supported torch \(pip install 'torch>=2.6,<2.16'\)"
+    ):
+        check_torch_version("2.16.0")
     with pytest.raises(ConfigError, match="found 3.0.0"):
         check_torch_version("3.0.0")
-    check_torch_version("2.13.0+cpu")
+    for version in ("2.6.0", "2.13.0+cpu", "2.14.1", "2.15.0+cu132"):
+        check_torch_version(version)
 
 
 def test_security_and_3d_coordinates_pass_through(gpu, tmp_path):
