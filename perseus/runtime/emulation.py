@@ -4,11 +4,14 @@ A simulated GPU does only the work it is given, so a training script on one (no 
 says what each instruction would cost a real GPU: `perseus.instrument(stage, schedule=...,
 emulate={"forward": Work(0.006), "backward": Work(0.012)})`, or a callable
 `(kind, microbatch, chunk) -> Work | None` when chunks or microbatches differ. Each
-instruction then launches its work as it begins (a kernel launch: the script's own CPU work runs
-meanwhile) and waits for it as it ends. The work runs as short slices, each at the SM clock in
-effect when it is queued, the way a real GPU's clock change lands mid-kernel: Perseus sets
-clocks off the training thread, a moment after the instruction began. On real GPUs `emulate`
-does nothing (they run the real kernels), so the same script runs on both.
+instruction launches its work as it begins (a kernel launch) and waits for it as it ends.
+
+Perseus sets each instruction's clock off the training thread, a moment after the instruction
+began; work must run at the clock in force, as a real GPU's kernels do once the change lands.
+So until the controller has applied the instruction's clock, the work goes out in short slices
+(each at the clock in force when queued, the next queued before the last ends), and the rest in
+one piece once it has. On real GPUs `emulate` does nothing (they run the real kernels), so the
+same script runs on both.
 """
 
 from __future__ import annotations
@@ -24,11 +27,8 @@ from perseus.schedules.instruction import Kind
 #: What `emulate=` takes: work per instruction kind, or a function of (kind, microbatch, chunk).
 WorkSpec = Mapping[str, Work] | Callable[[str, int, int], Work | None]
 
-#: Nominal GPU time (at the highest clock) of one slice of an instruction's work.
-SLICE_S = 0.002
-#: The next slice is queued this long before the current one ends, so slices run back to back
-#: even when the training thread wakes up late.
-LEAD_S = 0.0015
+#: GPU time (at the highest clock) of one slice queued while the instruction's clock is not applied yet.
+SLICE_S = 0.0005
 
 
 def check_work_spec(spec: WorkSpec) -> WorkSpec:
@@ -64,19 +64,14 @@ def check_work_spec(spec: WorkSpec) -> WorkSpec:
 
 
 class InstructionWork:
-    """Runs the emulated work of one rank's instructions on its simulated GPU (nothing on a real one)."""
+    """Runs the emulated work of one rank's instructions on its simulated GPU (nothing on a real
+    one). `clock_applied(timeout_s)` waits up to `timeout_s` until the controller has applied the
+    latest clock and says whether it has (`FrequencyController.wait_applied`)."""
 
-    def __init__(self, gpu: GPU, spec: WorkSpec) -> None:
+    def __init__(self, gpu: GPU, spec: WorkSpec, clock_applied: Callable[[float], bool]) -> None:
         self.spec = check_work_spec(spec)
         self.gpu = gpu if isinstance(gpu, SimGPU) else None
-        self._work: Work | None = None
-        self._left = 0
-        self._end = 0.0
-
-    @property
-    def active(self) -> bool:
-        """Whether work runs here (a simulated GPU)."""
-        return self.gpu is not None
+        self._clock_applied = clock_applied
 
     def _work_of(self, kind: str, microbatch: int, chunk: int) -> Work | None:
         spec = self.spec
@@ -88,35 +83,21 @@ class InstructionWork:
         return work
 
     def begin(self, kind: str, microbatch: int, chunk: int) -> None:
-        """Launch the instruction's work; returns at once."""
+        """Queue the instruction's work at the clock the controller sets for it."""
         gpu = self.gpu
         if gpu is None:
             return
         work = self._work_of(kind, microbatch, chunk)
-        if work is None or work.time_s <= 0:
-            self._work = None
-            return
-        self._left = max(1, round(work.time_s / SLICE_S))
-        self._work = Work(work.time_s / self._left, work.alpha, work.intensity)
-        self._end = gpu.clock.now()
-        self._issue()
+        left = 0.0 if work is None else work.time_s
+        while left > 0:
+            if self._clock_applied(0.0) or left <= SLICE_S:
+                gpu.execute(Work(left, work.alpha, work.intensity), blocking=False)  # type: ignore[union-attr]
+                return
+            took = gpu.execute(Work(SLICE_S, work.alpha, work.intensity), blocking=False)  # type: ignore[union-attr]
+            left -= SLICE_S
+            self._clock_applied(0.8 * took)  # queue the next slice before this one ends
 
     def end(self) -> None:
-        """Queue the rest of the work and wait until all of it has finished."""
-        gpu = self.gpu
-        if gpu is None or self._work is None:
-            return
-        clock = gpu.clock
-        while self._left:
-            ahead = self._end - LEAD_S - clock.now()
-            if ahead > 0:
-                clock.sleep(ahead)
-            self._issue()
-        gpu.synchronize()
-        self._work = None
-
-    def _issue(self) -> None:
-        assert self.gpu is not None and self._work is not None
-        now = self.gpu.clock.now()
-        self._end = max(now, self._end) + self.gpu.execute(self._work, blocking=False)
-        self._left -= 1
+        """Wait until the instruction's work has finished."""
+        if self.gpu is not None:
+            self.gpu.synchronize()

@@ -144,8 +144,8 @@ class PerseusRank:
         if client is not None:
             self.job_spec()  # a bad field (the overheads, say) raises ConfigError here, not in the registration thread
         self.profiler = OnlineProfiler(gpu, self.sweep)
-        self._emulated = InstructionWork(gpu, emulate) if emulate is not None else None
         self.controller = FrequencyController(gpu, handle_signals=handle_signals, watchdog=watchdog)
+        self._emulated = InstructionWork(gpu, emulate, self.controller.wait_applied) if emulate is not None else None
 
         self.iteration = -1
         self.phase = Phase.UNPLANNED
