@@ -19,6 +19,7 @@ COMMANDS = [
     "perseus.cli.monitor",
     "perseus.cli.power",
     "perseus.cli.reset",
+    "perseus.cli.probe",
     "perseus.cli.plan",
     "perseus.cli.serve",
     "perseus.cli.straggler",
@@ -32,6 +33,7 @@ EPILOG = """examples:
   perseus plan --profile gpt3.csv --blocking-power 83.64 --stages 8 --microbatches 96
   perseus serve                               the planner service that instrumented training talks to
   perseus demo                                end to end on a simulated 4-GPU pipeline
+  perseus probe                               what this GPU's counters and clock changes really do
 
 `perseus COMMAND --help` shows a command's options and more examples.
 GPUs: real ones through NVML by default; PERSEUS_GPU=sim:a100-sxm:4 simulates four A100s.
