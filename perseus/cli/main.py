@@ -22,6 +22,7 @@ COMMANDS = [
     "perseus.cli.probe",
     "perseus.cli.plan",
     "perseus.cli.serve",
+    "perseus.cli.agent",
     "perseus.cli.straggler",
     "perseus.cli.keys",
     "perseus.cli.demo",

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from perseus.cli.common import add_gpu_argument, select_gpus
+from perseus.devices.agent_gpu import AgentWrites
 from perseus.devices.gpu import GPU
 from perseus.exceptions import DeviceError
 
@@ -15,7 +16,9 @@ EPILOG = """examples:
   PERSEUS_GPU=sim:a100-sxm:4 perseus reset
 
 Run it after a training job that Perseus controlled crashed or was killed: locked clocks and
-power limits outlive the process that set them.
+power limits outlive the process that set them. Where a perseus agent serves the GPUs, it resets
+them itself when a job ends, and `perseus reset` goes through it: a GPU another process holds is
+refused with that process's pid (`perseus agent revoke` ends its lease).
 """
 
 
@@ -36,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     failed = False
     for gpu in select_gpus(args):
         done, errors = reset(gpu)
-        print(f"GPU {gpu.index} ({gpu.name()}): {'; '.join(done) or 'nothing reset'}")
+        via = f" through {gpu.agent.where}" if isinstance(gpu, AgentWrites) else ""
+        print(f"GPU {gpu.index} ({gpu.name()}){via}: {'; '.join(done) or 'nothing reset'}")
         for error in errors:
             print(f"perseus: error: GPU {gpu.index}: {error}", file=sys.stderr)
         failed = failed or bool(errors)

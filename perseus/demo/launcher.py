@@ -3,9 +3,11 @@ several data-parallel pipelines, one of them a straggler), and what Perseus save
 The GPUs are A100-SXMs unless the options name another preset (`perseus demo` takes it from
 PERSEUS_GPU=sim:PRESET[:COUNT], e.g. sim:mi300x:4; see `default_preset`).
 
-The launcher starts `perseus serve` on a free loopback port, throttles the straggler's
-simulated GPUs if asked, then torchrun with one `perseus.demo.worker` per rank (gloo on CPU,
-every rank on its own simulated GPU whose state lives in a private folder), follows rank 0's
+The launcher starts a `perseus agent` for the job's simulated GPUs (the ranks change clocks
+through it; it resets each GPU as its rank's lease ends), `perseus serve` on a free loopback
+port, throttles the straggler's simulated GPUs if asked, then torchrun with one
+`perseus.demo.worker` per rank (gloo on CPU, every rank on its own simulated GPU whose state
+lives in a private folder), follows rank 0's
 progress, and afterwards joins the ranks' measurements, takes the prediction from the service
 (its status, and with a straggler its saved plans) and checks that every simulated GPU is back
 at its default clocks. The processes are in perseus.demo.processes, the report (figures, text,
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from perseus.agent.process import AgentProcess
 from perseus.atomic import write_json_atomic
 from perseus.client.planner_client import PlannerClient
 from perseus.demo.config import DemoConfig
@@ -30,6 +33,7 @@ from perseus.demo.report import job_record, summarize, summarize_straggler, writ
 from perseus.demo.results import gloo_latency, load_iterations, median_iteration, read_rank_record, split_phases
 from perseus.demo.workload import default_time_scale
 from perseus.devices.select import ENV_VAR, parse_gpu_spec
+from perseus.devices.sim import SIM_DIR_ENV
 from perseus.devices.sim_presets import get_preset
 from perseus.exceptions import ConfigError, PerseusError
 
@@ -125,8 +129,20 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
         slow = config.straggler_pipeline
         slow_ranks = None if slow is None else [slow * options.ranks + s for s in range(options.ranks)]
 
+        agent = AgentProcess(
+            os.path.join(work, "agent.sock"),
+            os.path.join(work, "agent-leases.json"),
+            f"sim:{options.preset}:{world}",
+            os.path.join(work, "agent.log"),
+            env={SIM_DIR_ENV: sim_dir},
+        ).start()
+        say(f"perseus agent (pid {agent.pid}) serves the {world} simulated GPUs; the ranks change clocks through it")
         service = ServiceProcess(state_dir, os.path.join(work, "service.log"), options.port)
-        address = service.start()
+        try:
+            address = service.start()
+        except BaseException:
+            agent.stop()
+            raise
         say(f"planner service listening on {address} (state in {state_dir})")
         try:
             config = demo_config(options, out_dir, address)
@@ -145,14 +161,20 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
                     f"{options.straggler:g}x slower"
                 )
             try:
-                rc = _run_job(options, world, config_path, sim_dir, os.path.join(work, "torchrun.log"), out_dir, say)
+                rc = _run_job(
+                    options, world, config_path, sim_dir, os.path.join(work, "torchrun.log"), out_dir, say, agent
+                )
             finally:
                 if slow_ranks is not None:
                     throttle(slow_ranks, 1.0, sim_dir, options.preset)
             job_id = _job_id(out_dir) if rc == 0 else None
             status = fetch_status(address, job_id)
+            # The ranks' leases end with them, and the agent resets their GPUs: wait for it, then check.
+            clocks_reset = agent.wait_until_free() and sim_gpus_at_default(world, sim_dir, options.preset)
+            say(f"perseus agent: the ranks' leases ended; GPUs at defaults: {'yes' if clocks_reset else 'NO'}")
         finally:
             service.stop()
+            agent.stop()
         if rc != 0:
             raise PerseusError(
                 f"the demo job failed (torchrun exit code {rc}); its log:\n"
@@ -180,7 +202,7 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             time_scale=config.time_scale,
             gpu=f"sim:{options.preset}",
             job_id=job_id,
-            clocks_reset=sim_gpus_at_default(world, sim_dir, options.preset),
+            clocks_reset=clocks_reset,
             wall_time_s=time.monotonic() - began,
         )
         if options.plot_dir:
@@ -236,9 +258,11 @@ def _run_job(
     log_path: str,
     out_dir: str,
     say: Callable[[str], None],
+    agent: AgentProcess,
 ) -> int:
-    """Run torchrun to completion, reporting rank 0's finished iterations as they land."""
-    proc = start_job(world, config_path, sim_dir, log_path, preset=options.preset)
+    """Run torchrun to completion, its ranks changing clocks through `agent`, reporting rank 0's
+    finished iterations as they land."""
+    proc = start_job(world, config_path, sim_dir, log_path, preset=options.preset, agent_socket=agent.socket_path)
     deadline = time.monotonic() + options.timeout_s
     seen = 0
     try:

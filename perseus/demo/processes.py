@@ -88,12 +88,19 @@ class ServiceProcess:
 
 
 def start_job(
-    ranks: int, config_path: str, sim_dir: str, log_path: str, max_restarts: int = 0, preset: str = PRESET
+    ranks: int,
+    config_path: str,
+    sim_dir: str,
+    log_path: str,
+    max_restarts: int = 0,
+    preset: str = PRESET,
+    agent_socket: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start torchrun with `ranks` demo workers (in their own process group), output to `log_path`.
 
     Rank r runs on simulated GPU r (of `preset`), whose state lives in `sim_dir`. With `max_restarts`, torchrun
-    restarts the whole group that many times after a rank fails.
+    restarts the whole group that many times after a rank fails. With `agent_socket`, the ranks change
+    clocks through the perseus agent there.
     """
     cmd = [
         sys.executable,
@@ -115,6 +122,7 @@ def start_job(
         # A restarted group must not share torchrun's rendezvous store: gloo would read the
         # previous attempt's addresses from it and fail to connect (pytorch/pytorch#135712).
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        PERSEUS_AGENT=agent_socket or "off",
     )
     with open(log_path, "ab") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -73,6 +73,11 @@ class GPU(abc.ABC):
         """Whether this process may lock clocks and set power limits."""
         return True
 
+    def agent_restores_on_exit(self) -> bool:
+        """Whether the node's perseus agent restores this GPU's defaults when this process ends
+        (its writes go through the agent's lease), so it needs no watchdog process of its own."""
+        return False
+
     def synchronize(self) -> None:
         """Wait until work already issued to this GPU has finished (so counters include it).
 

@@ -11,6 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from perseus.agent.location import agent_socket
 from perseus.devices.amd import AMDGPU, amd_gpus
 from perseus.devices.gpu import GPU
 from perseus.devices.nvml import NVMLGPU, nvml_gpus
@@ -54,11 +55,26 @@ def parse_gpu_spec(spec: str) -> GPUSpec:
     )
 
 
-def get_gpus(spec: str | None = None) -> list[GPU]:
-    """The GPUs to use: `spec`, else $PERSEUS_GPU, else auto-detected (NVML, else amdsmi)."""
+def get_gpus(spec: str | None = None, *, direct: bool = False) -> list[GPU]:
+    """The GPUs to use: `spec`, else $PERSEUS_GPU, else auto-detected (NVML, else amdsmi).
+
+    Their writes go through the node's perseus agent when one serves them ($PERSEUS_AGENT, or its
+    socket at the default path for real GPUs; see perseus.agent.location); `direct` never does
+    (the agent itself)."""
     if spec is None:
         spec = os.environ.get(ENV_VAR) or "auto"
     parsed = parse_gpu_spec(spec)
+    gpus = _backend_gpus(parsed)
+    socket = None if direct else agent_socket(simulated=parsed.backend == "sim")
+    if socket is None:
+        return gpus
+    # Deliberately lazy: the agent's client (msgpack, the wire's checks) loads only where an agent serves.
+    from perseus.devices.agent_gpu import through_agent
+
+    return through_agent(gpus, socket)
+
+
+def _backend_gpus(parsed: GPUSpec) -> list[GPU]:
     # list() makes each a list[GPU] (list is invariant, so a list[NVMLGPU] is not one)
     if parsed.backend == "nvml":
         return list(nvml_gpus())

@@ -60,7 +60,7 @@ from perseus.devices.sim_realism import IDEAL, SimRealism, sim_realism
 from perseus.devices.sim_shared_activity import SharedActivity
 from perseus.devices.sim_switch import ClockSwitch, SwitchFile, clock_token
 from perseus.devices.sim_work import Work, predict
-from perseus.exceptions import ConfigError, DeviceError
+from perseus.exceptions import ConfigError, DeviceError, DevicePermissionError
 
 SIM_DIR_ENV = "PERSEUS_SIM_DIR"
 
@@ -288,6 +288,12 @@ class SimGPU(GPU):
     def reset_slowdown(self) -> None:
         self._update(slowdown=1.0)
 
+    def can_change_clocks(self) -> bool:
+        """False in privilege mode: the state folder exists and this process may not write it
+        (another user's, e.g. the perseus agent's), as a real GPU refuses unprivileged writes."""
+        folder = os.path.dirname(self._path)
+        return not os.path.isdir(folder) or os.access(folder, os.W_OK)
+
     # Work
     def predict(self, work: Work, frequency: int | None = None) -> tuple[float, float]:
         """(time_s, energy_j) of `work` at `frequency` (default: the SM clock in force now) under
@@ -431,6 +437,12 @@ class SimGPU(GPU):
                         pass
                 else:
                     self._write_state(new)
+        except PermissionError as e:
+            raise DevicePermissionError(
+                f"{self!r}: only the owner of {folder} (uid {_owner(folder)}) may change this simulated GPU's clocks "
+                f"and power limit, as only root may on a real one; go through the node's perseus agent "
+                f"(PERSEUS_AGENT=SOCKET), or run as that user ({e})"
+            ) from e
         except OSError as e:
             raise DeviceError(
                 f"{self!r}: cannot write its state in {folder} ({e}); set {SIM_DIR_ENV} to a writable folder"
@@ -455,6 +467,13 @@ class SimGPU(GPU):
         # an inode is reused); a reader that stats between the rename and this re-reads after it.
         stamp = time.time_ns()
         os.utime(self._path, ns=(stamp, stamp))
+
+
+def _owner(path: str) -> int | str:
+    try:
+        return os.stat(path).st_uid
+    except OSError:
+        return "?"
 
 
 def emulate(gpus: GPU | Iterable[GPU], work: Work | float, blocking: bool = True) -> float:

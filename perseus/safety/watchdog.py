@@ -97,7 +97,10 @@ class Watchdog:
 
     @classmethod
     def for_gpus(cls, gpus: Sequence[GPU], *, sm_clock: bool = True, power_limit: bool = True) -> Watchdog | None:
-        """Start one watchdog for `gpus`; None (with a warning) if it cannot start."""
+        """Start one watchdog for `gpus`; None (with a warning) if it cannot start, and None when
+        the node's perseus agent resets them all after this process, however it ends."""
+        if gpus and all(gpu.agent_restores_on_exit() for gpu in gpus):
+            return None
         try:
             spec, env = backend_of(gpus)
             return cls(spec, [g.uuid() for g in gpus], env, sm_clock=sm_clock, power_limit=power_limit)

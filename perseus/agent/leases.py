@@ -1,0 +1,159 @@
+"""Who holds which GPU, and the record of it on disk.
+
+A lease binds GPUs to one connection. The table grants a request's GPUs all together or not at
+all, revokes, and ends a connection's leases; every change is written at once to the lease file
+(atomically, fsynced). No lease outlives the agent, so an agent that starts and finds leases in
+that file knows which GPUs a client that is gone may have left locked, and resets them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from perseus.agent.protocol import Holder, check_uuid
+from perseus.atomic import write_json_atomic
+from perseus.exceptions import ConfigError
+from perseus.wire.fields import check_int, check_seq
+
+logger = logging.getLogger(__name__)
+
+FILE_VERSION = 1
+MAX_FILE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Lease:
+    uuid: str
+    index: int  # the agent's index of the GPU
+    holder: Holder
+    connection: int  # the agent's number for the connection holding it (0 for a lease read from the file)
+
+
+class LeaseConflict(Exception):
+    """A GPU asked for is leased to another connection."""
+
+    def __init__(self, lease: Lease) -> None:
+        super().__init__(lease.uuid)
+        self.lease = lease
+
+
+class LeaseTable:
+    """The agent's leases; thread-safe. Every change is persisted before the call returns."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._write_failed = False
+
+    def acquire(self, connection: int, holder: Holder, gpus: list[tuple[str, int]]) -> list[Lease]:
+        """Lease every (uuid, index) of `gpus` to `connection` (those it holds already stay as they
+        are), or none: LeaseConflict names the first one another connection holds."""
+        with self._lock:
+            for uuid, _ in gpus:
+                held = self._leases.get(uuid)
+                if held is not None and held.connection != connection:
+                    raise LeaseConflict(held)
+            granted = []
+            for uuid, index in gpus:
+                if uuid not in self._leases:
+                    lease = Lease(uuid, index, holder, connection)
+                    self._leases[uuid] = lease
+                    granted.append(lease)
+            if granted:
+                self._save()
+            return granted
+
+    def holds(self, connection: int, uuid: str) -> bool:
+        lease = self._leases.get(uuid)
+        return lease is not None and lease.connection == connection
+
+    def lease(self, uuid: str) -> Lease | None:
+        return self._leases.get(uuid)
+
+    def end(self, connection: int) -> list[Lease]:
+        """Remove and return every lease of `connection`."""
+        with self._lock:
+            ended = [lease for lease in self._leases.values() if lease.connection == connection]
+            return self._remove(ended)
+
+    def revoke(self, uuids: list[str]) -> list[Lease]:
+        """Remove and return the leases on `uuids`."""
+        with self._lock:
+            return self._remove([self._leases[u] for u in uuids if u in self._leases])
+
+    def clear(self) -> list[Lease]:
+        with self._lock:
+            return self._remove(list(self._leases.values()))
+
+    def _remove(self, leases: list[Lease]) -> list[Lease]:
+        for lease in leases:
+            del self._leases[lease.uuid]
+        if leases:
+            self._save()
+        return leases
+
+    def save(self) -> None:
+        with self._lock:
+            self._save()
+
+    def _save(self) -> None:
+        doc = {
+            "version": FILE_VERSION,
+            "agent_pid": os.getpid(),
+            "written": time.time(),
+            "leases": [
+                {"uuid": lease.uuid, "index": lease.index, **lease.holder.to_wire()} for lease in self._leases.values()
+            ],
+        }
+        try:
+            write_json_atomic(self.path, doc, mode=0o600)
+        except OSError as e:
+            # The lease still stands (training goes on); only a crash of this agent could now leave
+            # these GPUs locked until someone runs `perseus reset`.
+            if not self._write_failed:
+                logger.error(
+                    "cannot write the lease file %s (%s): if this agent crashes, a restarted one cannot tell "
+                    "which GPUs to reset; free the disk or point --state-file elsewhere",
+                    self.path,
+                    e,
+                )
+            self._write_failed = True
+        else:
+            if self._write_failed:
+                logger.info("the lease file %s is written again", self.path)
+            self._write_failed = False
+
+
+def read_stale_leases(path: str) -> list[Lease]:
+    """The leases recorded in the lease file by an agent that is gone ([] when there is no file).
+    ConfigError naming the problem when the file cannot be trusted."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise ConfigError(f"cannot read the lease file {path}: {e}") from e
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError(f"the lease file {path} is over {MAX_FILE_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or doc.get("version") != FILE_VERSION:
+            raise ConfigError(f"not a version {FILE_VERSION} lease file")
+        leases = []
+        for i, record in enumerate(check_seq(doc.get("leases"), "leases", 4096)):
+            if not isinstance(record, dict):
+                raise ConfigError(f"leases[{i}] is not a map")
+            record = dict(record)
+            uuid = check_uuid(record.pop("uuid", None), f"leases[{i}].uuid")
+            index = check_int(record.pop("index", None), f"leases[{i}].index", 0, 1 << 16)
+            leases.append(Lease(uuid, index, Holder.from_wire(record), 0))
+        return leases
+    except (ValueError, TypeError) as e:  # ConfigError is a ValueError, as is bad JSON
+        raise ConfigError(f"the lease file {path} is damaged: {e}") from e
