@@ -11,12 +11,12 @@ BAR_WIDTH = 24
 
 
 class Progress:
-    """Shows phase, frequency and iteration. Log lines only when the phase or clock changes."""
+    """Shows phase, what clocks run and iteration. Log lines only when the phase or clocks change."""
 
     def __init__(self, stream: TextIO | None = None, tty: bool | None = None) -> None:
         self._stream = stream if stream is not None else sys.stderr
         self._tty = self._stream.isatty() if tty is None else tty
-        self._last: tuple[Phase, int | None] | None = None
+        self._last: tuple[Phase, int | None, int] | None = None
         self._open_line = False
 
     def update(
@@ -26,9 +26,14 @@ class Progress:
         frequency: int | None = None,
         done: int | None = None,
         total: int | None = None,
+        plan_version: int = 0,
     ) -> None:
-        """`done`/`total`: progress through the profiling sweep (frequencies finished / planned)."""
-        clock = "default clocks" if frequency is None else f"{frequency} MHz"
+        """`done`/`total`: progress through the profiling sweep (frequencies finished / planned).
+        `plan_version`: the plan this iteration runs (phase planned)."""
+        if phase == Phase.PLANNED and plan_version:
+            clock = f"plan v{plan_version}'s clocks"
+        else:
+            clock = "default clocks" if frequency is None else f"{frequency} MHz"
         sweep = f" [{done}/{total}]" if done is not None and total else ""
         if self._tty:
             bar = ""
@@ -39,7 +44,7 @@ class Progress:
             self._stream.flush()
             self._open_line = True
             return
-        key = (phase, frequency)
+        key = (phase, frequency, plan_version)
         if key != self._last:
             self._stream.write(f"[perseus] iteration {iteration}: {phase} at {clock}{sweep}\n")
             self._stream.flush()

@@ -342,7 +342,14 @@ class PerseusRank:
             step = self.sweep.step_at(job_iteration or 0)
             total = len(self.sweep.frequencies)
             done = step.index if phase is Phase.PROFILING and step.index >= 0 else None
-            self._progress.update(self.iteration, phase, frequency, done, total if done is not None else None)
+            self._progress.update(
+                self.iteration,
+                phase,
+                frequency,
+                done,
+                total if done is not None else None,
+                plan_version=self.plan_version if self._holds_plan else 0,
+            )
 
     def _mark_begin(self) -> None:
         """An instruction begins: its span starts, in iterations the planner wants spans of."""

@@ -334,3 +334,17 @@ def test_overheads_reach_the_job_spec_and_bad_ones_are_refused_at_once(gpu):
         PerseusRank(
             gpu, SCHEDULE, 1, client=object(), hop_latency_s=-1.0, progress=False, handle_signals=False, watchdog=False
         )
+
+
+def test_progress_names_the_plan_that_runs():
+    out = io.StringIO()
+    p = Progress(out, tty=False)
+    p.update(5, "planning")
+    p.update(6, "planned", plan_version=1)
+    p.update(7, "planned", plan_version=1)
+    p.update(9, "planned", plan_version=2)
+    assert out.getvalue().splitlines() == [
+        "[perseus] iteration 5: planning at default clocks",
+        "[perseus] iteration 6: planned at plan v1's clocks",
+        "[perseus] iteration 9: planned at plan v2's clocks",
+    ]
