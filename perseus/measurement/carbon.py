@@ -3,6 +3,7 @@
 Emissions are energy times the grid's carbon intensity: grams CO2e = J / 3.6e6 * g/kWh.
 Intensity comes from a `CarbonIntensityProvider`:
 - `ElectricityMaps`: the Electricity Maps v3 API (latest, 24 h history, forecast), cached;
+- `CarbonAwareSDK`: the Green Software Foundation's Carbon Aware SDK WebApi (observed, forecast);
 - `StaticIntensity`: one fixed value (a region's yearly average, or a what-if);
 - `IntensityTimeSeries`: a recorded series replayed on a clock (tests, benchmarks, what-ifs).
 `CarbonReporter` turns Monitor windows into a per-epoch energy/carbon/time report.
@@ -17,7 +18,6 @@ import json
 import logging
 import math
 import os
-import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -28,6 +28,9 @@ from typing import Any
 
 from perseus.clock import REAL_CLOCK, Clock
 from perseus.exceptions import CarbonIntensityError, ConfigError
+from perseus.measurement import codecarbon_csv
+from perseus.measurement.codecarbon_csv import RunEnergy, RunInfo
+from perseus.measurement.http_json import CachedJSON
 from perseus.measurement.monitor import Measurement, Monitor
 from perseus.notice import logs_info, notice, world_size
 
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 JOULES_PER_KWH = 3.6e6
 API_KEY_ENV = "PERSEUS_ELECTRICITYMAPS_KEY"
+CARBON_AWARE_URL_ENV = "PERSEUS_CARBON_AWARE_URL"
 ELECTRICITYMAPS_URL = "https://api.electricitymaps.com/v3"
 FORECAST_HORIZONS_H = (6, 24, 48, 72)  # what the forecast endpoint's horizonHours accepts
 
@@ -246,14 +250,20 @@ class ElectricityMaps(CarbonIntensityProvider):
         if not cache_ttl_s >= 0:
             raise ConfigError(f"ElectricityMaps cache_ttl_s must be >= 0, got {cache_ttl_s!r}")
         self.zone = zone
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = float(timeout_s)
-        self.cache_ttl_s = float(cache_ttl_s)
         self.supports_forecast = use_forecast
         self._key = key
-        self._clock = clock
-        self._cache: dict[str, tuple[float, Any]] = {}
-        self._lock = threading.Lock()
+        self._http = CachedJSON(
+            "Electricity Maps",
+            base_url,
+            {"auth-token": key},
+            float(timeout_s),
+            float(cache_ttl_s),
+            clock,
+            self._hint,
+        )
+
+    def _get(self, endpoint: str, params: dict[str, str]) -> Any:
+        return self._http.get(endpoint, params, f"zone {self.zone}")
 
     def __repr__(self) -> str:
         return f"ElectricityMaps(zone={self.zone!r})"
@@ -298,65 +308,157 @@ class ElectricityMaps(CarbonIntensityProvider):
             )
         return sorted((self._point(item, key) for item in items), key=lambda p: p.timestamp)
 
-    # HTTP
-    def _get(self, endpoint: str, params: dict[str, str]) -> Any:
-        url = f"{self.base_url}/{endpoint}?{urllib.parse.urlencode(params)}"
-        with self._lock:
-            hit = self._cache.get(url)
-            if hit is not None and self._clock.now() - hit[0] < self.cache_ttl_s:
-                return hit[1]
-        request = urllib.request.Request(
-            url, headers={"auth-token": self._key, "Accept": "application/json", "User-Agent": "perseus"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                body = response.read()
-        except urllib.error.HTTPError as e:
-            raise self._http_error(endpoint, e) from None
-        except TimeoutError:
-            raise self._timeout(endpoint) from None
-        except urllib.error.URLError as e:
-            if isinstance(e.reason, TimeoutError):
-                raise self._timeout(endpoint) from None
-            raise CarbonIntensityError(f"cannot reach Electricity Maps at {self.base_url}: {e.reason}") from None
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise CarbonIntensityError(
-                f"Electricity Maps {endpoint} for zone {self.zone} returned malformed JSON: {body[:200]!r}"
-            ) from None
-        with self._lock:
-            self._cache[url] = (self._clock.now(), data)
-        return data
-
-    def _timeout(self, endpoint: str) -> CarbonIntensityError:
-        return CarbonIntensityError(
-            f"Electricity Maps {endpoint} timed out after {self.timeout_s:g} s; retry later or raise timeout_s"
-        )
-
-    def _http_error(self, endpoint: str, error: urllib.error.HTTPError) -> CarbonIntensityError:
-        try:
-            detail = error.read()[:200].decode("utf-8", "replace")
-        except OSError:
-            detail = ""
-        if error.code == 401:
+    def _hint(self, code: int, endpoint: str, error: urllib.error.HTTPError) -> str:
+        if code == 401:
             hint = f"the API key was refused (invalid or expired); check api_key= or {API_KEY_ENV}"
-        elif error.code == 403:
+        elif code == 403:
             hint = f"the key's plan does not include {endpoint} for zone {self.zone}"
             if endpoint.endswith("forecast"):
                 hint += " (pass use_forecast=False to use the latest value instead)"
-        elif error.code == 404:
+        elif code == 404:
             hint = f"unknown zone {self.zone!r} or endpoint"
-        elif error.code == 429:
-            retry = error.headers.get("Retry-After") if error.headers else None
-            hint = (
-                "rate limit reached; wait"
-                + (f" {retry} s" if retry else "")
-                + " or raise cache_ttl_s to call less often"
-            )
+        elif code == 429:
+            hint = _rate_limited(error)
         else:
             hint = "the service failed"
-        return CarbonIntensityError(f"Electricity Maps {endpoint}: HTTP {error.code}: {hint} ({detail.strip()})")
+        return hint
+
+
+def _rate_limited(error: urllib.error.HTTPError) -> str:
+    retry = error.headers.get("Retry-After") if error.headers else None
+    return "rate limit reached; wait" + (f" {retry} s" if retry else "") + " or raise cache_ttl_s to call less often"
+
+
+class CarbonAwareSDK(CarbonIntensityProvider):
+    """Carbon intensity of one location from the Green Software Foundation's Carbon Aware SDK
+    WebApi (the API the Carbon-Aware-Zeus RFC builds on): a server you run, which serves
+    WattTime or Electricity Maps data under cloud-region names such as "eastus".
+
+    `current` is the latest value of GET /emissions/bylocation (over the last `lookback_h`
+    hours), `forecast` the current forecast of GET /emissions/forecasts/current, `history`
+    /emissions/bylocation over the past hours. The URL comes from `url` or
+    $PERSEUS_CARBON_AWARE_URL; responses are cached for `cache_ttl_s`.
+    """
+
+    def __init__(
+        self,
+        location: str,
+        url: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        cache_ttl_s: float = 300.0,
+        use_forecast: bool = True,
+        lookback_h: float = 2.0,
+        clock: Clock = REAL_CLOCK,
+    ) -> None:
+        if not location or not isinstance(location, str):
+            raise ConfigError(
+                f"CarbonAwareSDK needs a location the WebApi knows (GET /locations), such as 'eastus', got {location!r}"
+            )
+        url = url or os.environ.get(CARBON_AWARE_URL_ENV)
+        if not url:
+            raise ConfigError(
+                "CarbonAwareSDK needs the URL of a Carbon Aware SDK WebApi you run (its container serves port 80; "
+                f"e.g. docker run -p 8090:80 ... then url='http://localhost:8090'): pass url=... or set "
+                f"{CARBON_AWARE_URL_ENV}"
+            )
+        if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+            raise ConfigError(f"CarbonAwareSDK url must start with http:// or https://, got {url!r}")
+        if not timeout_s > 0:
+            raise ConfigError(f"CarbonAwareSDK timeout_s must be > 0, got {timeout_s!r}")
+        if not cache_ttl_s >= 0:
+            raise ConfigError(f"CarbonAwareSDK cache_ttl_s must be >= 0, got {cache_ttl_s!r}")
+        if not lookback_h > 0:
+            raise ConfigError(f"CarbonAwareSDK lookback_h must be > 0, got {lookback_h!r}")
+        self.location = location
+        self.supports_forecast = use_forecast
+        self.lookback_h = float(lookback_h)
+        self._clock = clock
+        self._http = CachedJSON(
+            "the Carbon Aware SDK WebApi", url, {}, float(timeout_s), float(cache_ttl_s), clock, self._hint
+        )
+
+    def __repr__(self) -> str:
+        return f"CarbonAwareSDK(location={self.location!r})"
+
+    def current(self) -> float:
+        return self._observed(self.lookback_h, "emissions/bylocation")[-1].g_per_kwh
+
+    def history(self, hours: float = 24.0) -> list[IntensityPoint]:
+        return self._observed(hours, "emissions/bylocation (history)")
+
+    def forecast(self, hours: float) -> list[IntensityPoint]:
+        data = self._http.get("emissions/forecasts/current", {"location": self.location}, self._what)
+        first = data[0] if isinstance(data, list) and data else None
+        if not isinstance(first, dict) or not isinstance(first.get("forecastData"), list):
+            raise CarbonIntensityError(
+                f"Carbon Aware SDK forecast for {self._what}: expected a list of forecasts with 'forecastData', got "
+                f"{str(data)[:200]!r}"
+            )
+        rows = sorted(
+            (self._point(item, "forecastData", "timestamp", "value") for item in first["forecastData"]),
+            key=lambda row: row[0].timestamp,
+        )
+        now = datetime.now(timezone.utc)
+        # From the point in force now (each holds for its duration) to `hours` ahead.
+        ahead = [p for p, minutes in rows if p.timestamp + timedelta(minutes=minutes or 0) > now]
+        if not ahead:
+            raise CarbonIntensityError(
+                f"Carbon Aware SDK forecast for {self._what} ends before now ({rows[-1][0].timestamp.isoformat()} "
+                "at the latest): its data source has no current forecast"
+                if rows
+                else f"Carbon Aware SDK forecast for {self._what} has no data points"
+            )
+        end = ahead[0].timestamp + timedelta(hours=hours)  # as expected_intensity counts: from the first point
+        return [p for i, p in enumerate(ahead) if i == 0 or p.timestamp < end]
+
+    @property
+    def _what(self) -> str:
+        return f"location {self.location}"
+
+    def _observed(self, hours: float, endpoint: str) -> list[IntensityPoint]:
+        now = datetime.now(timezone.utc)
+        params = {
+            "location": self.location,
+            "time": (now - timedelta(hours=hours)).isoformat(timespec="seconds"),
+            "toTime": now.isoformat(timespec="seconds"),
+        }
+        data = self._http.get("emissions/bylocation", params, self._what)
+        if not isinstance(data, list):
+            raise CarbonIntensityError(
+                f"Carbon Aware SDK {endpoint} for {self._what}: expected a list of emissions data, "
+                f"got {str(data)[:200]!r}"
+            )
+        if not data:
+            raise CarbonIntensityError(
+                f"Carbon Aware SDK {endpoint} for {self._what}: no data in the last {hours:g} h (is the location "
+                "covered by the WebApi's data source? raise lookback_h if its data is sparse)"
+            )
+        return sorted((self._point(item, endpoint, "time", "rating")[0] for item in data), key=lambda p: p.timestamp)
+
+    def _point(self, item: Any, endpoint: str, time_key: str, value_key: str) -> tuple[IntensityPoint, float | None]:
+        """(the point, its duration in minutes if given)."""
+        try:
+            stamp = _parse_timestamp(item[time_key])
+            point = IntensityPoint(stamp, _check_intensity(item[value_key], f"{endpoint} {value_key}"))
+            duration = item.get("duration")
+            return point, float(duration) if isinstance(duration, (int, float)) else None
+        except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as e:
+            raise CarbonIntensityError(
+                f"Carbon Aware SDK {endpoint} for {self._what}: unexpected data {str(item)[:200]!r} "
+                f"(needs numeric '{value_key}' and ISO '{time_key}'; {e})"
+            ) from None
+
+    def _hint(self, code: int, endpoint: str, error: urllib.error.HTTPError) -> str:
+        if code == 400:
+            return f"the WebApi refused the request (is {self.location!r} one of its GET /locations?)"
+        if code == 404:
+            return f"no such endpoint or location {self.location!r}; check the url and GET /locations"
+        if code in (401, 403):
+            return "the WebApi refused access; check what sits in front of it (a proxy or API gateway)"
+        if code == 429:
+            return _rate_limited(error)
+        return "the WebApi's data source failed (its log says why: often its WattTime or Electricity Maps credentials)"
 
 
 @dataclass(frozen=True)
@@ -380,6 +482,10 @@ class CarbonReporter:
     rank of a data-parallel job its own `path`. Each epoch's figures (and the totals) reach
     the user without any logging set-up: one line printed by rank 0 to stderr, or logged at
     INFO where logging shows INFO (perseus.notice); `verbose=False` keeps them to the log.
+
+    `codecarbon_csv`: also append the run's totals at `on_train_end` to a CodeCarbon-style
+    `emissions.csv` (CodeCarbon's columns and units: kWh, kg CO2e; see
+    perseus.measurement.codecarbon_csv), described by `run_info` (project name, country, ...).
     """
 
     def __init__(
@@ -388,12 +494,18 @@ class CarbonReporter:
         provider: CarbonIntensityProvider,
         path: str | os.PathLike[str] | None = None,
         verbose: bool = True,
+        *,
+        codecarbon_csv: str | os.PathLike[str] | None = None,
+        run_info: RunInfo | None = None,
     ) -> None:
         self.monitor = monitor
         self.provider = provider
         self.path = os.fspath(path) if path is not None else None
         self.verbose = verbose
+        self.codecarbon_csv = os.fspath(codecarbon_csv) if codecarbon_csv is not None else None
+        self.run_info = run_info or RunInfo()
         self.epochs: list[EpochCarbon] = []
+        self._energy_j = {"gpu": 0.0, "cpu": 0.0, "ram": 0.0}  # over finished epochs, for the CSV
         self._window = f"perseus.carbon.{id(self)}"
         self._begin_intensity: float | None = None
 
@@ -409,6 +521,9 @@ class CarbonReporter:
         measurement = self.monitor.end_window(self._window)
         intensity = (self._begin_intensity + self.provider.current()) / 2
         self._begin_intensity = None
+        self._energy_j["gpu"] += sum(measurement.gpu_energy_j.values())
+        self._energy_j["cpu"] += sum((measurement.cpu_energy_j or {}).values())
+        self._energy_j["ram"] += sum((measurement.dram_energy_j or {}).values())
         record = EpochCarbon(
             epoch=len(self.epochs) + 1,
             time_s=measurement.time_s,
@@ -458,6 +573,17 @@ class CarbonReporter:
         line = asdict(total)
         del line["epoch"]
         self._write({"total": True, "epochs": len(self.epochs), **line})
+        if self.codecarbon_csv is not None:
+            run = RunEnergy(
+                duration_s=total.time_s,
+                gpu_energy_j=self._energy_j["gpu"],
+                cpu_energy_j=self._energy_j["cpu"],
+                ram_energy_j=self._energy_j["ram"],
+                carbon_g=total.carbon_g,
+                gpu_count=len(self.monitor.gpus),
+                gpu_name=self.monitor.gpus[0].name() if self.monitor.gpus else "",
+            )
+            codecarbon_csv.append_row(self.codecarbon_csv, codecarbon_csv.row(run, self.run_info))
         return total
 
     def _write(self, record: dict[str, Any]) -> None:
