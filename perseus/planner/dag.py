@@ -18,32 +18,49 @@ from perseus.exceptions import ScheduleError
 from perseus.schedules.instruction import Instruction, Kind, Schedule
 
 
-def build_dag(schedule: Schedule) -> nx.DiGraph:
-    """The dependency graph of `schedule` (nodes are Instructions; `graph.graph["schedule"]` is
-    the schedule). A cycle means the schedule would deadlock: ScheduleError names it."""
+def schedule_edges(schedule: Schedule) -> tuple[list[Instruction], np.ndarray, np.ndarray]:
+    """The dependency edges of `schedule` as index pairs into its instructions (in stage order),
+    without checking for cycles: (instructions, src, dst)."""
     schedule.validate()
-    graph = nx.DiGraph(schedule=schedule)
-    by_key: dict[tuple[int, Kind, int], Instruction] = {}
+    nodes = [ins for row in schedule.stages for ins in row]
+    index = {ins: i for i, ins in enumerate(nodes)}
+    src: list[int] = []
+    dst: list[int] = []
+    by_key: dict[tuple[int, Kind, int], int] = {}
     for row in schedule.stages:
-        graph.add_nodes_from(row)
-        graph.add_edges_from(zip(row, row[1:]))
-        for ins in row:
-            by_key[(schedule.virtual_stage(ins), ins.kind, ins.microbatch)] = ins
-
+        ids = [index[ins] for ins in row]
+        src += ids[:-1]
+        dst += ids[1:]
+        for ins, i in zip(row, ids):
+            by_key[(schedule.virtual_stage(ins), ins.kind, ins.microbatch)] = i
     last = schedule.num_virtual_stages - 1
     for m in range(schedule.num_microbatches):
         grads = []
         for v in range(last + 1):
-            grad = by_key.get((v, Kind.BACKWARD, m)) or by_key[(v, Kind.BACKWARD_INPUT, m)]
+            grad = by_key.get((v, Kind.BACKWARD, m))
+            grad = by_key[(v, Kind.BACKWARD_INPUT, m)] if grad is None else grad
             grads.append(grad)
             weight = by_key.get((v, Kind.BACKWARD_WEIGHT, m))
             if weight is not None:
-                graph.add_edge(grad, weight)
+                src.append(grad)
+                dst.append(weight)
             if v < last:
-                graph.add_edge(by_key[(v, Kind.FORWARD, m)], by_key[(v + 1, Kind.FORWARD, m)])
-        graph.add_edge(by_key[(last, Kind.FORWARD, m)], grads[last])
-        graph.add_edges_from(zip(grads[1:], grads[:-1]))
+                src.append(by_key[(v, Kind.FORWARD, m)])
+                dst.append(by_key[(v + 1, Kind.FORWARD, m)])
+        src.append(by_key[(last, Kind.FORWARD, m)])
+        dst.append(grads[last])
+        src += grads[1:]
+        dst += grads[:-1]
+    return nodes, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
 
+
+def build_dag(schedule: Schedule) -> nx.DiGraph:
+    """The dependency graph of `schedule` (nodes are Instructions; `graph.graph["schedule"]` is
+    the schedule). A cycle means the schedule would deadlock: ScheduleError names it."""
+    nodes, src, dst = schedule_edges(schedule)
+    graph = nx.DiGraph(schedule=schedule)
+    graph.add_nodes_from(nodes)
+    graph.add_edges_from((nodes[a], nodes[b]) for a, b in zip(src.tolist(), dst.tolist()))
     if not nx.is_directed_acyclic_graph(graph):
         cycle = [u for u, _ in nx.find_cycle(graph)]
         path = " -> ".join(str(ins) for ins in cycle + cycle[:1])
@@ -108,22 +125,33 @@ class DagArrays:
 
 
 def dag_arrays(schedule_or_dag: Schedule | nx.DiGraph) -> DagArrays:
-    """Flatten a schedule (building its DAG) or a DAG from `build_dag` into DagArrays."""
-    graph = schedule_or_dag if isinstance(schedule_or_dag, nx.DiGraph) else build_dag(schedule_or_dag)
-    schedule = graph.graph.get("schedule")
-    if not isinstance(schedule, Schedule):
-        raise ScheduleError("the DAG carries no schedule; build it with perseus.planner.dag.build_dag(schedule)")
-    position = {ins: (ins.stage, k) for row in schedule.stages for k, ins in enumerate(row)}
-    level: dict[Instruction, int] = {}
-    for ins in nx.topological_sort(graph):
-        level[ins] = max((level[p] + 1 for p in graph.predecessors(ins)), default=0)
-    nodes = tuple(sorted(graph.nodes, key=lambda ins: (level[ins], position[ins])))
+    """Flatten a schedule (its edges built directly) or a DAG from `build_dag` into DagArrays."""
+    if isinstance(schedule_or_dag, nx.DiGraph):
+        schedule = schedule_or_dag.graph.get("schedule")
+        if not isinstance(schedule, Schedule):
+            raise ScheduleError("the DAG carries no schedule; build it with perseus.planner.dag.build_dag(schedule)")
+        listed = [ins for row in schedule.stages for ins in row]
+        at = {ins: i for i, ins in enumerate(listed)}
+        pairs = np.array([(at[u], at[v]) for u, v in schedule_or_dag.edges], dtype=np.int64).reshape(-1, 2)
+        raw_src, raw_dst = pairs[:, 0], pairs[:, 1]
+    else:
+        schedule = schedule_or_dag
+        listed, raw_src, raw_dst = schedule_edges(schedule)
+    n = len(listed)
+    level = _levels(n, raw_src, raw_dst)
+    if level is None:
+        build_dag(schedule)  # raises ScheduleError naming the cycle
+        raise ScheduleError(f"schedule {schedule.name!r} has a dependency cycle")
+    # Stage-order listing is (stage, position), so a stable sort by level keeps that order inside a level.
+    order = np.argsort(level, kind="stable")
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    nodes = tuple(listed[k] for k in order.tolist())
     index = {ins: i for i, ins in enumerate(nodes)}
-    n = len(nodes)
 
-    edges = np.array([(index[u], index[v]) for u, v in graph.edges], dtype=np.int64).reshape(-1, 2)
-    order = np.lexsort((edges[:, 0], edges[:, 1]))
-    src, dst = edges[order, 0].copy(), edges[order, 1].copy()
+    src_r, dst_r = rank[raw_src], rank[raw_dst]
+    by_dst = np.lexsort((src_r, dst_r))
+    src, dst = src_r[by_dst], dst_r[by_dst]
     pred_ptr = np.concatenate(([0], np.cumsum(np.bincount(dst, minlength=n)))).astype(np.int64)
     by_src = np.lexsort((dst, src))
     succ_idx = dst[by_src].copy()
@@ -131,13 +159,32 @@ def dag_arrays(schedule_or_dag: Schedule | nx.DiGraph) -> DagArrays:
 
     width = int(np.diff(pred_ptr).max(initial=0)) or 1
     pred_pad = np.full((n, width), n, dtype=np.int64)
-    for i in range(n):
-        p = src[pred_ptr[i] : pred_ptr[i + 1]]
-        pred_pad[i, : len(p)] = p
+    pred_pad[dst, np.arange(len(dst)) - pred_ptr[dst]] = src
 
-    levels = np.array([level[ins] for ins in nodes], dtype=np.int64)
-    level_ptr = np.concatenate(([0], np.cumsum(np.bincount(levels)))).astype(np.int64)
+    level_ptr = np.concatenate(([0], np.cumsum(np.bincount(level[order])))).astype(np.int64)
     stage = np.array([ins.stage for ins in nodes], dtype=np.int64)
     return DagArrays(
         schedule, nodes, index, src, dst, pred_ptr, src.copy(), succ_ptr, succ_idx, level_ptr, pred_pad, stage
     )
+
+
+def _levels(n: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray | None:
+    """Most edges on any path from a source to each node (Kahn's algorithm, one level at a
+    time); None if the edges hold a cycle."""
+    level = np.full(n, -1, dtype=np.int64)
+    indegree = np.bincount(dst, minlength=n)
+    order = np.argsort(src, kind="stable")
+    succ_ptr = np.concatenate(([0], np.cumsum(np.bincount(src, minlength=n))))
+    succ = dst[order]
+    frontier = np.flatnonzero(indegree == 0)
+    depth = 0
+    while len(frontier):
+        level[frontier] = depth
+        starts, ends = succ_ptr[frontier], succ_ptr[frontier + 1]
+        counts = ends - starts
+        reached = succ[np.repeat(ends - counts.cumsum(), counts) + np.arange(counts.sum())]
+        indegree -= np.bincount(reached, minlength=n)
+        touched = np.unique(reached)
+        frontier = touched[indegree[touched] == 0]
+        depth += 1
+    return None if (level < 0).any() else level

@@ -23,12 +23,14 @@ MAX_NODES = 5_000
 
 
 def num_binaries(problem: Problem) -> int:
-    return int(sum(len(problem.node_options(i)) for i in range(problem.num_nodes)))
+    sizes = np.array([len(opts) for opts in problem.options], dtype=np.int64)
+    return int(sizes[problem.node_type].sum())
 
 
-def solve_exact(problem: Problem, deadline_s: float | None) -> np.ndarray | None:
+def solve_exact(problem: Problem, deadline_s: float | None, padded: bool = False) -> np.ndarray | None:
     """Optimal choice vector with T <= deadline_s (None: no deadline), or None if the solver
-    finds none; the best found if MAX_NODES runs out first. Deterministic (HiGHS, zero gap)."""
+    finds none; the best found if MAX_NODES runs out first. Deterministic (HiGHS, zero gap).
+    `padded`: the iteration lasts deadline_s anyway, so T costs nothing."""
     n = problem.num_nodes
     dag = problem.dag
     sizes = np.array([len(problem.node_options(i)) for i in range(n)])
@@ -39,7 +41,7 @@ def solve_exact(problem: Problem, deadline_s: float | None) -> np.ndarray | None
     time = np.concatenate([problem.node_options(i).time for i in range(n)]) * _MS
     cost = np.zeros(num_cols)
     cost[:nb] = np.concatenate([problem.node_options(i).cost for i in range(n)])
-    cost[t_col] = problem.blocking_power_w * problem.num_stages / _MS
+    cost[t_col] = 0.0 if padded else problem.blocking_power_w * problem.num_stages / _MS
 
     rows, cols, vals = [], [], []
     lower: list[float] = []

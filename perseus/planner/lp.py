@@ -7,6 +7,10 @@ S_i + d_i <= T <= deadline is project crashing with convex costs. Its optimum is
 energy of any frequency plan that meets the deadline, so it certifies how far a plan can be from
 optimal, and its durations guide the rounding.
 
+With `padded`, every stage blocks until the deadline whatever the plan (a straggler sets the
+pace): the objective is sum(hull_i(d_i)) + P_block * N * deadline, so T has no cost and the plan
+may use all the slack; for deadlines up to the minimum-energy time both optima coincide.
+
 Hull costs are written as d_i = t_min,i + sum_k delta_ik with 0 <= delta_ik <= len_k and cost
 slope_k per unit of delta_ik (convex, so cheaper slopes fill first). Time is in milliseconds
 inside the LP so that the solver's absolute tolerances are tight relative to iteration times.
@@ -98,7 +102,8 @@ class HullLP:
         lp.num_row_ = num_rows
         cost = np.zeros(self._t_col + 1)
         cost[2 * n : 2 * n + ns] = slope
-        cost[self._t_col] = problem.blocking_power_w * problem.num_stages / _MS
+        self._t_cost = problem.blocking_power_w * problem.num_stages / _MS
+        cost[self._t_col] = self._t_cost
         lp.col_cost_ = cost
         lp.col_lower_ = np.zeros(self._t_col + 1)
         upper = np.full(self._t_col + 1, inf)
@@ -129,14 +134,18 @@ class HullLP:
         cols = np.arange(n, 2 * n, dtype=np.int32)
         self._highs.changeColsBounds(n, cols, np.zeros(n), np.full(n, highspy.kHighsInf))
 
-    def solve(self, deadline_s: float | None, warm: bool = False) -> Relaxation:
+    def solve(self, deadline_s: float | None, warm: bool = False, padded: bool = False) -> Relaxation:
         """Optimum with T <= deadline_s (None: no deadline). `warm` reuses the last basis, which
-        is faster for a sweep but lets the chosen optimum depend on the previous call."""
+        is faster for a sweep but lets the chosen optimum depend on the previous call. `padded`:
+        the iteration lasts deadline_s whatever T (the bound is for that energy)."""
+        if padded and deadline_s is None:
+            raise PlanError("a padded objective needs a deadline to pad to")
         h = self._highs
         if not warm:
             h.clearSolver()
         upper = highspy.kHighsInf if deadline_s is None else deadline_s * _MS
         h.changeColBounds(self._t_col, 0.0, upper)
+        h.changeColCost(self._t_col, 0.0 if padded else self._t_cost)
         h.run()
         status = h.getModelStatus()
         if status == highspy.HighsModelStatus.kInfeasible:
@@ -146,6 +155,8 @@ class HullLP:
         x = np.asarray(h.getSolution().col_value)
         n = self._n
         bound = h.getInfo().objective_function_value + self._constant
+        if padded:
+            bound += self._t_cost * upper
         return Relaxation(float(bound), float(x[self._t_col] / _MS), x[:n] / _MS, x[n : 2 * n] / _MS)
 
 

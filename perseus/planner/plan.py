@@ -2,7 +2,7 @@
 
 JSON layout (what the runtime reads): `stages` is one entry per rank, each with the rank's
 instructions in schedule order as {kind, microbatch, frequency} (plus `chunk` when the schedule
-interleaves chunks), next to `iteration_time_s`, `energy_j`, `lower_bound_j`, `gap`, `deadline_s`.
+interleaves chunks), next to `iteration_time_s`, `energy_j`, `lower_bound_j`, `gap`, `deadline_s`, `padded`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ class Plan:
     """Frequencies (MHz) for every instruction of `schedule`, as evaluated against the profile.
 
     `lower_bound_j` is a certified lower bound on the energy of any plan that meets `deadline_s`;
-    `gap` = (energy - bound) / bound, so the plan is provably within `gap` of optimal.
+    `gap` = (energy - bound) / bound, so the plan is provably within `gap` of optimal. `padded`:
+    energy and bound are for an iteration that lasts `deadline_s` (every GPU blocks from the
+    plan's own `iteration_time_s` until then, as when a straggler sets the pace).
     """
 
     frequencies: dict[Instruction, int]
@@ -31,6 +33,7 @@ class Plan:
     gap: float
     deadline_s: float
     schedule: Schedule = field(repr=False, compare=False)
+    padded: bool = False
 
     def stage_frequencies(self, stage: int) -> list[int]:
         """The frequencies of `stage`'s instructions, in the order the stage runs them."""
@@ -61,6 +64,7 @@ class Plan:
             "lower_bound_j": self.lower_bound_j,
             "gap": self.gap,
             "deadline_s": self.deadline_s,
+            "padded": self.padded,
             "stages": stages,
         }
 
@@ -115,8 +119,18 @@ class Plan:
         bound = numbers["lower_bound_j"]
         gap = doc.get("gap", (numbers["energy_j"] - bound) / bound if bound > 0 else math.inf)
         deadline = doc.get("deadline_s", numbers["iteration_time_s"])
+        padded = doc.get("padded", False)
+        if not isinstance(padded, bool):
+            raise PlanError(f"plan field 'padded' must be true or false, got {padded!r}")
         return cls(
-            frequencies, numbers["iteration_time_s"], numbers["energy_j"], bound, float(gap), float(deadline), schedule
+            frequencies,
+            numbers["iteration_time_s"],
+            numbers["energy_j"],
+            bound,
+            float(gap),
+            float(deadline),
+            schedule,
+            padded,
         )
 
 

@@ -36,7 +36,9 @@ def _fractional(problem: Problem, duration_s: np.ndarray, free: np.ndarray):
     return np.array(nodes, dtype=np.int64), np.array(lo), np.array(hi), np.array(dist)
 
 
-def refine(problem: Problem, lp: HullLP, relaxation: Relaxation, deadline_s: float | None) -> Relaxation:
+def refine(
+    problem: Problem, lp: HullLP, relaxation: Relaxation, deadline_s: float | None, padded: bool = False
+) -> Relaxation:
     """Run the rounds starting from `relaxation` (the LP's current optimum at `deadline_s`);
     returns the last relaxation, whose durations are mostly profiled choices. Leaves the LP
     with every duration free again."""
@@ -52,11 +54,11 @@ def refine(problem: Problem, lp: HullLP, relaxation: Relaxation, deadline_s: flo
             lp.fix_durations(nodes, np.where(d - faster <= slower - d, faster, slower))
             free[nodes] = False
             try:
-                relaxation = lp.solve(deadline_s, warm=True)
+                relaxation = lp.solve(deadline_s, warm=True, padded=padded)
             except PlanError:
                 # Rounding down keeps the previous optimum feasible.
                 lp.fix_durations(nodes, faster)
-                relaxation = lp.solve(deadline_s, warm=True)
+                relaxation = lp.solve(deadline_s, warm=True, padded=padded)
     finally:
         lp.release_durations()
     return relaxation

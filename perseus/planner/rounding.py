@@ -10,10 +10,48 @@ between dependent pairs, and ends with such a walk, so its result is checked the
 from __future__ import annotations
 
 from bisect import bisect_right
+from dataclasses import dataclass
 
 import numpy as np
 
 from perseus.planner.problem import Problem
+
+
+@dataclass(frozen=True)
+class PairArrays:
+    """What a vectorized pair sweep reads: choice tables per type (padded with +inf), every
+    dependent pair (i -> j) sorted by i (`pair_ptr` slices a node's pairs), and padded
+    predecessor and successor tables (slot value n: none)."""
+
+    node_type: np.ndarray
+    time: np.ndarray
+    cost: np.ndarray
+    count: np.ndarray
+    pair_i: np.ndarray
+    pair_j: np.ndarray
+    pair_ptr: list[int]
+    pred_pad: np.ndarray
+    succ_pad: np.ndarray
+
+    @classmethod
+    def build(cls, problem: Problem) -> PairArrays:
+        dag = problem.dag
+        n = problem.num_nodes
+        width = max(len(o) for o in problem.options)
+        time = np.full((len(problem.options), width), np.inf)
+        cost = np.full((len(problem.options), width), np.inf)
+        for t, opts in enumerate(problem.options):
+            time[t, : len(opts)] = opts.time
+            cost[t, : len(opts)] = opts.cost
+        count = np.array([len(o) for o in problem.options], dtype=np.int64)
+        order = np.lexsort((dag.dst, dag.src))
+        pair_i, pair_j = dag.src[order], dag.dst[order]
+        out_degree = np.diff(dag.succ_ptr)
+        succ_pad = np.full((n, max(int(out_degree.max(initial=0)), 1)), n, dtype=np.int64)
+        slot = np.arange(len(pair_i)) - dag.succ_ptr[pair_i]
+        succ_pad[pair_i, slot] = pair_j
+        pred_pad = np.where(dag.pred_pad == n, n, dag.pred_pad)
+        return cls(problem.node_type, time, cost, count, pair_i, pair_j, dag.succ_ptr.tolist(), pred_pad, succ_pad)
 
 
 class Walker:
@@ -30,6 +68,7 @@ class Walker:
         type_costs = [opts.cost.tolist() for opts in problem.options]
         self.times = [type_times[k] for k in problem.node_type.tolist()]
         self.costs = [type_costs[k] for k in problem.node_type.tolist()]
+        self.arrays = PairArrays.build(problem)
 
     def walk(self, limit: list[float]) -> list[int]:
         """Topological pass: node i takes the slowest choice that ends by limit[i] (the fastest
@@ -101,46 +140,62 @@ def _pair_sweep(walker: Walker, choice: list[int], deadline_s: float, reach: int
     Feasibility is checked against latest finishes (`lf`) of the sweep's start state: every
     node that ends by its lf keeps the deadline. A moved pair takes its predecessors' latest
     finishes as their ends (safe whatever else moves), and the pair and its neighbours are then
-    locked for the rest of the sweep, so no later move relies on a changed value."""
-    n = len(walker.times)
-    dur = [walker.times[i][choice[i]] for i in range(n)]
-    lf = walker.latest_finish(choice, deadline_s)
-    locked = [False] * n
+    locked for the rest of the sweep, so no later move relies on a changed value. Every input of
+    a pair's best move is therefore a start-state value: all pairs are scored at once (numpy),
+    and only the improving ones are walked in order to apply the locks."""
+    a = walker.arrays
+    k = np.asarray(choice, dtype=np.int64)
+    lf = np.array(walker.latest_finish(choice, deadline_s) + [-np.inf])
+    dur = a.time[a.node_type, k]
+    i, j = a.pair_i, a.pair_j
+    # Start of i: its predecessors' latest finishes; of j: those of its predecessors but i.
+    start_i = np.maximum(lf[a.pred_pad].max(axis=1), 0.0)[i]
+    pj = a.pred_pad[j]
+    others = np.maximum(np.where(pj == i[:, None], -np.inf, lf[pj]).max(axis=1), 0.0)
+    # i must end before its other successors must start.
+    sk = a.succ_pad[i]
+    room = np.where((sk == j[:, None]) | (sk == len(k)), np.inf, lf[sk] - dur[np.minimum(sk, len(k) - 1)])
+    limit_i = np.minimum(room.min(axis=1), deadline_s)
+    steps = np.arange(-reach, reach + 1)
+    ti, tj = a.node_type[i], a.node_type[j]
+    ci = a.cost[ti, k[i]]
+    cj = a.cost[tj, k[j]]
+    ka = k[i][:, None] + steps  # (pairs, A)
+    ok_a = (ka >= 0) & (ka < a.count[ti][:, None])
+    ka = np.clip(ka, 0, a.time.shape[1] - 1)
+    end_i = start_i[:, None] + a.time[ti[:, None], ka]
+    ok_a &= end_i <= limit_i[:, None]
+    start_j = np.maximum(end_i, others[:, None])  # (pairs, A)
+    kb = k[j][:, None] + steps  # (pairs, B)
+    ok_b = (kb >= 0) & (kb < a.count[tj][:, None])
+    kb = np.clip(kb, 0, a.time.shape[1] - 1)
+    fits = start_j[:, :, None] + a.time[tj[:, None], kb][:, None, :] <= lf[j][:, None, None]
+    fits &= ok_b[:, None, :]
+    # The slowest fitting b for every a (choices are sorted fastest first).
+    last = fits.shape[2] - 1 - np.argmax(fits[:, :, ::-1], axis=2)
+    any_b = fits.any(axis=2) & ok_a
+    b = np.take_along_axis(kb, last, axis=1)
+    gain = (ci[:, None] - a.cost[ti[:, None], ka]) + (cj[:, None] - a.cost[tj[:, None], b])
+    gain = np.where(any_b, gain, -np.inf)
+    best_a = np.argmax(gain, axis=1)
+    best_gain = gain[np.arange(len(i)), best_a]
     moves = 0
-    for i in range(n):
-        succs = walker.succs[i]
-        if locked[i] or not succs:
+    locked = [False] * len(k)
+    for e in np.flatnonzero(best_gain > 1e-9).tolist():
+        ii, jj = int(i[e]), int(j[e])
+        if locked[ii] or locked[jj]:
             continue
-        times_i, costs_i, ki = walker.times[i], walker.costs[i], choice[i]
-        start_i = max((lf[p] for p in walker.preds[i]), default=0.0)
-        best = None
-        for j in succs:
-            if locked[j]:
-                continue
-            limit_i = min((lf[k] - dur[k] for k in succs if k != j), default=deadline_s)
-            others = max((lf[p] for p in walker.preds[j] if p != i), default=0.0)
-            times_j, costs_j, kj = walker.times[j], walker.costs[j], choice[j]
-            for a in range(max(0, ki - reach), min(len(times_i), ki + reach + 1)):
-                end_i = start_i + times_i[a]
-                if end_i > limit_i:
-                    break
-                start_j = max(end_i, others)
-                b = min(kj + reach, len(times_j) - 1)
-                while b >= 0 and start_j + times_j[b] > lf[j]:
-                    b -= 1
-                if b < 0:
-                    continue
-                gain = (costs_i[ki] - costs_i[a]) + (costs_j[kj] - costs_j[b])
-                if gain > 1e-9 and (best is None or gain > best[0]):
-                    best = (gain, j, a, b)
-        if best is not None:
-            _, j, a, b = best
-            choice[i], choice[j] = a, b
-            moves += 1
-            for x in (i, j):
-                locked[x] = True
-                for y in walker.preds[x]:
-                    locked[y] = True
-                for y in walker.succs[x]:
-                    locked[y] = True
+        # The best pair of ii among its unlocked successors (earliest on ties), as a sequential sweep.
+        group = [f for f in range(a.pair_ptr[ii], a.pair_ptr[ii + 1]) if best_gain[f] > 1e-9 and not locked[int(j[f])]]
+        f = max(group, key=lambda g: (best_gain[g], -g))
+        jj = int(j[f])
+        choice[ii] = int(ka[f, best_a[f]])
+        choice[jj] = int(b[f, best_a[f]])
+        moves += 1
+        for x in (ii, jj):
+            locked[x] = True
+            for y in walker.preds[x]:
+                locked[y] = True
+            for y in walker.succs[x]:
+                locked[y] = True
     return moves

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from perseus.exceptions import ConfigError, PlanError
-from perseus.planner.evaluator import Evaluator, max_frequencies
+from perseus.planner.evaluator import Evaluator
 from perseus.planner.exact import MAX_BINARIES, num_binaries, solve_exact
 from perseus.planner.lp import HullLP, Relaxation
 from perseus.planner.plan import Plan
@@ -60,29 +60,34 @@ class Planner:
         self._walker = Walker(self.problem)
         self._lp = HullLP(self.problem)
         self._exact = num_binaries(self.problem) <= MAX_BINARIES
-        reference = self.evaluator.evaluate(max_frequencies(schedule, profile))
-        self.max_frequency_time_s = reference.iteration_time_s
-        self.max_frequency_energy_j = reference.energy_j
+        # Index 0 of every profiled choice table is the highest clock.
+        max_times, max_energies = self.evaluator.times_energies(np.zeros(self.problem.num_nodes, dtype=np.int64))
+        reference_t, reference_e = self.evaluator.evaluate_arrays(max_times, max_energies)
+        self.max_frequency_time_s = float(reference_t)
+        self.max_frequency_energy_j = float(reference_e)
         self.fastest_time_s = self.problem.iteration_time(self.problem.times(self.problem.fastest()))
         # Per node, the Pareto choice that is no slower and no costlier than its highest clock:
         # a plan never worse than all-max, kept as a fallback candidate.
-        self._max_frequency_dominated = np.array(
-            [self.problem.node_options(i).slowest_within(p.time) for i, p in enumerate(self._max_points())],
-            dtype=np.int64,
-        )
+        self._max_frequency_dominated = np.zeros(self.problem.num_nodes, dtype=np.int64)
+        for k, opts in enumerate(self.problem.options):
+            nodes = np.flatnonzero(self.problem.node_type == k)
+            within = np.searchsorted(opts.time, max_times[nodes], side="right") - 1
+            self._max_frequency_dominated[nodes] = np.maximum(within, 0)
         self._min_energy: Plan | None = None
         self._lock = threading.Lock()
 
-    def _max_points(self):
-        return [self.profile.points_for(ins, self.schedule)[0] for ins in self.problem.dag.nodes]
-
-    def plan(self, deadline: float | None = None, max_slowdown: float | None = None) -> Plan:
+    def plan(self, deadline: float | None = None, max_slowdown: float | None = None, padded: bool = False) -> Plan:
         """Minimum-energy plan with iteration time <= deadline (s). Default: no slowdown against
         every GPU at its maximum frequency; `max_slowdown` F: deadline F x that time. Beyond the
-        minimum-energy time T* the plan stays at T*."""
+        minimum-energy time T* the plan stays at T*.
+
+        `padded`: the iteration lasts the deadline whatever the plan (a straggler pipeline sets
+        the pace, and every GPU blocks until it), so minimise the energy padded to the deadline:
+        past T* the plan uses the slack. The plan's energy and bound are then for an iteration of
+        the deadline (`Plan.padded`)."""
         deadline_s = self._deadline(deadline, max_slowdown)
         with self._lock:
-            return self._solve(deadline_s, warm=False, refined=True)
+            return self._solve(deadline_s, warm=False, refined=True, padded=padded)
 
     def min_energy_plan(self) -> Plan:
         """The plan of least energy at any iteration time (its time is T*)."""
@@ -128,17 +133,18 @@ class Planner:
             raise ConfigError(f"deadline must be a positive number of seconds, got {deadline}")
         return float(deadline)
 
-    def _solve(self, deadline_s: float | None, warm: bool, refined: bool) -> Plan:
+    def _solve(self, deadline_s: float | None, warm: bool, refined: bool, padded: bool = False) -> Plan:
         if deadline_s is not None and deadline_s < self.fastest_time_s:
             raise PlanError(
                 f"no plan finishes within {deadline_s:.6g} s: even the fastest frequencies take "
                 f"{self.fastest_time_s:.6g} s per iteration; relax the deadline"
             )
-        relaxation = self._lp.solve(deadline_s, warm=warm)
+        relaxation = self._lp.solve(deadline_s, warm=warm, padded=padded)
         candidates = self._round(relaxation, deadline_s)
         if refined and self.problem.num_nodes <= REFINE_MAX_NODES:
-            candidates += self._round(refine(self.problem, self._lp, relaxation, deadline_s), deadline_s)
-        if deadline_s is None or relaxation.iteration_time_s < deadline_s * (1 - 1e-9):
+            refined_relaxation = refine(self.problem, self._lp, relaxation, deadline_s, padded)
+            candidates += self._round(refined_relaxation, deadline_s)
+        if not padded and (deadline_s is None or relaxation.iteration_time_s < deadline_s * (1 - 1e-9)):
             # The deadline does not bind: this is the minimum-energy plan. Rounding loses time
             # that every stage then spends blocked, so slightly tighter targets can round to
             # less energy; they meet the deadline too.
@@ -146,12 +152,12 @@ class Planner:
                 tighter = self._lp.solve(max(factor * relaxation.iteration_time_s, self.fastest_time_s), warm=True)
                 candidates += self._round(tighter, tighter.iteration_time_s)
         if self._exact:
-            exact = solve_exact(self.problem, deadline_s)
+            exact = solve_exact(self.problem, deadline_s, padded)
             if exact is not None:
                 candidates.append(exact)
         if deadline_s is None or deadline_s >= self.max_frequency_time_s:
             candidates.append(self._max_frequency_dominated)
-        return self._best(candidates, deadline_s, relaxation)
+        return self._best(candidates, deadline_s, relaxation, padded)
 
     def _round(self, relaxation: Relaxation, deadline_s: float | None) -> list[np.ndarray]:
         rounded = round_down(self.problem, relaxation.finish_s, _LP_SLACK_S, self._walker)
@@ -165,10 +171,19 @@ class Planner:
             candidates.append(fill_slack(self.problem, rounded, deadline_s, self._walker))
         return candidates
 
-    def _best(self, candidates: list[np.ndarray], deadline_s: float | None, relaxation: Relaxation) -> Plan:
+    def _objective(self, choice: np.ndarray, deadline_s: float | None, padded: bool) -> tuple[float, float]:
+        """(iteration time, energy to minimise): padded, every stage blocks until the deadline."""
+        t, e = self.problem.energy(choice)
+        if padded and deadline_s is not None:
+            e += self.problem.blocking_power_w * self.problem.num_stages * (deadline_s - t)
+        return t, e
+
+    def _best(
+        self, candidates: list[np.ndarray], deadline_s: float | None, relaxation: Relaxation, padded: bool = False
+    ) -> Plan:
         best, best_te = None, (np.inf, np.inf)
         for choice in candidates:
-            t, e = self.problem.energy(choice)
+            t, e = self._objective(choice, deadline_s, padded)
             if deadline_s is not None and t > deadline_s:
                 continue
             if (e, t) < (best_te[1], best_te[0]):
@@ -177,10 +192,12 @@ class Planner:
             raise PlanError(
                 f"no rounding of the relaxation met the deadline {deadline_s:.9g} s; report this with the profile"
             )
-        # Pair exchanges within the winner's own time: the iteration never gets longer.
-        improved = exchange(self.problem, best, best_te[0], self._walker)
-        t, e = self.problem.energy(improved)
-        if t <= best_te[0] and e < best_te[1]:
+        # Pair exchanges within the winner's own time: the iteration never gets longer. Padded,
+        # the time up to the deadline is free.
+        within = deadline_s if padded and deadline_s is not None else best_te[0]
+        improved = exchange(self.problem, best, within, self._walker)
+        t, e = self._objective(improved, deadline_s, padded)
+        if t <= within and e < best_te[1]:
             best = improved
         frequencies = self.problem.frequencies(best)
         evaluation = self.evaluator.evaluate(frequencies)
@@ -189,20 +206,26 @@ class Planner:
                 f"internal error: plan takes {evaluation.iteration_time_s!r} s, over the deadline {deadline_s!r} s"
             )
         # The LP optimum can exceed an optimal plan's energy only by the solver's tolerance.
-        if relaxation.lower_bound_j > evaluation.energy_j * (1 + 1e-7):
+        if relaxation.lower_bound_j > self._objective(best, deadline_s, padded)[1] * (1 + 1e-7):
             raise PlanError(
                 f"internal error: LP bound {relaxation.lower_bound_j!r} J above a plan's energy "
-                f"{evaluation.energy_j!r} J"
+                f"{self._objective(best, deadline_s, padded)[1]!r} J"
             )
-        bound = min(relaxation.lower_bound_j, evaluation.energy_j)
+        energy = evaluation.energy_j
+        if padded and deadline_s is not None:
+            energy += (
+                self.evaluator.blocking_power_w * self.evaluator.num_stages * (deadline_s - evaluation.iteration_time_s)
+            )
+        bound = min(relaxation.lower_bound_j, energy)
         return Plan(
             frequencies=frequencies,
             iteration_time_s=evaluation.iteration_time_s,
-            energy_j=evaluation.energy_j,
+            energy_j=energy,
             lower_bound_j=bound,
-            gap=_gap(evaluation.energy_j, bound),
+            gap=_gap(energy, bound),
             deadline_s=evaluation.iteration_time_s if deadline_s is None else deadline_s,
             schedule=self.schedule,
+            padded=padded and deadline_s is not None,
         )
 
 

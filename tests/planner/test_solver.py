@@ -37,13 +37,19 @@ def random_profile(seed: int, stages: int, num_freqs: int, power_w: float = 60.0
     return Profile(points, power_w)
 
 
-def brute_force(schedule, profile, deadlines):
-    """Least energy over every frequency assignment with T <= deadline, for each deadline."""
+def brute_force(schedule, profile, deadlines, padded=False):
+    """Least energy over every frequency assignment with T <= deadline, for each deadline;
+    `padded`: the energy of an iteration that lasts the deadline."""
     ev = Evaluator(schedule, profile)
     sizes = [len(ev.node_choices(i).frequency) for i in range(len(ev.nodes))]
     combos = np.stack(np.meshgrid(*[np.arange(k) for k in sizes], indexing="ij"), axis=-1).reshape(-1, len(sizes))
     T, E = ev.evaluate_arrays(*ev.times_energies(combos))
-    return [float(E[T <= d].min()) if (T <= d).any() else None for d in deadlines]
+    best = []
+    for d in deadlines:
+        ok = T <= d
+        pad = profile.blocking_power_w * schedule.num_stages * (d - T[ok]) if padded else 0.0
+        best.append(float((E[ok] + pad).min()) if ok.any() else None)
+    return best
 
 
 SMALL = [
@@ -76,6 +82,50 @@ def test_equals_brute_force_on_small_dags(name, stages, microbatches, num_freqs,
         assert plan.energy_j == pytest.approx(expected, rel=1e-9), f"deadline {deadline}"
         assert plan.lower_bound_j <= plan.energy_j
     assert planner.plan().energy_j == pytest.approx(best[0], rel=1e-9)  # default: no slowdown
+
+
+@pytest.mark.parametrize("name,stages,microbatches,num_freqs,seed", SMALL)
+def test_padded_equals_brute_force_on_small_dags(name, stages, microbatches, num_freqs, seed):
+    schedule = build_schedule(name, stages, microbatches)
+    profile = random_profile(seed, stages, num_freqs)
+    planner = Planner(schedule, profile)
+    t_max = planner.max_frequency_time_s
+    deadlines = [t_max, 1.1 * t_max, 1.3 * t_max, 2 * t_max]
+    for deadline, expected in zip(deadlines, brute_force(schedule, profile, deadlines, padded=True)):
+        plan = planner.plan(deadline=deadline, padded=True)
+        assert plan.padded and plan.deadline_s == deadline
+        assert plan.iteration_time_s <= deadline
+        assert plan.energy_j == pytest.approx(expected, rel=1e-9), f"deadline {deadline}"
+        assert plan.lower_bound_j <= plan.energy_j
+
+
+@pytest.mark.skipif(not GPT3.exists(), reason="shared Perseus profiles not present")
+def test_padded_plan_uses_the_slack_past_the_least_energy_time():
+    """A straggler at 1.2x: the unpadded plan stops at its least-energy time T* (about 1.15x here)
+    and blocks from there; the padded one slows into the slack and is certified against the
+    bound of that same objective."""
+    profile = load_profile(GPT3, 83.64)
+    schedule = build_schedule("1f1b", 8, 12)
+    planner = Planner(schedule, profile)
+    deadline = 1.2 * planner.max_frequency_time_s
+    unpadded = planner.plan(deadline=deadline)
+    padded = planner.plan(deadline=deadline, padded=True)
+    blocking = profile.blocking_power_w * schedule.num_stages
+    unpadded_at_deadline = unpadded.energy_j + blocking * (deadline - unpadded.iteration_time_s)
+    assert unpadded.iteration_time_s < 1.17 * planner.max_frequency_time_s
+    assert padded.iteration_time_s > unpadded.iteration_time_s
+    assert padded.iteration_time_s <= deadline
+    evaluation = evaluate(schedule, padded.frequencies, profile)
+    assert padded.energy_j == pytest.approx(
+        evaluation.energy_j + blocking * (deadline - evaluation.iteration_time_s), rel=1e-12
+    )
+    assert padded.energy_j < 0.99 * unpadded_at_deadline
+    assert padded.lower_bound_j <= padded.energy_j and padded.gap <= 0.001
+    # The unpadded bound is below the padded objective's: it certifies nothing about it.
+    assert unpadded.lower_bound_j < padded.lower_bound_j
+    # Up to T*, padding changes neither the objective's optimum nor its bound.
+    at_no_slowdown = planner.plan(padded=True)
+    assert at_no_slowdown.lower_bound_j == pytest.approx(planner.plan().lower_bound_j, rel=1e-7)
 
 
 def test_lp_rounding_path_meets_deadlines_and_bounds():
@@ -164,6 +214,11 @@ def test_plan_json_round_trip():
     assert {"kind", "microbatch", "frequency", "chunk"} <= set(doc["stages"][1]["instructions"][0])
     back = Plan.from_json(doc, schedule)
     assert back == plan
+    padded = planner.plan(max_slowdown=1.3, padded=True)
+    assert padded.to_json()["padded"] is True
+    assert Plan.from_json(padded.to_json(), schedule) == padded
+    with pytest.raises(PlanError, match="padded"):
+        Plan.from_json({**doc, "padded": "yes"}, schedule)
     assert back.stage_frequencies(1) == [plan.frequencies[ins] for ins in schedule.stages[1]]
     with pytest.raises(PlanError, match="plan again"):
         Plan.from_json(doc, build_schedule("interleaved-1f1b", 2, 6, num_chunks=2))
