@@ -46,7 +46,7 @@ from perseus.schedules.instruction import Schedule
 from perseus.wire.parallelism import Parallelism
 from perseus.wire.phases import Phase
 from perseus.wire.spans import ReportSpans
-from perseus.wire.spec import JobSpec, RankInfo
+from perseus.wire.spec import DEFAULT_TOLERANCE, JobSpec, RankInfo
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,9 @@ class PerseusRank:
     and what one stage-to-stage hop takes beyond it; the planner adds them to the profile (see
     `Profile.with_overheads`). Default 0: the service fits them from the ranks' timelines.
     `emulate`: on a simulated GPU, the GPU work each instruction stands for (see
-    perseus.runtime.emulation); ignored on real GPUs.
+    perseus.runtime.emulation); ignored on real GPUs. `tolerance`: how much slower than the
+    measured baseline (or a straggler's pace) the service lets a planned iteration run before it
+    re-plans (default 1%; see perseus.service.verification).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class PerseusRank:
         close_client: bool = False,
         on_iteration: Callable[[IterationRecord], None] | None = None,
         emulate: WorkSpec | None = None,
+        tolerance: float = DEFAULT_TOLERANCE,
     ) -> None:
         self.parallelism = registration.resolve_parallelism(
             schedule,
@@ -123,6 +126,7 @@ class PerseusRank:
         self.rank: int = self.parallelism.rank  # type: ignore[assignment]  # always set by Parallelism
         self.tag = tag
         self.instruction_overhead_s, self.hop_latency_s = instruction_overhead_s, hop_latency_s
+        self.tolerance = tolerance
         self.settings = profiling or ProfilingSettings()
         self.order = schedule.stages[stage]
         self._keys = tuple((ins.kind.value, ins.microbatch, ins.chunk) for ins in self.order)
@@ -335,7 +339,7 @@ class PerseusRank:
         self._record_spans = (
             assignment is not None
             and bool(getattr(assignment, "spans", False))
-            and phase in (Phase.WARMUP, Phase.PROFILING, Phase.PLANNING)
+            and phase in (Phase.WARMUP, Phase.PLANNING)  # baseline iterations: default clocks, no profiling
             and self._span_reports < MAX_SPAN_REPORTS
         )
         if self._progress is not None:
@@ -501,6 +505,7 @@ class PerseusRank:
             tag=self.tag,
             instruction_overhead_s=self.instruction_overhead_s,
             hop_latency_s=self.hop_latency_s,
+            tolerance=self.tolerance,
         )
 
     def rank_info(self) -> RankInfo:

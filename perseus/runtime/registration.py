@@ -15,7 +15,7 @@ from perseus.runtime.port import PlannerPort
 from perseus.runtime.records import ProfilingSettings
 from perseus.schedules.instruction import Schedule
 from perseus.wire.parallelism import Parallelism
-from perseus.wire.spec import JobSpec, RankInfo
+from perseus.wire.spec import DEFAULT_TOLERANCE, JobSpec, RankInfo
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ def job_spec(
     tag: str,
     instruction_overhead_s: float,
     hop_latency_s: float,
+    tolerance: float = DEFAULT_TOLERANCE,
 ) -> JobSpec:
     """The job as rank 0 registers it (every rank builds it: its id names the job)."""
     s = schedule
@@ -51,11 +52,12 @@ def job_spec(
         rank_mapping=layout.rank_mapping,
         instruction_overhead_s=instruction_overhead_s,
         hop_latency_s=hop_latency_s,
+        tolerance=tolerance,
     )
 
 
 def rank_info(rank: int, layout: Parallelism, gpu: GPU) -> RankInfo:
-    """The rank as it registers itself."""
+    """The rank as it registers itself (it sends instruction spans when asked: `timeline`)."""
     return RankInfo(
         rank,
         layout.stage,
@@ -63,6 +65,7 @@ def rank_info(rank: int, layout: Parallelism, gpu: GPU) -> RankInfo:
         tp_index=layout.tp_index,
         gpu_model=gpu.name(),
         frequencies=tuple(gpu.supported_frequencies()),
+        timeline=True,
     )
 
 

@@ -32,6 +32,7 @@ from perseus.wire.messages import (
     Status,
     UploadProfile,
 )
+from perseus.wire.spans import ReportSpans
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,10 @@ class Handlers:
             len(job.ranks),
             job.spec.world_size,
         )
-        if job.models(info.dp_index) != models or cached is not None:
-            self.results.plan(job)  # the pipeline's GPU models changed, or a cached profile came in
+        if job.models(info.dp_index) != models or cached is not None or not info.timeline:
+            # The pipeline's GPU models changed, a cached profile came in, or the rank sends no
+            # spans to calibrate on (the job is then planned on its profile alone).
+            self.results.plan(job)
         else:
             self.keeper.unsaved.add(job.job_id)
         return RankRegistered(job.phase.value)
@@ -175,6 +178,13 @@ class Handlers:
                 )
         if job.update_stragglers():
             self.results.plan(job)
+        self.results.verify(job)
+        return Ack(job.phase.value)
+
+    def report_spans(self, msg: ReportSpans) -> Ack:
+        job = self.admission.get(msg.job_id)
+        if job.add_spans(msg):
+            self.results.plan(job)  # a calibration may be due
         return Ack(job.phase.value)
 
     def declare_straggler(self, msg: DeclareStraggler) -> Ack:

@@ -18,14 +18,17 @@ from perseus.profiler.profile import Profile
 from perseus.schedules import Schedule
 from perseus.service import persistence, status
 from perseus.service.measurements import Measurements
+from perseus.service.model import PipelineModels, max_clock_result
 from perseus.service.planning import PlanResult, job_schedule
 from perseus.service.plans import PlanBook, PlanKey, PublishedPlan, Straggling, plan_lead
 from perseus.service.profiles import Profiling
 from perseus.service.ranks import Models, Roster
 from perseus.service.tally import Measured
 from perseus.service.text import clip
+from perseus.service.verification import Verdict
 from perseus.wire.messages import JobStatus, ReportIteration, Table
 from perseus.wire.phases import JobPhase
+from perseus.wire.spans import ReportSpans
 from perseus.wire.spec import JobSpec, RankInfo
 
 
@@ -43,6 +46,7 @@ class Job:
         self.profiling = Profiling(spec, cached_profile)
         self.plan_book = PlanBook(spec.dp, self.roster.models)
         self.measurements = Measurements(spec)
+        self.model = PipelineModels(spec)  # calibration on measured timelines, verification of plans
         self.error = ""
         self.warning = ""  # the job runs, but something is degraded (its state could not be saved)
         self.last_iteration = -1  # the latest iteration any rank reached
@@ -93,6 +97,7 @@ class Job:
     def add_rank(self, info: RankInfo) -> None:
         self.roster.check(info)
         self.profiling.check_sweep(info)
+        self.model.rank_added(info)
         if self.roster.add(info):
             self._changed()
 
@@ -110,6 +115,7 @@ class Job:
         self.plan_book.restart()
         self.last_iteration = -1
         self.measurements.restart(self.plans)
+        self.model.restart()
 
     # ---- what a rank runs --------------------------------------------------------------------------
 
@@ -140,6 +146,7 @@ class Job:
             frequencies=frequencies,
             error=self.error,
             upload=self.roster.uploads_profile(info),
+            spans=not self.error and self.model.wants_spans(self.models(info.dp_index)),
         )
 
     @property
@@ -192,6 +199,67 @@ class Job:
             return None
         return self.profiling.pipeline_profile(self.schedule, models)
 
+    def planning_profile(self, models: Models) -> Profile | None:
+        """The profile plans for these stage models are solved on (calibrated, with any
+        verification margin); None until it may be (see perseus.service.model)."""
+        return self.model.planning_profile(models, self.pipeline_profile(models))
+
+    def pipelines_of(self, models: Models) -> list[int]:
+        """The pipelines whose stages run on these GPU models."""
+        return [k for k in range(self.spec.dp) if self.models(k) == models]
+
+    # ---- calibration and verification ------------------------------------------------------------
+
+    def add_spans(self, spans: ReportSpans) -> bool:
+        """One rank's instruction spans of one iteration; True if a calibration may be due."""
+        info = self.rank(spans.rank)
+        if self.schedule is None:
+            return False
+        return self.model.add_spans(info, spans, len(self.schedule.stages[info.stage]))
+
+    def calibration_tasks(self) -> list[tuple[Models, Profile, list]]:
+        """(models, measured profile, baseline timelines) of each set of pipeline models due a fit."""
+        tasks = []
+        for models in dict.fromkeys(self.models(k) for k in range(self.spec.dp)):
+            profile = self.pipeline_profile(models)
+            pipelines = self.pipelines_of(models)
+            if profile is not None and self.model.due(models, pipelines):
+                timelines = self.model.timelines(pipelines)
+                self.model.calibrations.fitting(models, len(timelines))
+                tasks.append((models, profile, timelines))
+        return tasks
+
+    def set_calibration(self, models: Models, result: object) -> None:
+        """A fit from the worker (or what it raised); no plan at all if the model cannot be planned on."""
+        self.model.calibrations.fitted(self.job_id, models, result)  # type: ignore[arg-type]
+        state = self.model.calibrations.get(models)
+        if state.state == "failed" and not self.error:
+            self.fail(f"no plan: {state.reason}")
+        self._changed()
+
+    def correct(self, pipeline: int, verdict: Verdict) -> list[PlanKey]:
+        """Act on a verdict against the pipeline's plan: re-solve its models' plans with a grown
+        margin, or fall back to maximum clocks. The keys dropped (to solve again)."""
+        plan = self.plans.get(pipeline)
+        if plan is None:
+            return []
+        models = plan.models
+        self.model.correct(models, verdict)
+        state = self.model.calibrations.get(models)
+        keys = [key for key in self.results if key[0] == models]
+        if state.fallback:
+            profile = self.pipeline_profile(models)
+            assert self.schedule is not None and profile is not None  # a plan was solved on them
+            for key in keys:
+                solved = self.results[key]
+                if isinstance(solved, PlanResult):
+                    self.plan_book.results[key] = max_clock_result(self.schedule, profile, solved)
+            return []
+        for key in keys:
+            del self.plan_book.results[key]
+        self._changed()
+        return keys
+
     # ---- plans ---------------------------------------------------------------------------------
 
     def straggler(self) -> Straggling | None:
@@ -199,12 +267,14 @@ class Job:
         return self.measurements.straggler()
 
     def wanted(self) -> dict[int, PlanKey]:
-        """The plan each pipeline should run (see PlanBook.wanted)."""
-        return self.plan_book.wanted(self.straggler())
+        """The plan each pipeline should run (see PlanBook.wanted); no slowdown for pipelines
+        verification put back at maximum clocks."""
+        wanted = self.plan_book.wanted(self.straggler())
+        return {k: (key[0], None) if self.model.calibrations.get(key[0]).fallback else key for k, key in wanted.items()}
 
     def missing_plans(self) -> list[tuple[PlanKey, Profile]]:
         """Plans to solve (with their profile): base plans first, then straggler deadlines."""
-        return self.plan_book.missing(self.wanted(), self.pipeline_profile)
+        return self.plan_book.missing(self.wanted(), self.planning_profile)
 
     def add_result(self, key: PlanKey, result: PlanResult | str) -> None:
         """A solved plan, or the planner's reason it could not (a base plan failing fails the job;
@@ -221,6 +291,7 @@ class Job:
         changed = self.plan_book.publish(self.wanted(), start)
         if changed:
             self.measurements.published(self.plans, changed, self.last_iteration)
+            self.model.plans_published(self.plans, changed, self.pipelines_of)
             self._changed()
         return changed
 
@@ -234,7 +305,10 @@ class Job:
         Each pipeline's iterations also feed the straggler detector (see `update_stragglers`)."""
         info = self.rank(report.rank)
         self.note_iteration(report.iteration)
-        return self.measurements.record(info, report, self.plans, self._base_time_s)
+        is_baseline = self.model.is_baseline if self.model.calibrates else None
+        done = self.measurements.record(info, report, self.plans, self._base_time_s, is_baseline)
+        self.model.measured(self.measurements.take_completed())
+        return done
 
     def _base_time_s(self, pipeline: int) -> float | None:
         base = self.plan_book.base(pipeline)

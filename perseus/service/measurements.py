@@ -43,6 +43,7 @@ class Measurements:
         for k, plan in plans.items():
             self.history[k].append((plan.start_iteration, plan.iteration_time_s))
         self.measured_time: list[deque[float]] = [deque(maxlen=RECENT) for _ in range(spec.dp)]
+        self.completed: list[tuple[int, Measured]] = []  # pipelines' iterations since `take_completed`
         self.detector = StragglerDetector(spec.dp)
         self._fed = False  # the detector has values it has not decided on
         self.baseline = Mean()
@@ -66,10 +67,13 @@ class Measurements:
         report: ReportIteration,
         plans: dict[int, PublishedPlan],
         base_time_s: Callable[[int], float | None],
+        is_baseline: Callable[[int], bool] | None = None,
     ) -> tuple[Measured, bool] | None:
         """Add one rank's report; (the iteration's total, whether it ran a plan) once complete.
         Each pipeline's iterations also feed the straggler detector, at the scale of its
-        no-slowdown plan (`base_time_s`; see `update_stragglers`)."""
+        no-slowdown plan (`base_time_s`; see `update_stragglers`). `is_baseline` tells the
+        baseline iterations (default clocks, no profiling) where the ranks say which they are;
+        without it, the warm-up iterations are."""
         self._record_pipeline(info, report, base_time_s)
         measured = self.tally.add(report.rank, report.iteration, report.time_s, report.energy_j)
         if measured is None:
@@ -78,7 +82,7 @@ class Measurements:
         if plans and measured.iteration >= max(p.start_iteration for p in plans.values()):
             self.planned.add(measured)
             return measured, True
-        if measured.iteration < self.spec.warmup_iterations:
+        if measured.iteration < self.spec.warmup_iterations if is_baseline is None else is_baseline(measured.iteration):
             self.baseline.add(measured)
         return measured, False
 
@@ -91,6 +95,8 @@ class Measurements:
         if measured is None:
             return
         self.measured_time[k].append(measured.time_s)
+        if len(self.completed) < 1024:  # taken after every report; bounded all the same
+            self.completed.append((k, measured))
         planned = self._planned_time_at(k, measured.iteration)
         base = base_time_s(k)
         if planned is not None and base is not None:
@@ -101,6 +107,12 @@ class Measurements:
     def _planned_time_at(self, pipeline: int, iteration: int) -> float | None:
         times = [t for start, t in self.history[pipeline] if start <= iteration]
         return times[-1] if times else None
+
+    def take_completed(self) -> list[tuple[int, Measured]]:
+        """Each pipeline's iterations completed since the last call: (pipeline, its slowest rank's
+        compute time, or iteration time where ranks report none)."""
+        completed, self.completed = self.completed, []
+        return completed
 
     def measured_time_s(self, pipeline: int) -> float | None:
         """The median of the pipeline's recent iteration times, if any."""

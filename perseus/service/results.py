@@ -1,6 +1,7 @@
-"""The loop's side of the worker threads: it takes built schedules and solved plans, publishes
-plans, and hands each job's missing plans to the planning pool. Each job's part runs under
-`Keeper.guard`, so a fault stays with its job."""
+"""The loop's side of the worker threads: it takes built schedules, calibrations and solved plans,
+publishes plans, hands each job's models to calibrate and missing plans to the workers, and acts
+on what verifying the plans in force finds. Each job's part runs under `Keeper.guard`, so a
+fault stays with its job."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from perseus.service.keeper import Keeper
 from perseus.service.planning import plan_choices
 from perseus.service.plans import PlanKey, document_name
 from perseus.service.text import clip
+from perseus.service.verification import HOLDS
 from perseus.service.workers import Solved, Workers
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,40 @@ class Results:
                 continue  # evicted meanwhile
             self.keeper.guard(job, "building its schedule", self._take_schedule, job, result, seconds)
 
+    def take_calibrations(self) -> None:
+        """Take the models calibrated since the last call (and plan their jobs)."""
+        for job_id, models, result, seconds in self.workers.calibrated():
+            job = self.jobs.get(job_id)
+            if job is None:
+                continue  # evicted meanwhile
+            log.debug("job %s: calibration fitted in %.2f s", job_id, seconds)
+            self.keeper.guard(job, "taking its calibration", job.set_calibration, models, result)
+            self.plan(job)
+
+    def verify(self, job: Job) -> None:
+        """Act on what checking the job's plans against measured time found."""
+        self.keeper.guard(job, "verifying its plans", self._verify, job)
+
+    def _verify(self, job: Job) -> None:
+        for k, verdict in job.model.take_verdicts():
+            plan = job.plans.get(k)
+            version = plan.version if plan else 0
+            if verdict.action == HOLDS:
+                log.info(
+                    "job %s: pipeline %d plan v%d holds: %.4f s against its target %.4f s (%+.1f%%)",
+                    job.job_id,
+                    k,
+                    version,
+                    verdict.measured_s,
+                    verdict.target_s,
+                    100 * verdict.excess,
+                )
+                continue
+            log.warning("job %s: pipeline %d: %s", job.job_id, k, verdict.reason)
+            if job.correct(k, verdict):
+                self.workers.forget(job.job_id)  # its planners hold the old profile
+            self.plan(job)
+
     def take_plans(self) -> None:
         """Take the plans solved since the last call (and publish them)."""
         for job_id, done in self.workers.solved():
@@ -72,8 +108,18 @@ class Results:
         self.plan(job)
 
     def _start_planning(self, job: Job) -> None:
-        if job.job_id in self.workers.planning or job.error or job.schedule is None:
+        if job.error or job.schedule is None:
             return  # (no plan is missing while the schedule is being built: no profile is complete)
+        for models, profile, timelines in job.calibration_tasks():
+            log.info(
+                "job %s: calibrating the model of %s on %d baseline iterations",
+                job.job_id,
+                _describe_key((models, None)).split(",")[0],
+                len(timelines),
+            )
+            self.workers.calibrate(job.job_id, models, job.schedule, profile, timelines)
+        if job.job_id in self.workers.planning:
+            return
         tasks = []
         for key, profile in job.missing_plans():
             choices = plan_choices(job.schedule, profile)

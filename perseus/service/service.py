@@ -57,6 +57,7 @@ from perseus.wire.messages import (
     UploadProfile,
 )
 from perseus.wire.security import PLAINTEXT, Security
+from perseus.wire.spans import ReportSpans
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class PlannerService:
             GetTable: self.handlers.get_table,
             UploadProfile: self.handlers.upload_profile,
             ReportIteration: self.handlers.report_iteration,
+            ReportSpans: self.handlers.report_spans,
             DeclareStraggler: self.handlers.declare_straggler,
             GetStatus: self.handlers.status,
             Ping: lambda msg: Pong(PROTOCOL_VERSION, f"perseus {__version__}"),
@@ -145,6 +147,7 @@ class PlannerService:
         unsaved, evict jobs idle past their time-to-live."""
         start = time.perf_counter()
         self.results.take_builds()
+        self.results.take_calibrations()
         self.results.take_plans()
         if self.keeper.save_due():
             self.keeper.save_unsaved()

@@ -34,6 +34,7 @@ def job_status(job: Job) -> JobStatus:
     for k in range(job.spec.dp):
         plan = job.plans.get(k)
         slow = straggler if straggler is not None and straggler[0] == k else None
+        check = job.model.checks[k]
         pipelines.append(
             PipelineStatus(
                 pipeline=k,
@@ -43,6 +44,12 @@ def job_status(job: Job) -> JobStatus:
                 measured_iteration_time_s=measurements.measured_time_s(k),
                 straggler=slow[2] if slow is not None else "",
                 straggler_factor=slow[1] if slow is not None else None,
+                baseline_iteration_time_s=job.model.targets([k])[1],
+                target_iteration_time_s=check.target_s,
+                verification=check.state,
+                verified_iteration_time_s=check.measured_s,
+                replans=check.replans,
+                reason=check.reason,
             )
         )
     return JobStatus(
@@ -65,4 +72,6 @@ def job_status(job: Job) -> JobStatus:
         planned_iteration_time_s=measurements.planned.time_s,
         planned_energy_j=measurements.planned.energy_j,
         pipelines=tuple(pipelines),
+        calibrations=job.model.status(list(dict.fromkeys(job.models(k) for k in range(job.spec.dp))), job.pipelines_of),
+        tolerance=job.spec.tolerance,
     )

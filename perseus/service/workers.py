@@ -1,6 +1,7 @@
 """The service's threads off the socket loop: one builds new jobs' schedules (large schedules take
-seconds), and a pool of `budget.planning_workers` solves plans. The loop hands work over with
-`build` and `solve` and takes the results with `built` and `solved`; the threads touch no job.
+seconds), one calibrates pipelines' models on their measured timelines, and a pool of
+`budget.planning_workers` solves plans. The loop hands work over with `build`, `calibrate` and
+`solve` and takes the results with `built`, `calibrated` and `solved`; the threads touch no job.
 
 A job's planners are kept for its later deadlines (a straggler's pace), least recently used
 dropped, while their problems add up to at most one planning budget of choices.
@@ -20,22 +21,32 @@ from perseus.service.budget import Budget
 from perseus.service.planning import PlanResult, job_schedule, make_planner, plan_choices, plan_pipeline
 from perseus.service.plans import PlanKey
 from perseus.service.ranks import Models
+from perseus.service.timelines import Timeline
 from perseus.wire.spec import JobSpec
 
 MAX_PLANNERS = 16  # planners kept for re-planning (least recently used dropped): each holds its LP
 
 # One solved (or failed) plan: its key, the result and plan document or what was raised, seconds taken.
 Solved = tuple[PlanKey, tuple[PlanResult, dict] | BaseException, float]
+# One calibration: the job, the pipeline models, the fit (a perseus.service.calibration.Calibration)
+# or what was raised, seconds taken.
+Calibrated = tuple[str, Models, Any, float]
 
 
 class Workers:
-    """Threads start on first use. `building` and `planning`: jobs with work handed over whose
-    results the loop has not taken yet."""
+    """Threads start on first use. `building`, `calibrating` and `planning`: jobs with work
+    handed over whose results the loop has not taken yet."""
 
     def __init__(self, budget: Budget) -> None:
         self.budget = budget
         self.building: set[str] = set()
+        self.calibrating: set[str] = set()
         self.planning: set[str] = set()
+        self._to_calibrate: queue.SimpleQueue[tuple[str, Models, Schedule, Profile, list[Timeline]]] = (
+            queue.SimpleQueue()
+        )
+        self._calibrated: queue.SimpleQueue[Calibrated] = queue.SimpleQueue()
+        self._calibrator: threading.Thread | None = None
         self._to_build: queue.SimpleQueue[JobSpec] = queue.SimpleQueue()
         self._built: queue.SimpleQueue[tuple[JobSpec, Schedule | BaseException, float]] = queue.SimpleQueue()
         self._builder: threading.Thread | None = None
@@ -48,11 +59,12 @@ class Workers:
 
     @property
     def busy(self) -> bool:
-        """Whether a schedule is being built or a plan solved (their results not yet taken)."""
-        return bool(self.building or self.planning)
+        """Whether a schedule is being built, a model calibrated or a plan solved (their results
+        not yet taken)."""
+        return bool(self.building or self.calibrating or self.planning)
 
     def busy_with(self, job_id: str) -> bool:
-        return job_id in self.building or job_id in self.planning
+        return job_id in self.building or job_id in self.calibrating or job_id in self.planning
 
     def forget(self, job_id: str) -> None:
         """Drop the job's planners (it was evicted)."""
@@ -85,6 +97,38 @@ class Workers:
         done = _drain(self._built)
         for spec, _, _ in done:
             self.building.discard(spec.job_id())
+        return done
+
+    # ---- calibrations --------------------------------------------------------------------------
+
+    def calibrate(
+        self, job_id: str, models: Models, schedule: Schedule, profile: Profile, timelines: list[Timeline]
+    ) -> None:
+        """Fit the pipeline models' calibration on the calibration thread."""
+        if self._calibrator is None:
+            self._calibrator = threading.Thread(target=self._calibrate_worker, name="calibrate-models", daemon=True)
+            self._calibrator.start()
+        self.calibrating.add(job_id)
+        self._to_calibrate.put((job_id, models, schedule, profile, timelines))
+
+    def _calibrate_worker(self) -> None:
+        # Imported here, as the planner is: numpy and the DAG only load once a job calibrates.
+        from perseus.service.calibration import fit
+
+        while True:
+            job_id, models, schedule, profile, timelines = self._to_calibrate.get()
+            start = time.perf_counter()
+            try:
+                result: Any = fit(schedule, profile, timelines)
+            except BaseException as e:
+                result = e
+            self._calibrated.put((job_id, models, result, time.perf_counter() - start))
+
+    def calibrated(self) -> list[Calibrated]:
+        """The calibrations fitted since the last call."""
+        done = _drain(self._calibrated)
+        for job_id, _, _, _ in done:
+            self.calibrating.discard(job_id)
         return done
 
     # ---- plans ---------------------------------------------------------------------------------

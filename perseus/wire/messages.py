@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from perseus.exceptions import ConfigError
 from perseus.profiler.profile import Profile
+from perseus.wire.calibration import CalibrationStatus
 from perseus.wire.fields import (
     Message,
     check_bool,
@@ -274,7 +275,14 @@ class GetStatus(Message):
 @dataclass(frozen=True)
 class PipelineStatus(Message):
     """One data-parallel pipeline: its plan, the deadline it was planned for (None: no
-    slowdown), and whether it is a straggler ("detected" or "declared", with its factor)."""
+    slowdown), and whether it is a straggler ("detected" or "declared", with its factor).
+
+    The plan's verification (perseus.service.verification): `verification` is "" (nothing to
+    check yet), "verifying", "holds", "replanning" or "fallback" (maximum clocks); the measured
+    iteration (its compute part, median of the last window: `verified_iteration_time_s`)
+    against `target_iteration_time_s` (the measured baseline, or the deadline at its scale),
+    the re-plans made and why (`reason`).
+    """
 
     pipeline: int
     plan_version: int
@@ -283,13 +291,55 @@ class PipelineStatus(Message):
     measured_iteration_time_s: float | None  # median of recent iterations
     straggler: str = ""
     straggler_factor: float | None = None
+    baseline_iteration_time_s: float | None = None  # measured at maximum clocks, before any plan
+    target_iteration_time_s: float | None = None
+    verification: str = ""
+    verified_iteration_time_s: float | None = None
+    replans: int = 0
+    reason: str = ""
 
     def __post_init__(self) -> None:
         check_int(self.pipeline, "pipeline.pipeline", 0, MAX_RANKS - 1)
         check_int(self.plan_version, "pipeline.plan_version", 0, MAX_ITERATION)
         check_str(self.straggler, "pipeline.straggler", 16, choices=("", "detected", "declared"))
-        for name in ("deadline_s", "predicted_iteration_time_s", "measured_iteration_time_s", "straggler_factor"):
+        for name in (
+            "deadline_s",
+            "predicted_iteration_time_s",
+            "measured_iteration_time_s",
+            "straggler_factor",
+            "baseline_iteration_time_s",
+            "target_iteration_time_s",
+            "verified_iteration_time_s",
+        ):
             set_fields(self, **{name: check_opt_float(getattr(self, name), f"pipeline.{name}")})
+        check_str(self.verification, "pipeline.verification", 16, choices=VERIFICATION_STATES)
+        check_int(self.replans, "pipeline.replans", 0, MAX_ITERATION)
+        check_str(self.reason, "pipeline.reason", 4096, printable=False)
+
+    def to_wire(self) -> dict[str, Any]:
+        doc = super().to_wire()
+        for name, default in _PIPELINE_DEFAULTS.items():
+            if doc[name] == default:
+                del doc[name]  # what earlier releases send and accept
+        return doc
+
+    @property
+    def verified_excess(self) -> float | None:
+        """The last verified window against its target (+: slower)."""
+        if self.verified_iteration_time_s is None or not self.target_iteration_time_s:
+            return None
+        return self.verified_iteration_time_s / self.target_iteration_time_s - 1.0
+
+
+VERIFICATION_STATES = ("", "verifying", "holds", "replanning", "fallback")
+_PIPELINE_DEFAULTS: dict[str, Any] = {
+    "baseline_iteration_time_s": None,
+    "target_iteration_time_s": None,
+    "verification": "",
+    "verified_iteration_time_s": None,
+    "replans": 0,
+    "reason": "",
+}
 
 
 @dataclass(frozen=True)
@@ -297,8 +347,10 @@ class JobStatus(Message):
     """One job: its phase, and predicted (the plan, scaled to all ranks) against measured figures.
 
     Measured figures are means over iterations every rank reported: the iteration time is the
-    slowest rank's, the energy the sum over ranks. `baseline_*` covers the warm-up iterations
-    (max clocks), `planned_*` the iterations run with the current plan.
+    slowest rank's, the energy the sum over ranks. `baseline_*` covers the baseline iterations
+    (max clocks, no profiling, after the first), `planned_*` the iterations run with the current
+    plan. `calibrations`: how each pipeline model fits the measured timeline (see
+    perseus.wire.calibration); `tolerance`: how much slower than its target a plan may run.
     """
 
     job_id: str
@@ -320,6 +372,8 @@ class JobStatus(Message):
     planned_iteration_time_s: float | None = None
     planned_energy_j: float | None = None
     pipelines: tuple[PipelineStatus, ...] = ()
+    calibrations: tuple[CalibrationStatus, ...] = ()
+    tolerance: float | None = None
 
     def __post_init__(self) -> None:
         check_job_id(self.job_id, "job.job_id")
@@ -348,10 +402,22 @@ class JobStatus(Message):
             self,
             pipelines=tuple(p if isinstance(p, PipelineStatus) else PipelineStatus.from_wire(p) for p in pipelines),
         )
+        calibrations = check_seq(self.calibrations, "job.calibrations", MAX_RANKS)
+        set_fields(
+            self,
+            calibrations=tuple(
+                c if isinstance(c, CalibrationStatus) else CalibrationStatus.from_wire(c) for c in calibrations
+            ),
+        )
+        set_fields(self, tolerance=check_opt_float(self.tolerance, "job.tolerance"))
 
     def to_wire(self) -> dict[str, Any]:
         doc = {**super().to_wire(), "profiled_stages": list(self.profiled_stages)}
         doc["pipelines"] = [p.to_wire() for p in self.pipelines]
+        doc["calibrations"] = [c.to_wire() for c in self.calibrations]
+        for name in ("calibrations", "tolerance"):
+            if not doc[name]:
+                del doc[name]  # what earlier releases send and accept
         if not self.warning:
             del doc["warning"]  # what earlier releases send and accept
         return doc

@@ -14,6 +14,7 @@ from perseus.schedules.builders import SCHEDULES
 from perseus.schedules.instruction import STYLES
 from perseus.wire.fields import (
     Message,
+    check_bool,
     check_float,
     check_frequencies,
     check_int,
@@ -23,6 +24,9 @@ from perseus.wire.fields import (
 )
 from perseus.wire.limits import MAX_INSTRUCTIONS, MAX_RANKS
 from perseus.wire.parallelism import RANK_MAPPINGS
+
+#: How much slower than its target a planned iteration may run, unless a job says otherwise.
+DEFAULT_TOLERANCE = 0.01
 
 
 @dataclass(frozen=True)
@@ -38,9 +42,12 @@ class JobSpec(Message):
     states its own), "megatron" or "torch" (see perseus.wire.parallelism); with a named mapping
     the service checks every rank's stated coordinates against it.
     `instruction_overhead_s` (host work between a stage's instructions) and `hop_latency_s` (what
-    a stage-to-stage hop takes beyond that host work) are added to the profile at planning time
-    (`Profile.with_overheads`); the cached profile stays as measured, so they are not part of the
-    signature.
+    a stage-to-stage hop takes beyond that host work) are optional overrides of what the service
+    fits from the ranks' timelines (perseus.service.calibration), added to the profile at planning
+    time (`Profile.with_overheads`); the cached profile stays as measured, so they are not part of
+    the signature. `tolerance`: how much slower than its target (the measured baseline, or a
+    straggler's pace) a planned iteration may run before the service re-plans
+    (perseus.service.verification); 0.01 by default.
     """
 
     world_size: int
@@ -62,6 +69,7 @@ class JobSpec(Message):
     rank_mapping: str = "explicit"
     instruction_overhead_s: float = 0.0
     hop_latency_s: float = 0.0
+    tolerance: float = DEFAULT_TOLERANCE
 
     def __post_init__(self) -> None:
         n = "JobSpec"
@@ -110,6 +118,7 @@ class JobSpec(Message):
             if value >= 1.0:
                 raise ConfigError(f"{n}.{name} must be under 1 s (a per-instruction overhead), got {value}")
             set_fields(self, **{name: value})
+        set_fields(self, tolerance=check_float(self.tolerance, f"{n}.tolerance", 0.0, 0.5, open_lo=True))
 
     def to_wire(self) -> dict[str, Any]:
         doc = self._fields()
@@ -127,6 +136,8 @@ class JobSpec(Message):
         for name in ("instruction_overhead_s", "hop_latency_s"):
             if doc[name] == 0.0:
                 del doc[name]  # likewise
+        if doc["tolerance"] == DEFAULT_TOLERANCE:
+            del doc["tolerance"]  # likewise
         return doc
 
     def signature(self, gpu_model: str | None = None) -> dict[str, Any]:
@@ -203,7 +214,9 @@ def _instruction(triple: Any, where: str, microbatches: int, chunks: int) -> tup
 
 @dataclass(frozen=True)
 class RankInfo(Message):
-    """One rank: its pipeline stage, data- and tensor-parallel indices, GPU and its frequencies (MHz)."""
+    """One rank: its pipeline stage, data- and tensor-parallel indices, GPU and its frequencies
+    (MHz). `timeline`: the rank sends its instruction spans when the service asks (Table.spans);
+    the service calibrates its model of the job on them (ranks of earlier releases do not)."""
 
     rank: int
     stage: int
@@ -212,6 +225,7 @@ class RankInfo(Message):
     tp_index: int = 0
     gpu_model: str
     frequencies: tuple[int, ...]
+    timeline: bool = False
 
     def __post_init__(self) -> None:
         n = "RankInfo"
@@ -223,10 +237,14 @@ class RankInfo(Message):
             tp_index=check_int(self.tp_index, f"{n}.tp_index", 0, 4095),
             gpu_model=check_str(self.gpu_model, f"{n}.gpu_model", 128, min_len=1),
             frequencies=check_frequencies(self.frequencies, f"{n}.frequencies"),
+            timeline=check_bool(self.timeline, f"{n}.timeline"),
         )
 
     def to_wire(self) -> dict[str, Any]:
-        return {**super().to_wire(), "frequencies": list(self.frequencies)}
+        doc = {**super().to_wire(), "frequencies": list(self.frequencies)}
+        if not self.timeline:
+            del doc["timeline"]  # what earlier releases send and accept
+        return doc
 
 
 def _canonical(doc: Any) -> bytes:

@@ -1,0 +1,364 @@
+"""Calibrate a pipeline's model on its own measured timeline: what the GPU-only profile leaves out.
+
+The profile holds each instruction's GPU work at each clock. A training loop also spends host
+time between a stage's instructions (launching, the schedule's bookkeeping, a loss) and time
+moving activations and gradients between stages, and the planner must count both or it spends
+slack that does not exist. The ranks send each instruction's span in baseline iterations (max
+clocks, see perseus.runtime.spans); `fit` explains them with a model of the pipeline:
+
+    begin(j) = max(end(previous on j's rank) + gap(rank, kind of j), max over j's inputs from
+                   other ranks: end(input) + hop(input's rank -> j's rank))
+    end(j)   = begin(j) + profile time(j) + excess(j's profile row)
+
+Each rank's times are offsets from its own step start, and hosts' clocks need not agree, so no
+time of one rank is ever compared with another's directly. A hop is read from the dependency
+structure instead: per iteration, the least receive-after-send difference in one direction
+between two ranks is the hop plus the ranks' clock offset, in the other direction the hop minus
+it; their sum is the round trip, which the offset does not touch (one way: half of it). The gaps
+start from instructions that wait on nothing remote (their whole gap is host work) and the rest
+is fitted: least squares of every rank's own timeline, each rank free to shift as a whole.
+
+The planner's model has no edge latencies: an instruction's time is its only weight. So the
+calibrated model is projected onto the planner's: each profile row (stage, kind) gets one
+overhead added to every clock's time (the GPU idles meanwhile: energy grows by blocking power),
+fitted so that the planner's model follows the calibrated one at maximum clocks and with each
+stage slowed in turn. `Calibration.fit_ok` says whether the planner's model reproduces the
+measured baseline iteration within `TOLERANCE`; `explained` is how much of the measured
+iteration the GPU profile alone accounts for (no emulated GPU work: almost none).
+
+Pure and deterministic: numpy only, no I/O, no clocks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from perseus.exceptions import ConfigError
+from perseus.planner.dag import DagArrays, dag_arrays
+from perseus.profiler.profile import Profile
+from perseus.schedules import Schedule
+from perseus.service.timelines import Timeline
+
+#: The planner's model must reproduce the measured baseline iteration within this fraction.
+TOLERANCE = 0.01
+#: Below this share of the measured iteration explained by the GPU profile, no plan is made.
+MIN_EXPLAINED = 0.5
+_SWEEPS = 6  # coordinate-descent sweeps of each least-squares fit
+_STEPS = (4.0, 2.0, 1.5, 1.0 / 1.5, 0.5, 0.25, 0.0)  # multiplicative moves tried per parameter
+_GAIN = 1e-3  # a move must cut the squared error by this fraction (flat directions stay where they start)
+
+
+@dataclass(frozen=True)
+class StageFit:
+    """One stage (rank): its measured instruction window (first begin to last end, median over
+    iterations) against the planner's calibrated model, its busy time, and the fitted host gap
+    between its instructions (median over kinds)."""
+
+    stage: int
+    measured_s: float
+    model_s: float
+    busy_s: float
+    host_gap_s: float
+
+    @property
+    def error(self) -> float:
+        return self.model_s / self.measured_s - 1.0 if self.measured_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What `fit` found. Times in seconds; `overheads` are the planner's per profile row."""
+
+    iterations: int
+    measured_s: float  # median baseline iteration (the longest rank's step)
+    model_s: float  # the planner's calibrated model at maximum clocks, plus the step's host time
+    gpu_only_s: float  # the GPU-only profile at maximum clocks, plus the same host time
+    outside_s: float  # the step's time outside the instruction window (on the first stage)
+    explained: float  # share of the measured iteration the GPU profile alone accounts for
+    hop_s: float  # median stage-to-stage hop (one way)
+    host_gap_s: float  # median host gap between a stage's instructions
+    overheads: dict[tuple[int, str], float]
+    stages: tuple[StageFit, ...]
+
+    @property
+    def error(self) -> float:
+        """The planner's model against the measured baseline iteration (+: the model is slower)."""
+        return self.model_s / self.measured_s - 1.0
+
+    @property
+    def fit_ok(self) -> bool:
+        return abs(self.error) <= TOLERANCE
+
+    @property
+    def plannable(self) -> bool:
+        return self.explained >= MIN_EXPLAINED
+
+    def reason(self) -> str:
+        """Why no plan may be made on this model ("" when one may)."""
+        if not self.plannable:
+            return (
+                f"the GPU profile explains only {100 * self.explained:.0f}% of the measured iteration "
+                f"({self.gpu_only_s:.4f} s of {self.measured_s:.4f} s): host work and transfers dominate, so clocks "
+                "cannot save energy without slowing it; on simulated GPUs, emulate the model's GPU work "
+                "(perseus.instrument(..., emulate=...))"
+            )
+        if not self.fit_ok:
+            return (
+                f"the calibrated model does not reproduce the measured baseline iteration: {self.model_s:.4f} s "
+                f"against {self.measured_s:.4f} s measured ({100 * self.error:+.1f}%, tolerance "
+                f"{100 * TOLERANCE:.0f}%)"
+            )
+        return ""
+
+    def describe(self) -> str:
+        return (
+            f"model {self.model_s:.4f} s vs measured {self.measured_s:.4f} s ({100 * self.error:+.2f}%) over "
+            f"{self.iterations} iterations; GPU profile alone {self.gpu_only_s:.4f} s "
+            f"({100 * self.explained:.0f}% explained); host gap {1000 * self.host_gap_s:.2f} ms, hop "
+            f"{1000 * self.hop_s:.2f} ms"
+        )
+
+
+class _Model:
+    """The schedule's DAG with each node's rank, position, predecessors and profile row."""
+
+    def __init__(self, schedule: Schedule, profile: Profile) -> None:
+        self.schedule = schedule
+        self.arrays: DagArrays = dag_arrays(schedule)
+        arrays = self.arrays
+        nodes = arrays.nodes
+        self.n = n = len(nodes)
+        self.rank = arrays.stage
+        position = {ins: (ins.stage, k) for row in schedule.stages for k, ins in enumerate(row)}
+        self.where = [position[ins] for ins in nodes]
+        keys: dict[tuple[int, str], int] = {}
+        self.row = np.array(
+            [keys.setdefault((profile.stage_for(ins, schedule), ins.kind.value), len(keys)) for ins in nodes]
+        )
+        self.row_keys = list(keys)
+        kinds: dict[tuple[int, str], int] = {}
+        self.kind = np.array([kinds.setdefault((ins.stage, ins.kind.value), len(kinds)) for ins in nodes])
+        self.kind_keys = list(kinds)
+        self.max_time = np.array([profile.points_for(ins, schedule)[0].time for ins in nodes])
+        self.previous = np.full(n, -1)
+        for row in schedule.stages:
+            for a, b in zip(row, row[1:]):
+                self.previous[arrays.index[b]] = arrays.index[a]
+        self.firsts = [arrays.index[row[0]] for row in schedule.stages]
+        self.lasts = [arrays.index[row[-1]] for row in schedule.stages]
+        # Padded predecessor table (pad: index n, whose end is 0) and which entries are remote.
+        pad = arrays.pred_pad
+        self.pad = pad
+        src = np.where(pad < n, pad, 0)
+        self.remote = (pad < n) & (self.rank[src] != self.rank[:, None])
+        self.pairs = [
+            tuple(sorted((int(self.rank[s]), int(self.rank[d]))))
+            for s, d in zip(arrays.src, arrays.dst)
+            if self.rank[s] != self.rank[d]
+        ]
+        self.pair_keys = sorted(set(self.pairs))
+        pair_index = {p: k for k, p in enumerate(self.pair_keys)}
+        self.pad_pair = np.full(pad.shape, -1)
+        for i in range(n):
+            for k, j in enumerate(pad[i]):
+                if j < n and self.remote[i, k]:
+                    self.pad_pair[i, k] = pair_index[tuple(sorted((int(self.rank[j]), int(self.rank[i]))))]
+        self.has_remote = self.remote.any(axis=1)
+
+    def simulate(self, span: np.ndarray, gap: np.ndarray, hop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(begin, end) of every node: each waits `gap` after its rank's previous instruction (or
+        the step's start) and `hop[pair]` after an input from another rank."""
+        n = self.n
+        weight = np.where(self.remote, hop[np.maximum(self.pad_pair, 0)] if len(hop) else 0.0, gap[:, None])
+        begin = np.zeros(n)
+        end = np.zeros(n + 1)
+        ptr = self.arrays.level_ptr
+        for lo, hi in zip(ptr[:-1], ptr[1:]):
+            b = (end[self.pad[lo:hi]] + weight[lo:hi]).max(axis=1)
+            begin[lo:hi] = b
+            end[lo:hi] = b + span[lo:hi]
+        return begin, end[:n]
+
+    def makespan(self, node_time: np.ndarray) -> np.ndarray:
+        """The planner's model: end of every node, each node's time its only weight."""
+        return self.arrays.longest_path(node_time)[1]
+
+
+@dataclass
+class _Measured:
+    """The baseline iterations at each node: begins and ends per iteration (iterations x nodes)
+    and their medians."""
+
+    begins: np.ndarray
+    ends: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.begin = np.median(self.begins, axis=0)
+        self.end = np.median(self.ends, axis=0)
+
+
+def _measured(m: _Model, timelines: Sequence[Timeline]) -> _Measured:
+    index = m.arrays.index
+    begins = np.empty((len(timelines), m.n))
+    ends = np.empty((len(timelines), m.n))
+    for t, tl in enumerate(timelines):
+        for s, row in enumerate(m.schedule.stages):
+            for k, ins in enumerate(row):
+                begins[t, index[ins]] = tl.begins[s][k]
+                ends[t, index[ins]] = tl.ends[s][k]
+    return _Measured(begins, ends)
+
+
+def _timeline_model(m: _Model, data: _Measured) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(span excess per profile row, gap per (rank, kind), hop per rank pair)."""
+    b, e = data.begin, data.end
+    excess = np.array([float(np.median((e - b - m.max_time)[m.row == r])) for r in range(len(m.row_keys))])
+
+    # Gaps: host work before each instruction on its rank. Where an instruction waits on nothing
+    # from another rank its whole gap is host work; where it may wait, that is the starting guess.
+    previous = m.previous
+    measured_gap = np.where(previous >= 0, b - e[np.maximum(previous, 0)], b)
+    local = (previous >= 0) & ~m.has_remote
+    pooled = float(np.median(measured_gap[local])) if local.any() else float(np.quantile(measured_gap, 0.1))
+    gap = np.zeros(len(m.kind_keys))
+    for k, (rank, _) in enumerate(m.kind_keys):
+        mine = (m.kind == k) & local
+        rank_local = (m.rank == rank) & local
+        if mine.sum() >= 2:
+            gap[k] = float(np.median(measured_gap[mine]))
+        elif rank_local.sum() >= 2:
+            gap[k] = float(np.median(measured_gap[rank_local]))
+        else:
+            gap[k] = pooled
+    gap = np.maximum(gap, 0.0)
+
+    # Hops: per iteration and pair of ranks, the least receive-after-send difference each way.
+    hop = np.zeros(len(m.pair_keys))
+    src, dst = m.arrays.src, m.arrays.dst
+    for p, (u, v) in enumerate(m.pair_keys):
+        up = (m.rank[src] == u) & (m.rank[dst] == v)
+        down = (m.rank[src] == v) & (m.rank[dst] == u)
+        if up.any() and down.any():
+            there = (data.begins[:, dst[up]] - data.ends[:, src[up]]).min(axis=1)
+            back = (data.begins[:, dst[down]] - data.ends[:, src[down]]).min(axis=1)
+            hop[p] = max(0.0, float(np.median(there + back)) / 2)
+
+    # Least squares of every rank's own timeline (each rank shifted by its median residual) and,
+    # weighted as much as all of them, of every rank's window (its first begin to its last end).
+    firsts, lasts = np.array(m.firsts), np.array(m.lasts)
+
+    span = np.maximum(m.max_time + excess[m.row], 0.0)
+    measured_windows = e[lasts] - b[firsts]
+
+    def loss() -> float:
+        sb, se = m.simulate(span, gap[m.kind], hop)
+        total = 0.0
+        for res in (sb - b, se - e):
+            for r in range(m.schedule.num_stages):
+                mine = res[m.rank == r]
+                total += float(((mine - np.median(mine)) ** 2).sum())
+        windows = (se[lasts] - sb[firsts]) - measured_windows
+        return total + m.n * float((windows**2).sum())
+
+    best = loss()
+    for _ in range(_SWEEPS):
+        improved = False
+        for vec in (gap, hop):
+            for k in range(len(vec)):
+                base_value = vec[k]
+                choice = base_value
+                for step in _STEPS:
+                    vec[k] = base_value * step if base_value > 0 else (1e-4 if step > 1 else 0.0)
+                    value = loss()
+                    if value < best * (1 - _GAIN):
+                        best, choice, improved = value, vec[k], True
+                vec[k] = choice
+        if not improved:
+            break
+    return excess, gap, hop
+
+
+def _project(m: _Model, span: np.ndarray, gap_node: np.ndarray, hop: np.ndarray) -> np.ndarray:
+    """One overhead per profile row, so that the planner's model (node times only) follows the
+    calibrated one at maximum clocks and with each stage slowed in turn."""
+    n = m.n
+    scenarios = [span] + [span * np.where(m.rank == r, 1.5, 1.0) for r in range(m.schedule.num_stages)]
+    targets = [m.simulate(span, gap_node, hop)[1] for span in scenarios]
+    hop_in = np.zeros(n)
+    for i in range(n):
+        for k, j in enumerate(m.pad[i]):
+            if j < n and m.remote[i, k]:
+                hop_in[i] = max(hop_in[i], hop[m.pad_pair[i, k]])
+    rows = len(m.row_keys)
+    low = np.array([float(np.median(gap_node[m.row == r])) for r in range(rows)])
+    high = np.maximum(low, [float(np.median(np.maximum(gap_node, hop_in)[m.row == r])) for r in range(rows)])
+    overhead = (low + high) / 2
+
+    def loss() -> float:
+        node = overhead[m.row]
+        return sum(float(((m.makespan(span + node) - t) ** 2).sum()) for span, t in zip(scenarios, targets))
+
+    best = loss()
+    for _ in range(_SWEEPS):
+        improved = False
+        for r in range(rows):
+            base = overhead[r]
+            choice = base
+            for value in np.linspace(low[r], high[r], 9):
+                overhead[r] = value
+                current = loss()
+                if current < best * (1 - _GAIN):
+                    best, choice, improved = current, value, True
+            overhead[r] = choice
+        if not improved:
+            break
+    return overhead
+
+
+def fit(schedule: Schedule, profile: Profile, timelines: Sequence[Timeline]) -> Calibration:
+    """Calibrate the pipeline's model on `timelines` (baseline iterations at maximum clocks)."""
+    if not timelines:
+        raise ConfigError("calibration needs baseline iterations")
+    m = _Model(schedule, profile)
+    data = _measured(m, timelines)
+    b, e = data.begin, data.end
+    measured = statistics.median(tl.time_s for tl in timelines)
+    outside = statistics.median(tl.steps[0] - (tl.ends[0][-1] - tl.begins[0][0]) for tl in timelines)
+    excess, gap, hop = _timeline_model(m, data)
+    gap_node = gap[m.kind]
+    span = np.maximum(m.max_time + excess[m.row], 0.0)
+    # The profile's times already count the span; what a span takes beyond them is overhead too.
+    overhead = np.maximum(_project(m, span, gap_node, hop) + excess, 0.0)
+
+    planner_end = m.makespan(m.max_time + overhead[m.row])
+    planner_begin = planner_end - span  # a row's overhead comes before its span
+    gpu_window = float(m.makespan(m.max_time).max())
+    stages = []
+    for s in range(schedule.num_stages):
+        first, last = m.firsts[s], m.lasts[s]
+        stages.append(
+            StageFit(
+                stage=s,
+                measured_s=float(e[last] - b[first]),
+                model_s=float(planner_end[last] - planner_begin[first]),
+                busy_s=float((e - b)[m.rank == s].sum()),
+                host_gap_s=float(np.median(gap[[k for k, (r, _) in enumerate(m.kind_keys) if r == s]])),
+            )
+        )
+    model_window = float(planner_end.max() - planner_begin[m.firsts[0]])
+    return Calibration(
+        iterations=len(timelines),
+        measured_s=measured,
+        model_s=model_window + outside,
+        gpu_only_s=gpu_window + outside,
+        outside_s=outside,
+        explained=min(1.0, gpu_window / measured),
+        hop_s=float(np.median(hop)) if len(hop) else 0.0,
+        host_gap_s=float(np.median(gap)),
+        overheads={key: float(overhead[r]) for r, key in enumerate(m.row_keys)},
+        stages=tuple(stages),
+    )

@@ -1,0 +1,232 @@
+"""What a job's plans are made on and held to: each pipeline's model, calibrated on its measured
+timeline, and each plan checked against measured time while it runs.
+
+`PipelineModels` puts together the job's timelines and calibrations (perseus.service.timelines)
+and its plan checks (perseus.service.verification). Plans are solved on the profile
+`planning_profile` gives: the measured profile, plus each row's calibrated overhead, plus the
+verification margin on every instruction slowed below its highest clock. The job asks it what
+to do (`take_verdicts`) and acts: re-plan with a grown margin, or fall back to maximum clocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from perseus.profiler.profile import Profile, ProfilePoint
+from perseus.schedules import Schedule
+from perseus.service.planning import PlanResult
+from perseus.service.plans import PublishedPlan
+from perseus.service.ranks import Models
+from perseus.service.tally import Measured
+from perseus.service.timelines import (
+    FAILED,
+    FITTED,
+    UNCALIBRATED,
+    Calibrations,
+    ModelState,
+    SpanBook,
+    Timeline,
+    model_names,
+)
+from perseus.service.verification import FALLBACK, REPLANNING, PlanCheck, Verdict, grown_margin
+from perseus.wire.calibration import CalibrationStatus, StageFitStatus
+from perseus.wire.spans import ReportSpans
+from perseus.wire.spec import JobSpec, RankInfo
+
+log = logging.getLogger(__name__)
+
+
+class PipelineModels:
+    """The models and plan checks of one job's pipelines (`dp` of them)."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.job_id = spec.job_id()
+        self.spans = SpanBook(spec)
+        self.calibrations = Calibrations(spec)
+        self.checks = [PlanCheck(spec.tolerance) for _ in range(spec.dp)]
+        self.without_timeline: set[int] = set()  # ranks that send no spans (earlier releases)
+        self.baseline_iterations: set[int] = set()  # iterations some pipeline measured at baseline
+        self.verdicts: list[tuple[int, Verdict]] = []
+
+    # ---- ranks and spans ----------------------------------------------------------------------
+
+    def rank_added(self, info: RankInfo) -> None:
+        if info.timeline:
+            self.without_timeline.discard(info.rank)
+        else:
+            self.without_timeline.add(info.rank)
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether the ranks send spans to calibrate on (every rank registered says so)."""
+        return not self.calibrations.overridden and not self.without_timeline
+
+    def restart(self) -> None:
+        """The ranks run again from iteration 0."""
+        self.spans.restart()
+        self.baseline_iterations.clear()
+
+    def wants_spans(self, models: Models) -> bool:
+        return self.calibrates and self.calibrations.wants_spans(models)
+
+    def add_spans(self, info: RankInfo, spans: ReportSpans, instructions: int) -> bool:
+        """Take one rank's spans; True if its pipeline gained a baseline iteration."""
+        pipeline = self.spans.add(info, spans, instructions)
+        if pipeline is None:
+            return False
+        if len(self.baseline_iterations) < 4096:
+            self.baseline_iterations.add(spans.iteration)
+        return True
+
+    def is_baseline(self, iteration: int) -> bool:
+        return iteration in self.baseline_iterations
+
+    def timelines(self, pipelines: list[int]) -> list[Timeline]:
+        return [tl for k in pipelines for tl in self.spans.timelines[k]]
+
+    # ---- calibration --------------------------------------------------------------------------
+
+    def ready(self, models: Models) -> bool:
+        """Whether plans for these models may be solved."""
+        if not self.calibrates and not self.calibrations.overridden:
+            state = self.calibrations.get(models)
+            if state.state not in (UNCALIBRATED, FAILED):
+                state.state = UNCALIBRATED
+                ranks = sorted(self.without_timeline)
+                state.reason = (
+                    f"rank(s) {', '.join(map(str, ranks[:8]))} send no instruction spans (an earlier Perseus?): the "
+                    "model is the GPU profile alone, without the host work and transfers between instructions"
+                )
+                log.warning("job %s: %s", self.job_id, state.reason)
+        return self.calibrations.ready(models)
+
+    def due(self, models: Models, pipelines: list[int]) -> bool:
+        """Whether these models have enough new baseline iterations to be fitted."""
+        return self.calibrates and self.calibrations.due(models, len(self.timelines(pipelines)))
+
+    def planning_profile(self, models: Models, measured: Profile | None) -> Profile | None:
+        """The profile plans for `models` are solved on; None until they may be."""
+        if measured is None or not self.ready(models):
+            return None
+        state = self.calibrations.get(models)
+        profile = measured
+        if state.state == FITTED and state.calibration is not None:
+            profile = with_overheads(profile, state.calibration.overheads)
+        return with_margin(profile, state.margin) if state.margin else profile
+
+    # ---- verification -------------------------------------------------------------------------
+
+    def targets(self, pipelines: list[int]) -> tuple[float | None, float | None]:
+        """(baseline iteration, baseline compute time) measured for these pipelines."""
+        return self.spans.baseline_s(pipelines)
+
+    def plans_published(
+        self, plans: dict[int, PublishedPlan], changed: list[int], pipelines_of: Callable[[Models], list[int]]
+    ) -> None:
+        """Check the pipelines' new plans against their targets from their start."""
+        for k in changed:
+            plan = plans[k]
+            _, baseline = self.targets(pipelines_of(plan.models))
+            target = None
+            if baseline is not None:
+                scale = 1.0 if plan.deadline_s is None else plan.deadline_s / plan.baseline_iteration_time_s
+                target = baseline * max(1.0, scale)
+            fallback = self.calibrations.get(plan.models).fallback
+            self.checks[k].plan_started(plan.version, plan.start_iteration, target, fallback)
+
+    def measured(self, completed: list[tuple[int, Measured]]) -> None:
+        """Pipelines' measured iterations (compute time, slowest rank): verdicts for `take_verdicts`."""
+        for k, m in completed:
+            verdict = self.checks[k].add(m.iteration, m.time_s)
+            if verdict is not None:
+                self.verdicts.append((k, verdict))
+
+    def take_verdicts(self) -> list[tuple[int, Verdict]]:
+        verdicts, self.verdicts = self.verdicts, []
+        return verdicts
+
+    def correct(self, models: Models, verdict: Verdict) -> None:
+        """Act on a verdict against a plan for `models`: a larger margin, or maximum clocks."""
+        state = self.calibrations.get(models)
+        if verdict.action == REPLANNING:
+            state.margin = grown_margin(state.margin, verdict.excess, self.spec.tolerance)
+            state.history.append(f"re-plan with a {100 * state.margin:.0f}% margin: {verdict.reason}")
+        elif verdict.action == FALLBACK and not state.fallback:
+            state.fallback = True
+            state.history.append(verdict.reason)
+        del state.history[:-8]
+
+    # ---- status -------------------------------------------------------------------------------
+
+    def status(
+        self, models: list[Models], pipelines_of: Callable[[Models], list[int]]
+    ) -> tuple[CalibrationStatus, ...]:
+        out = []
+        for m in models:
+            if m not in self.calibrations.states:
+                continue
+            state = self.calibrations.get(m)
+            out.append(_calibration_status(m, state, self.targets(pipelines_of(m))[0]))
+        return tuple(out)
+
+
+def _calibration_status(models: Models, state: ModelState, measured_s: float | None) -> CalibrationStatus:
+    c = state.calibration
+    reason = state.reason or ("; ".join(state.history[-2:]) if state.history else "")
+    if c is None:
+        return CalibrationStatus(
+            model_names(models), state.state, measured_s=measured_s, margin=state.margin, reason=reason
+        )
+    return CalibrationStatus(
+        models=model_names(models),
+        state=state.state,
+        iterations=c.iterations,
+        measured_s=c.measured_s,
+        model_s=c.model_s,
+        gpu_only_s=c.gpu_only_s,
+        explained=c.explained,
+        host_gap_s=c.host_gap_s,
+        hop_s=c.hop_s,
+        margin=state.margin,
+        reason=reason,
+        stages=tuple(StageFitStatus(s.stage, s.measured_s, s.model_s, s.busy_s, s.host_gap_s) for s in c.stages),
+    )
+
+
+def with_overheads(profile: Profile, overheads: dict[tuple[int, str], float]) -> Profile:
+    """`profile` with each row's calibrated overhead added to every clock's time; the GPU idles
+    meanwhile, so energy grows by the blocking power over it."""
+    power = profile.blocking_power_w
+    points = {}
+    for key, pts in profile.points.items():
+        extra = overheads.get(key, 0.0)
+        points[key] = [ProfilePoint(p.frequency, p.time + extra, p.energy + power * extra) for p in pts]
+    return Profile(points, power, dict(profile.meta))
+
+
+def with_margin(profile: Profile, margin: float) -> Profile:
+    """`profile` with every point below a row's highest clock `margin` slower (the GPU idling
+    over the difference): the planner then slows an instruction only where the slack exceeds
+    what slowing it takes by that margin."""
+    power = profile.blocking_power_w
+    points = {}
+    for key, pts in profile.points.items():
+        points[key] = pts[:1] + [
+            ProfilePoint(p.frequency, p.time * (1 + margin), p.energy + power * p.time * margin) for p in pts[1:]
+        ]
+    return Profile(points, power, dict(profile.meta))
+
+
+def max_clock_result(schedule: Schedule, profile: Profile, solved: PlanResult) -> PlanResult:
+    """The plan of maximum clocks (what a pipeline falls back to), with `solved`'s baseline figures."""
+    frequencies = tuple(tuple(profile.points_for(ins, schedule)[0].frequency for ins in row) for row in schedule.stages)
+    return PlanResult(
+        stage_frequencies=frequencies,
+        iteration_time_s=solved.baseline_iteration_time_s,
+        energy_j=solved.baseline_energy_j,
+        lower_bound_j=solved.lower_bound_j,
+        baseline_iteration_time_s=solved.baseline_iteration_time_s,
+        baseline_energy_j=solved.baseline_energy_j,
+    )

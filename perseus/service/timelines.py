@@ -1,0 +1,203 @@
+"""A job's measured timelines and the calibration of each pipeline's model on them.
+
+Ranks send each baseline iteration's instruction spans (`ReportSpans`) while the service asks
+for them (`Table.spans`). `SpanBook` assembles, per data-parallel pipeline, the iterations every
+stage reported (the first tensor-parallel rank of each stage speaks for it), and
+`Calibrations` tracks, per pipeline GPU models, where its model stands:
+
+    collecting -> fitting -> fitted                (a plan may be made on the calibrated model)
+                          -> collecting            (the fit missed: more iterations, up to MAX_ATTEMPTS)
+                          -> failed                (no plan: the profile explains too little, or no fit)
+    uncalibrated                                   (some rank sends no spans: the GPU profile alone)
+    overridden                                     (the job spec gives the overheads itself)
+
+The fit itself (perseus.service.calibration) runs on a worker thread; nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from perseus.service.ranks import Models, bad_field
+from perseus.wire.phases import Phase
+from perseus.wire.spans import ReportSpans
+from perseus.wire.spec import JobSpec, RankInfo
+
+if TYPE_CHECKING:  # annotations only: the fit imports numpy and the planner's DAG, which the loop never needs
+    from perseus.service.calibration import Calibration
+
+log = logging.getLogger(__name__)
+
+#: Baseline iterations a calibration needs (beyond the first iteration of the job).
+MIN_ITERATIONS = 6
+#: Baseline iterations kept per pipeline (the latest).
+MAX_TIMELINES = 24
+#: Iterations awaiting some stage's spans; older ones are dropped.
+PENDING_LIMIT = 16
+#: Fits tried on more iterations before giving up on a model that does not reproduce the baseline.
+MAX_ATTEMPTS = 3
+
+_BASELINE = (Phase.WARMUP.value, Phase.PLANNING.value)
+
+COLLECTING = "collecting"
+FITTING = "fitting"
+FITTED = "fitted"
+FAILED = "failed"
+UNCALIBRATED = "uncalibrated"
+OVERRIDDEN = "overridden"
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One baseline iteration (default clocks) of one pipeline as its ranks measured it: for each
+    stage (rank), every instruction's begin and end (seconds after that rank's step began, in the
+    rank's schedule order) and its step's length."""
+
+    begins: tuple[tuple[float, ...], ...]
+    ends: tuple[tuple[float, ...], ...]
+    steps: tuple[float, ...]
+
+    @property
+    def time_s(self) -> float:
+        """The iteration: the longest rank's step."""
+        return max(self.steps)
+
+    @property
+    def compute_s(self) -> float:
+        """To the end of the last instruction of the slowest rank (what ranks report as compute time)."""
+        return max(row[-1] for row in self.ends)
+
+
+class SpanBook:
+    """Baseline timelines of each pipeline of one job."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.timelines: list[deque[Timeline]] = [deque(maxlen=MAX_TIMELINES) for _ in range(spec.dp)]
+        self.pending: dict[tuple[int, int], dict[int, ReportSpans]] = {}
+        self.received = 0  # span reports taken (any pipeline)
+
+    def restart(self) -> None:
+        """The ranks run again from iteration 0: iterations in flight are forgotten."""
+        self.pending.clear()
+
+    def add(self, info: RankInfo, spans: ReportSpans, instructions: int) -> int | None:
+        """Take one rank's spans; the pipeline whose timelines gained an iteration, if any.
+        ServiceError (bad_field) if the spans do not match the rank's schedule."""
+        if len(spans.begins_us) != instructions:
+            raise bad_field(
+                f"rank {info.rank} sent {len(spans.begins_us)} instruction spans for iteration {spans.iteration}, "
+                f"but stage {info.stage} runs {instructions} instructions per iteration"
+            )
+        if info.tp_index or spans.iteration == 0 or spans.phase not in _BASELINE or spans.frequency is not None:
+            return None  # the first tensor-parallel rank speaks for its stage; iteration 0 warms up
+        self.received += 1
+        key = (info.dp_index, spans.iteration)
+        stages = self.pending.setdefault(key, {})
+        stages[info.stage] = spans
+        if len(stages) < self.spec.pp:
+            if len(self.pending) > PENDING_LIMIT:
+                del self.pending[min(self.pending, key=lambda k: k[1])]
+            return None
+        del self.pending[key]
+        self.timelines[info.dp_index].append(_timeline(self.spec.pp, stages))
+        return info.dp_index
+
+    def baseline_s(self, pipelines: list[int]) -> tuple[float | None, float | None]:
+        """(iteration time, compute time): medians over these pipelines' baseline timelines."""
+        rows = [tl for k in pipelines for tl in self.timelines[k]]
+        if not rows:
+            return None, None
+        return statistics.median(tl.time_s for tl in rows), statistics.median(tl.compute_s for tl in rows)
+
+
+def _timeline(pp: int, stages: dict[int, ReportSpans]) -> Timeline:
+    ordered = [stages[s] for s in range(pp)]
+    return Timeline(
+        begins=tuple(tuple(t / 1e6 for t in s.begins_us) for s in ordered),
+        ends=tuple(tuple(t / 1e6 for t in s.ends_us) for s in ordered),
+        steps=tuple(s.step_us / 1e6 for s in ordered),
+    )
+
+
+@dataclass
+class ModelState:
+    """Where one set of pipeline models stands (see the module docstring)."""
+
+    state: str = COLLECTING
+    calibration: Calibration | None = None
+    reason: str = ""
+    attempts: int = 0
+    fitted_with: int = 0  # timelines the last fit saw
+    margin: float = 0.0  # verification's margin on slowed instructions (perseus.service.verification)
+    fallback: bool = False  # verification gave up: maximum clocks
+    history: list[str] = field(default_factory=list)  # the re-plans and fallback, why
+
+
+class Calibrations:
+    """The calibration of each set of pipeline models of one job."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.overridden = bool(spec.instruction_overhead_s or spec.hop_latency_s)
+        self.states: dict[Models, ModelState] = {}
+
+    def get(self, models: Models) -> ModelState:
+        state = self.states.get(models)
+        if state is None:
+            state = self.states[models] = ModelState(OVERRIDDEN if self.overridden else COLLECTING)
+        return state
+
+    def ready(self, models: Models) -> bool:
+        """Whether plans for these models may be solved now."""
+        return self.get(models).state in (FITTED, UNCALIBRATED, OVERRIDDEN)
+
+    def wants_spans(self, models: Models) -> bool:
+        return self.get(models).state in (COLLECTING, FITTING)
+
+    def due(self, models: Models, timelines: int) -> bool:
+        """Whether enough new timelines are in to fit these models (again)."""
+        state = self.get(models)
+        return state.state == COLLECTING and timelines >= state.fitted_with + MIN_ITERATIONS
+
+    def fitting(self, models: Models, timelines: int) -> None:
+        state = self.get(models)
+        state.state = FITTING
+        state.fitted_with = timelines
+        state.attempts += 1
+
+    def fitted(self, job_id: str, models: Models, result: Calibration | BaseException) -> bool:
+        """Take a fit; True if the models may now be planned (else they collect more, or failed)."""
+        state = self.get(models)
+        if isinstance(result, BaseException):
+            state.state, state.reason = FAILED, f"calibration failed: {type(result).__name__}: {result}"
+            log.error("job %s: %s", job_id, state.reason, exc_info=result)
+            return False
+        state.calibration = result
+        reason = result.reason()
+        if not reason:
+            state.state, state.reason = FITTED, ""
+            log.info("job %s: model calibrated (%s): %s", job_id, model_names(models), result.describe())
+            return True
+        if result.plannable and state.attempts < MAX_ATTEMPTS:
+            state.state = COLLECTING
+            log.info(
+                "job %s: calibration attempt %d missed (%s); fitting again on more iterations",
+                job_id,
+                state.attempts,
+                reason,
+            )
+            return False
+        state.state, state.reason = FAILED, reason
+        log.warning("job %s: no plan: %s", job_id, reason)
+        return False
+
+
+def model_names(models: Models) -> str:
+    """The pipeline's GPU models as logs and status name them: one name, or one per stage."""
+    names = sorted(set(models))
+    return names[0] if len(names) == 1 else "/".join(models)

@@ -1,0 +1,118 @@
+"""Verify every plan on measured time while it runs, and correct it.
+
+A plan is a promise: the no-slowdown plan keeps the measured baseline iteration time, a
+straggler-aware plan keeps the straggler's pace (its deadline, at the baseline's scale). Each
+pipeline's measured iterations under its plan (from the plan's start, less the switch) are
+checked in windows of `WINDOW`: the median against the target. Past the job's tolerance the
+service warns once and re-plans with a margin: every instruction the plan slows is modelled
+that much slower (`margin`, grown by twice the excess each time), which tightens the plan by
+the excess it showed while keeping maximum clocks feasible. Margins only grow (hysteresis: no
+oscillation between plans) and at most `MAX_REPLANS` re-plans are made; if the plan still runs
+over, the pipeline falls back to maximum clocks, with a warning and the reason in its status.
+
+Pure: the job feeds measured iterations and plan changes, and acts on the verdicts.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+#: The default tolerance: a planned iteration may take this fraction longer than its target.
+TOLERANCE = 0.01
+#: Planned iterations whose median is checked against the target.
+WINDOW = 10
+#: Iterations at a plan's start left out (the switch to it).
+SKIP = 1
+#: Re-plans with a growing margin before a pipeline falls back to maximum clocks.
+MAX_REPLANS = 3
+
+VERIFYING = "verifying"
+HOLDS = "holds"
+REPLANNING = "replanning"
+FALLBACK = "fallback"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a full window showed: the excess over the target, and what to do."""
+
+    action: str  # HOLDS, REPLANNING or FALLBACK
+    excess: float
+    measured_s: float
+    target_s: float
+    reason: str = ""
+
+
+class PlanCheck:
+    """The check of one pipeline's plans."""
+
+    def __init__(self, tolerance: float = TOLERANCE) -> None:
+        self.tolerance = tolerance
+        self.state = ""
+        self.version = 0
+        self.start = 0
+        self.target_s: float | None = None
+        self.window: list[float] = []
+        self.replans = 0
+        self.excess: float | None = None
+        self.measured_s: float | None = None
+        self.reason = ""
+        self.warned_fallback = False
+
+    def plan_started(self, version: int, start_iteration: int, target_s: float | None, fallback: bool) -> None:
+        """A new plan (version) runs from `start_iteration`; its iterations should take `target_s`
+        (None: unknown, nothing is checked)."""
+        self.version, self.start, self.target_s = version, start_iteration, target_s
+        self.window = []
+        if fallback:
+            self.state = FALLBACK
+        elif target_s is not None:
+            self.state = VERIFYING
+
+    def add(self, iteration: int, time_s: float) -> Verdict | None:
+        """One measured iteration of the pipeline; a verdict once a window is full."""
+        if self.target_s is None or iteration < self.start + SKIP or not self.state:
+            return None
+        self.window.append(time_s)
+        if len(self.window) < WINDOW:
+            return None
+        measured = statistics.median(self.window)
+        self.window = []
+        self.measured_s = measured
+        self.excess = measured / self.target_s - 1.0
+        if self.state == FALLBACK:
+            if self.excess > self.tolerance and not self.warned_fallback:
+                self.warned_fallback = True
+                return Verdict(
+                    FALLBACK,
+                    self.excess,
+                    measured,
+                    self.target_s,
+                    f"even at maximum clocks the pipeline takes {100 * self.excess:+.1f}% over its baseline: the job "
+                    "itself slowed (throttled GPUs, contention), not its plan",
+                )
+            return None
+        if self.excess <= self.tolerance:
+            if self.state == HOLDS:
+                return None  # said once per plan
+            self.state = HOLDS
+            return Verdict(HOLDS, self.excess, measured, self.target_s)
+        what = (
+            f"plan v{self.version} runs {100 * self.excess:+.1f}% over its target ({measured:.4f} s against "
+            f"{self.target_s:.4f} s, median of {WINDOW} iterations; tolerance {100 * self.tolerance:.1f}%)"
+        )
+        if self.replans >= MAX_REPLANS:
+            self.state = FALLBACK
+            self.reason = f"{what}; after {self.replans} re-plans, falling back to maximum clocks"
+            return Verdict(FALLBACK, self.excess, measured, self.target_s, self.reason)
+        self.replans += 1
+        self.state = REPLANNING
+        self.reason = f"{what}; re-planning ({self.replans} of {MAX_REPLANS})"
+        return Verdict(REPLANNING, self.excess, measured, self.target_s, self.reason)
+
+
+def grown_margin(margin: float, excess: float, tolerance: float) -> float:
+    """The margin after a window ran `excess` over its target: grown by twice the excess (at
+    least the tolerance), so that a few re-plans converge."""
+    return margin + 2.0 * max(excess, tolerance)
