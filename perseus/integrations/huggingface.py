@@ -17,30 +17,37 @@ Its figures go into the Trainer's logs, so every `report_to` backend (TensorBoar
 MLflow, ...) and `trainer.state.log_history` record them at each logging step:
 `perseus/energy_j` (GPU energy of this process's GPUs since training began, J),
 `perseus/power_w` (their average power since the previous log, W) and
-`perseus/power_limit_w` (the limit in force: the sweep's, then the chosen one). Reporters
-only log on the main process, so these are rank 0's GPUs. The chosen limit is also printed
-once by rank 0 (see perseus.notice).
+`perseus/power_limit_w` (the limit in force: the sweep's, then the chosen one) and, when
+carbon is configured (`carbon_provider=`, or a `carbon_reporter`'s provider),
+`perseus/emissions_g` (g CO2e of that energy, each log's energy at the grid's intensity then).
+Reporters only log on the main process, so these are rank 0's GPUs. The chosen limit is also
+printed once by rank 0 (see perseus.notice).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 try:
     from transformers import TrainerCallback
     from transformers.trainer_callback import CallbackHandler
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("perseus.integrations.huggingface needs transformers: pip install 'perseus[huggingface]'") from e
+    raise ImportError(
+        "perseus.integrations.huggingface needs transformers: pip install 'perseus-energy[huggingface]'"
+    ) from e
 
 from perseus.devices.local_rank import local_gpu_indices
 from perseus.devices.select import get_gpus
-from perseus.exceptions import ConfigError
-from perseus.measurement.carbon import CarbonReporter
+from perseus.exceptions import CarbonIntensityError, ConfigError
+from perseus.measurement.carbon import CarbonIntensityProvider, CarbonReporter, emissions_g
 from perseus.measurement.monitor import Monitor
 from perseus.power_limit.optimizer import GlobalPowerLimitOptimizer, Phase
 
 FIGURES_WINDOW = "perseus.huggingface.log"
+
+logger = logging.getLogger(__name__)
 
 
 class PowerLimitCallback(TrainerCallback):
@@ -49,7 +56,8 @@ class PowerLimitCallback(TrainerCallback):
     Pass a ready `optimizer`, or keyword arguments for one (`selector`, `warmup_steps`,
     `profile_steps`, `pl_step_w`, `profile_path`, `early_stop`, `monitor`, ...); without
     `monitor`, one is made over this rank's GPU(s). `carbon_reporter` writes a per-epoch carbon
-    report beside it. Its figures land in the Trainer's logs (see the module docstring).
+    report beside it; `carbon_provider` (default: the reporter's) prices the logged energy in
+    g CO2e. Its figures land in the Trainer's logs (see the module docstring).
     """
 
     def __init__(
@@ -57,8 +65,19 @@ class PowerLimitCallback(TrainerCallback):
         optimizer: GlobalPowerLimitOptimizer | None = None,
         *,
         carbon_reporter: CarbonReporter | None = None,
+        carbon_provider: CarbonIntensityProvider | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
+        if carbon_provider is None and carbon_reporter is not None:
+            carbon_provider = carbon_reporter.provider
+        if carbon_provider is not None and not isinstance(carbon_provider, CarbonIntensityProvider):
+            raise ConfigError(
+                f"PowerLimitCallback: carbon_provider must be a CarbonIntensityProvider (StaticIntensity(400), "
+                f"ElectricityMaps(zone), ...), got {carbon_provider!r}"
+            )
+        self.carbon_provider = carbon_provider
+        self._emissions_g = 0.0
+        self._intensity: float | None = None  # the last one the provider gave
         if optimizer is not None and optimizer_kwargs:
             raise ConfigError(
                 f"PowerLimitCallback: pass either an optimizer or its arguments, not both "
@@ -82,6 +101,7 @@ class PowerLimitCallback(TrainerCallback):
                 options["monitor"] = Monitor(gpus=gpus, gpu_indices=local_gpu_indices(len(gpus), rank))
             self.optimizer = GlobalPowerLimitOptimizer(**options)
         self._energy_j = 0.0
+        self._emissions_g = 0.0
         self.optimizer.monitor.begin_window(FIGURES_WINDOW)
         self._figures_open = True
         self._log_first()
@@ -120,6 +140,10 @@ class PowerLimitCallback(TrainerCallback):
         if m.time_s > 0:  # none for a log right after another (the closing summary, say)
             figures["perseus/power_w"] = round(energy_j / m.time_s, 3)
         figures["perseus/power_limit_w"] = self.optimizer.power_limit_mw / 1000
+        intensity = self._grid_intensity()
+        if intensity is not None:
+            self._emissions_g += emissions_g(energy_j, intensity)
+            figures["perseus/emissions_g"] = round(self._emissions_g, 6)
         logs.update(figures)
         history = getattr(state, "log_history", None)
         if (
@@ -128,6 +152,19 @@ class PowerLimitCallback(TrainerCallback):
             and all(history[-1].get(k) == v for k, v in logs.items() if k not in figures)
         ):
             history[-1].update(figures)
+
+    def _grid_intensity(self) -> float | None:
+        """The provider's intensity now; the last one if it fails (a warning), None before any."""
+        if self.carbon_provider is None:
+            return None
+        try:
+            self._intensity = self.carbon_provider.current()
+        except CarbonIntensityError as e:
+            if self._intensity is None:
+                logger.warning("carbon intensity unavailable (%s); perseus/emissions_g not logged yet", e)
+            else:
+                logger.warning("carbon intensity unavailable (%s); reusing %.0f g/kWh", e, self._intensity)
+        return self._intensity
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self._logger is None:  # no _LogFigures ahead of the reporters: reach those after this one
