@@ -1,3 +1,8 @@
-"""Hooks into training frameworks. `perseus.integrations.huggingface.PowerLimitCallback`
-wires the global power-limit optimizer into the Hugging Face Trainer (needs the
-`huggingface` extra: pip install 'perseus[huggingface]')."""
+"""Hooks into training frameworks and experiment trackers.
+
+`perseus.integrations.huggingface.PowerLimitCallback` wires the global power-limit optimizer
+into the Hugging Face Trainer and puts energy, power, the limit and emissions into its logs, so
+every `report_to` backend records them (the `huggingface` extra).
+`perseus.integrations.tensorboard.TensorBoardReporter` writes a `perseus.instrument` job's
+iterations, or a plain loop's Monitor windows, as TensorBoard scalars (the `tensorboard` extra).
+"""
