@@ -17,6 +17,7 @@ timeline) in perseus.demo.report.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -176,9 +177,12 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             service.stop()
             agent.stop()
         if rc != 0:
+            log_path = os.path.join(work, "torchrun.log")
+            first = first_rank_error(_read(log_path))
             raise PerseusError(
-                f"the demo job failed (torchrun exit code {rc}); its log:\n"
-                f"{log_tail(os.path.join(work, 'torchrun.log'))}"
+                f"the demo job failed (torchrun exit code {rc})"
+                + (f": {first}" if first else "")
+                + f"\nthe end of its log ({log_path}):\n{log_tail(log_path)}"
             )
 
         iterations = load_iterations(out_dir, world)
@@ -294,3 +298,42 @@ def _report_progress(out_dir: str, seen: int, say: Callable[[str], None]) -> int
 def _job_id(out_dir: str) -> str | None:
     doc = read_rank_record(out_dir, 0)
     return doc.get("job_id") if doc else None
+
+
+_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ?(.*)$")
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?\brank\s*:\s*(\d+)", re.S)
+
+
+def first_rank_error(log: str) -> str | None:
+    """ "rank R: <exception>" of the rank torchrun names as the root cause, else of the first
+    traceback in its log; None if no rank raised. torchrun prefixes each rank's lines with
+    "[rankR]:" (older releases do not: then the rank is unknown); its own ChildFailedError is
+    not a rank's error."""
+    errors: list[tuple[int | None, str]] = []
+    in_traceback: dict[int | None, bool] = {}
+    for line in log.splitlines():
+        match = _RANK_PREFIX.match(line)
+        rank, text = (int(match[1]), match[2]) if match else (None, line)
+        if text.startswith("Traceback (most recent call last):"):
+            in_traceback[rank] = True
+        elif in_traceback.get(rank) and text[:1].strip() and not text.startswith("During handling"):
+            in_traceback[rank] = False
+            if not text.startswith("torch.distributed.elastic."):
+                errors.append((rank, text.strip()))
+    if not errors:
+        return None
+    root = _ROOT_CAUSE.search(log)
+    if root is not None:
+        for rank, text in errors:
+            if rank == int(root[1]):
+                return f"rank {rank}: {text}"
+    rank, text = errors[0]
+    return text if rank is None else f"rank {rank}: {text}"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
