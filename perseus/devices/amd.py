@@ -1,4 +1,4 @@
-"""AMD Instinct GPUs through AMD SMI, via AMD's official Python package `amdsmi` (`pip install 'perseus[amd]'`).
+"""AMD Instinct GPUs through AMD SMI, via AMD's official Python package `amdsmi` (`pip install 'perseus-energy[amd]'`).
 
 Which GPUs. `amd_gpus()` returns the GPUs this process sees, indexed as HIP (and torch's ROCm
 build, through `torch.cuda`) indexes them, narrowed the way ROCm narrows them: first

@@ -27,7 +27,7 @@ PRIVILEGE_HINT = (
     "read-only unless it runs --privileged"
 )
 INSTALL_HINT = (
-    "install the amdsmi of your ROCm version (`pip install 'perseus[amd]'` gets the newest; "
+    "install the amdsmi of your ROCm version (`pip install 'perseus-energy[amd]'` gets the newest; "
     "`pip install /opt/rocm/share/amd_smi` installs ROCm's own)"
 )
 

@@ -6,7 +6,7 @@ power, its SM clock), and optionally the critical path. `plot_timeline` draws pl
 evaluations that way; the demo draws its measured spans (perseus.demo.report). `plot_frontier`
 draws the time-energy frontier.
 
-matplotlib is an optional extra (`pip install 'perseus[plot]'`); it is imported only here.
+matplotlib is an optional extra (`pip install 'perseus-energy[plot]'`); it is imported only here.
 Each function returns the picture as PNG bytes; the caller decides where it goes.
 """
 
@@ -48,12 +48,12 @@ class Panel:
 def pyplot():
     """matplotlib.pyplot on the Agg backend; ConfigError if matplotlib is not installed."""
     try:
-        import matplotlib  # optional dependency (perseus[plot])
+        import matplotlib  # optional dependency (perseus-energy[plot])
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("plotting needs matplotlib: pip install 'perseus[plot]'") from None
+        raise ConfigError("plotting needs matplotlib: pip install 'perseus-energy[plot]'") from None
     return plt
 
 
