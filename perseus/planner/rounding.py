@@ -54,6 +54,10 @@ class PairArrays:
         return cls(problem.node_type, time, cost, count, pair_i, pair_j, dag.succ_ptr.tolist(), pred_pad, succ_pad)
 
 
+# Pairs scored at once in a sweep (bounds the (pairs, steps, choices) comparison array).
+_CHUNK = 4096
+
+
 class Walker:
     """Plain-Python views of a Problem's arrays (built once per Problem): the passes are scalar
     loops, and over lists those beat per-element numpy calls."""
@@ -166,15 +170,16 @@ def _pair_sweep(walker: Walker, choice: list[int], deadline_s: float, reach: int
     end_i = start_i[:, None] + a.time[ti[:, None], ka]
     ok_a &= end_i <= limit_i[:, None]
     start_j = np.maximum(end_i, others[:, None])  # (pairs, A)
-    kb = k[j][:, None] + steps  # (pairs, B)
-    ok_b = (kb >= 0) & (kb < a.count[tj][:, None])
-    kb = np.clip(kb, 0, a.time.shape[1] - 1)
-    fits = start_j[:, :, None] + a.time[tj[:, None], kb][:, None, :] <= lf[j][:, None, None]
-    fits &= ok_b[:, None, :]
-    # The slowest fitting b for every a (choices are sorted fastest first).
-    last = fits.shape[2] - 1 - np.argmax(fits[:, :, ::-1], axis=2)
-    any_b = fits.any(axis=2) & ok_a
-    b = np.take_along_axis(kb, last, axis=1)
+    # The slowest b within reach above j's choice that still ends by lf[j] (choices are sorted
+    # fastest first, so those that fit are a prefix of j's table; any of it, however far below).
+    fit = np.empty(start_j.shape, dtype=np.int64)
+    for lo in range(0, len(j), _CHUNK):
+        part = slice(lo, lo + _CHUNK)
+        row = a.time[tj[part]][:, None, :]  # +inf pads never fit
+        fit[part] = (start_j[part][:, :, None] + row <= lf[j[part]][:, None, None]).sum(axis=2)
+    b = np.minimum(fit - 1, np.minimum(k[j] + reach, a.count[tj] - 1)[:, None])
+    any_b = (b >= 0) & ok_a
+    b = np.maximum(b, 0)
     gain = (ci[:, None] - a.cost[ti[:, None], ka]) + (cj[:, None] - a.cost[tj[:, None], b])
     gain = np.where(any_b, gain, -np.inf)
     best_a = np.argmax(gain, axis=1)

@@ -1,0 +1,99 @@
+"""Pair exchanges: the vectorized sweep makes exactly the moves of a plain sequential sweep (the
+planner's former implementation, kept here as the oracle), so plans never get worse for it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_solver import GPT3, random_profile
+
+from perseus.planner import Planner
+from perseus.planner.lp import HullLP
+from perseus.planner.rounding import Walker, _pair_sweep, fill_slack, round_down
+from perseus.profiler import load_profile
+from perseus.schedules import build_schedule
+
+
+def sequential_sweep(walker: Walker, choice: list[int], deadline_s: float, reach: int) -> int:
+    """One sweep, node by node: the best improving pair move of each unlocked node, then lock."""
+    n = len(walker.times)
+    dur = [walker.times[i][choice[i]] for i in range(n)]
+    lf = walker.latest_finish(choice, deadline_s)
+    locked = [False] * n
+    moves = 0
+    for i in range(n):
+        succs = walker.succs[i]
+        if locked[i] or not succs:
+            continue
+        times_i, costs_i, ki = walker.times[i], walker.costs[i], choice[i]
+        start_i = max((lf[p] for p in walker.preds[i]), default=0.0)
+        best = None
+        for j in succs:
+            if locked[j]:
+                continue
+            limit_i = min((lf[k] - dur[k] for k in succs if k != j), default=deadline_s)
+            others = max((lf[p] for p in walker.preds[j] if p != i), default=0.0)
+            times_j, costs_j, kj = walker.times[j], walker.costs[j], choice[j]
+            for a in range(max(0, ki - reach), min(len(times_i), ki + reach + 1)):
+                end_i = start_i + times_i[a]
+                if end_i > limit_i:
+                    break
+                start_j = max(end_i, others)
+                b = min(kj + reach, len(times_j) - 1)
+                while b >= 0 and start_j + times_j[b] > lf[j]:
+                    b -= 1
+                if b < 0:
+                    continue
+                gain = (costs_i[ki] - costs_i[a]) + (costs_j[kj] - costs_j[b])
+                if gain > 1e-9 and (best is None or gain > best[0]):
+                    best = (gain, j, a, b)
+        if best is not None:
+            _, j, a, b = best
+            choice[i], choice[j] = a, b
+            moves += 1
+            for x in (i, j):
+                locked[x] = True
+                for y in walker.preds[x] + walker.succs[x]:
+                    locked[y] = True
+    return moves
+
+
+def sweep_both(planner: Planner, deadline: float) -> int:
+    """Sweep to the end with both implementations from the same rounded plan; they must agree
+    move for move. Returns the number of moves."""
+    problem = planner.problem
+    walker = Walker(problem)
+    start = fill_slack(problem, round_down(problem, HullLP(problem).solve(deadline).finish_s, 1e-9), deadline)
+    fast, slow = start.tolist(), start.tolist()
+    total = 0
+    while True:
+        moved = _pair_sweep(walker, fast, deadline, 3)
+        assert sequential_sweep(walker, slow, deadline, 3) == moved
+        assert fast == slow
+        total += moved
+        if not moved:
+            break
+    t0, e0 = problem.energy(start)
+    t1, e1 = problem.energy(np.array(fast))
+    assert t1 <= deadline and e1 <= e0
+    return total
+
+
+@pytest.mark.parametrize(
+    "name,stages,microbatches",
+    [("1f1b", 4, 12), ("gpipe", 3, 6), ("zb-h1", 3, 6), ("interleaved-1f1b", 2, 4)],
+)
+def test_vectorized_sweep_makes_the_sequential_moves(name, stages, microbatches):
+    schedule = build_schedule(name, stages, microbatches, num_chunks=2 if name.startswith("interleaved") else 1)
+    moves = 0
+    for seed in range(6):
+        planner = Planner(schedule, random_profile(seed, stages, 12))
+        for slowdown in (1.0, 1.05, 1.2):
+            moves += sweep_both(planner, slowdown * planner.max_frequency_time_s)
+    assert moves > 0
+
+
+@pytest.mark.skipif(not GPT3.exists(), reason="shared Perseus profiles not present")
+def test_vectorized_sweep_on_gpt3():
+    planner = Planner(build_schedule("1f1b", 8, 12), load_profile(GPT3, 83.64))
+    assert sum(sweep_both(planner, f * planner.max_frequency_time_s) for f in (1.0, 1.1)) > 0
