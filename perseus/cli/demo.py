@@ -42,7 +42,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument(
-        "--plot", metavar="DIR", default=None, help="write the measured timeline (timeline.png, timeline.json) to DIR"
+        "--plot",
+        metavar="DIR",
+        default=None,
+        help="write the measured timeline (timeline.png, timeline.json) and time-energy points (frontier.png) to DIR",
     )
     parser.add_argument(
         "--ranks",

@@ -30,7 +30,7 @@ from perseus.atomic import write_json_atomic
 from perseus.client.planner_client import PlannerClient
 from perseus.demo.config import DemoConfig
 from perseus.demo.processes import PRESET, ServiceProcess, log_tail, sim_gpus_at_default, start_job, stop_job, throttle
-from perseus.demo.report import job_record, summarize, summarize_straggler, write_timeline
+from perseus.demo.report import job_record, summarize, summarize_straggler, write_frontier, write_timeline
 from perseus.demo.results import gloo_latency, load_iterations, median_iteration, read_rank_record, split_phases
 from perseus.demo.workload import default_time_scale
 from perseus.devices.select import ENV_VAR, parse_gpu_spec
@@ -218,6 +218,7 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             ]
             if panels:
                 result["plots"] = write_timeline(panels, options.plot_dir)
+            result["plots"] = result.get("plots", []) + write_frontier(phases, status, options.plot_dir)
         if options.keep_dir:
             result["work_dir"] = work
         return result

@@ -225,7 +225,7 @@ def format_report(result: dict) -> str:
         lines.append("profiling: skipped (the state directory held this job's profile)")
     lines.append(f"clocks reset at the end: {'yes' if result['clocks_reset'] else 'NO'}")
     for path in result.get("plots", []):
-        lines.append(f"timeline written: {path}")
+        lines.append(f"written: {path}")
     lines.append(f"wall time: {result['wall_time_s']:.0f} s")
     return "\n".join(lines)
 
@@ -295,3 +295,20 @@ def write_timeline(panels: list[tuple[str, Iteration]], out_dir: str) -> list[st
         ],
     )
     return [png, data]
+
+
+def write_frontier(phases: dict[str, list[Iteration]], status: Any, out_dir: str) -> list[str]:
+    """Write `frontier.png`: each phase's measured iterations as (time, energy) points -- the
+    profiling sweep's clocks trace the time-energy trade-off, the planned ones sit below it --
+    with the plan's predicted point (from `status`, a JobStatus, when the service gave one);
+    returns the path written."""
+    from perseus.planner.plot import plot_measured  # lazy, as in write_timeline
+
+    groups = {name: [(it.time_s, it.energy_j) for it in its] for name, its in phases.items() if its}
+    predictions = {}
+    if status is not None and status.predicted_iteration_time_s is not None and status.predicted_energy_j is not None:
+        predictions["plan"] = (status.predicted_iteration_time_s, status.predicted_energy_j)
+    os.makedirs(out_dir, exist_ok=True)
+    png = os.path.join(out_dir, "frontier.png")
+    write_bytes_atomic(png, plot_measured(groups, predictions))
+    return [png]

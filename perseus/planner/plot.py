@@ -4,7 +4,7 @@
 (or rank), a box per instruction coloured by a value on one scale for all panels (its average
 power, its SM clock), and optionally the critical path. `plot_timeline` draws planner
 evaluations that way; the demo draws its measured spans (perseus.demo.report). `plot_frontier`
-draws the time-energy frontier.
+draws the time-energy frontier, `plot_measured` measured iterations against predictions.
 
 matplotlib is an optional extra (`pip install 'perseus-energy[plot]'`); it is imported only here.
 Each function returns the picture as PNG bytes; the caller decides where it goes.
@@ -157,4 +157,24 @@ def plot_frontier(frontier: Sequence, baselines: Mapping[str, tuple[float, float
     ax.set_ylabel("energy per iteration (J)")
     ax.grid(alpha=0.3)
     ax.legend()
+    return _png(plt, fig)
+
+
+def plot_measured(
+    groups: Mapping[str, Sequence[tuple[float, float]]], predictions: Mapping[str, tuple[float, float]]
+) -> bytes:
+    """Energy against iteration time as measured: a point per (time, energy) in each group (one
+    colour per group, e.g. a phase of training), and a cross per predicted (time, energy)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 5), tight_layout=True)
+    for name, points in groups.items():
+        ax.plot(
+            [t for t, _ in points], [e for _, e in points], "o", markersize=4, alpha=0.7, label=f"{name} (measured)"
+        )
+    for name, (t, e) in predictions.items():
+        ax.plot([t], [e], "X", markersize=11, markeredgecolor="black", label=f"{name} (predicted)")
+    ax.set_xlabel("iteration time (s)")
+    ax.set_ylabel("energy per iteration, all GPUs (J)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     return _png(plt, fig)

@@ -161,8 +161,10 @@ def test_demo_profiles_plans_applies_and_saves(demo_and_iterations):
     assert measured > 0.3 * demo["predicted_saving"], (measured, demo["predicted_saving"])
     assert demo["baseline"]["iterations"] == OPTIONS.iterations
     assert demo["planned"]["iterations"] == OPTIONS.iterations
-    png, data = demo["plots"]
-    assert os.path.getsize(png) > 0
+    png, data, frontier = demo["plots"]
+    for picture in (png, frontier):
+        with open(picture, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     with open(data, encoding="utf-8") as f:
         panels = json.load(f)
     assert [p["panel"] for p in panels] == ["baseline", "planned"]
