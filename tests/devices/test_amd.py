@@ -504,7 +504,7 @@ def test_a_wrong_argument_and_a_missing_function_are_clear_errors():
 
 def test_amdsmi_missing_or_without_its_library_says_what_to_install():
     with unimportable(ImportError("No module named 'amdsmi'")):
-        with pytest.raises(DeviceNotFoundError, match=r"cannot import amdsmi.*perseus\[amd\].*sim:mi300x"):
+        with pytest.raises(DeviceNotFoundError, match=r"cannot import amdsmi.*perseus-energy\[amd\].*sim:mi300x"):
             amd_gpus({})
     with unimportable(OSError("Could not load libamd_smi.so")):
         with pytest.raises(DeviceNotFoundError, match="cannot load AMD SMI's library.*ROCM_PATH"):
