@@ -1,6 +1,6 @@
 """Hugging Face Trainer with an automatically chosen GPU power limit and a carbon report.
 
-    pip install 'perseus[huggingface]'
+    pip install 'perseus-energy[huggingface]'
     python examples/hf_trainer_power_limit.py
 
 Trains a small randomly initialised GPT-2 (built from a config: nothing is downloaded) on random
