@@ -89,6 +89,7 @@ class ServiceMetrics:
         self._tend = _Latency()
         self._energy: dict[str, dict[tuple[int, int], float]] = {}
         self._iterations: dict[str, dict[tuple[int, int], int]] = {}
+        self._last_report: dict[tuple[str, int], int] = {}  # (job, rank) -> the iteration its last report counted
 
     def handled(self, service: PlannerService, request: Message | None, code: str, start: float) -> None:
         """One request answered with `code` ("ok" or an ErrorCode value), dispatched at `start`
@@ -99,7 +100,9 @@ class ServiceMetrics:
         if code == OK and isinstance(request, ReportIteration):
             job = service.jobs.get(request.job_id)
             info = job.ranks.get(request.rank) if job is not None else None
-            if info is not None:
+            rank = (request.job_id, request.rank)
+            if info is not None and self._last_report.get(rank) != request.iteration:  # a client's retry: once
+                self._last_report[rank] = request.iteration
                 where = (info.dp_index, info.stage)
                 energy = self._energy.setdefault(request.job_id, {})
                 energy[where] = energy.get(where, 0.0) + request.energy_j
@@ -113,9 +116,12 @@ class ServiceMetrics:
             self.board.publish(self.snapshot(service))
 
     def snapshot(self, service: PlannerService) -> ServiceSnapshot:
-        for gone in set(self._energy) - set(service.jobs):  # evicted jobs
-            del self._energy[gone]
-            self._iterations.pop(gone, None)
+        gone = set(self._energy) - set(service.jobs)  # evicted jobs
+        for job_id in gone:
+            del self._energy[job_id]
+            self._iterations.pop(job_id, None)
+        if gone:
+            self._last_report = {k: v for k, v in self._last_report.items() if k[0] not in gone}
         jobs = tuple(
             JobFigures(
                 status=job.status(),
