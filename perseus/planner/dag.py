@@ -81,6 +81,7 @@ class DagArrays:
     - `succ_ptr`, `succ_idx`: CSR successors, likewise.
     - `level_ptr`: nodes of level L are the slice level_ptr[L]:level_ptr[L+1].
     - `pred_pad`: (n, max in-degree) predecessor table padded with n (a slot that always holds 0).
+    - `succ_pad`: (n, max out-degree) successor table, padded likewise.
     - `stage`: rank of each node (int64).
     """
 
@@ -95,6 +96,7 @@ class DagArrays:
     succ_idx: np.ndarray
     level_ptr: np.ndarray
     pred_pad: np.ndarray
+    succ_pad: np.ndarray
     stage: np.ndarray
 
     @property
@@ -122,6 +124,16 @@ class DagArrays:
             start[..., lo:hi] = s
             end[..., lo:hi] = s + times[..., lo:hi]
         return start, end[..., :n]
+
+    def longest_tail(self, times: np.ndarray) -> np.ndarray:
+        """For every node, the longest path from its start to the end of the iteration (its own
+        time included), given node durations `times` (n,)."""
+        n = len(self.nodes)
+        tail = np.zeros(n + 1)
+        ptr = self.level_ptr
+        for lo, hi in zip(ptr[-2::-1], ptr[:0:-1]):
+            tail[lo:hi] = times[lo:hi] + tail[self.succ_pad[lo:hi]].max(axis=1)
+        return tail[:n]
 
 
 def dag_arrays(schedule_or_dag: Schedule | nx.DiGraph) -> DagArrays:
@@ -160,11 +172,14 @@ def dag_arrays(schedule_or_dag: Schedule | nx.DiGraph) -> DagArrays:
     width = int(np.diff(pred_ptr).max(initial=0)) or 1
     pred_pad = np.full((n, width), n, dtype=np.int64)
     pred_pad[dst, np.arange(len(dst)) - pred_ptr[dst]] = src
+    succ_pad = np.full((n, int(np.diff(succ_ptr).max(initial=0)) or 1), n, dtype=np.int64)
+    succ_src = src[by_src]
+    succ_pad[succ_src, np.arange(len(succ_src)) - succ_ptr[succ_src]] = succ_idx
 
     level_ptr = np.concatenate(([0], np.cumsum(np.bincount(level[order])))).astype(np.int64)
     stage = np.array([ins.stage for ins in nodes], dtype=np.int64)
     return DagArrays(
-        schedule, nodes, index, src, dst, pred_ptr, src.copy(), succ_ptr, succ_idx, level_ptr, pred_pad, stage
+        schedule, nodes, index, src, dst, pred_ptr, src.copy(), succ_ptr, succ_idx, level_ptr, pred_pad, succ_pad, stage
     )
 
 

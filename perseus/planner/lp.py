@@ -116,7 +116,6 @@ class HullLP:
         lp.a_matrix_.index_ = a.indices
         lp.a_matrix_.value_ = a.data
         self._highs = _quiet_highs()
-        self._highs.setOptionValue("threads", 1)
         self._highs.setOptionValue("random_seed", 0)
         # Dantzig pricing: on these DAG LPs about 3x faster than the default (devex) at 8,192 nodes.
         self._highs.setOptionValue("simplex_dual_edge_weight_strategy", 0)

@@ -38,6 +38,11 @@ class Options:
         """The cheapest choice that takes at most `limit` seconds (the fastest if none does)."""
         return max(int(np.searchsorted(self.time, limit, side="right")) - 1, 0)
 
+    def prefix(self, count: int) -> Options:
+        """The `count` fastest choices, with their own hull."""
+        t, c = self.time[:count], self.cost[:count]
+        return Options(self.frequency[:count], t, self.energy[:count], c, _lower_hull(t, c))
+
     def segments(self) -> tuple[np.ndarray, np.ndarray]:
         """(length, slope) of each hull segment, fastest first; slopes increase (convexity)."""
         t, c = self.time[self.hull], self.cost[self.hull]

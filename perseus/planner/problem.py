@@ -49,6 +49,29 @@ class Problem:
     def num_stages(self) -> int:
         return self.dag.schedule.num_stages
 
+    def restricted(self, deadline_s: float) -> Problem:
+        """The same problem without the choices no plan meeting `deadline_s` can take: node i
+        starts no earlier than its predecessors allow at their fastest, and what follows it needs
+        at least its fastest tail, so d_i <= deadline - earliest start - fastest rest. The hull of
+        the choices left is tighter where that room is short (a stronger bound, same plans)."""
+        fastest = self.times(self.fastest())
+        start, _ = self.dag.longest_path(fastest)
+        room = deadline_s - start - (self.dag.longest_tail(fastest) - fastest)
+        room = room * (1 + 1e-12) + 1e-15  # never drop a choice that fits by rounding
+        options = list(self.options)
+        node_type = self.node_type.copy()
+        cut_type: dict[tuple[int, int], int] = {}
+        for k, opts in enumerate(self.options):
+            nodes = np.flatnonzero(self.node_type == k)
+            keep = np.maximum(np.searchsorted(opts.time, room[nodes], side="right"), 1)
+            for count in np.unique(keep[keep < len(opts)]).tolist():
+                cut_type[(k, count)] = len(options)
+                options.append(opts.prefix(count))
+                node_type[nodes[keep == count]] = cut_type[(k, count)]
+        if not cut_type:
+            return self
+        return Problem(self.dag, tuple(options), node_type, self.blocking_power_w)
+
     def node_options(self, i: int) -> Options:
         return self.options[self.node_type[i]]
 

@@ -139,15 +139,20 @@ class Planner:
                 f"no plan finishes within {deadline_s:.6g} s: even the fastest frequencies take "
                 f"{self.fastest_time_s:.6g} s per iteration; relax the deadline"
             )
-        relaxation = self._lp.solve(deadline_s, warm=warm, padded=padded)
+        problem, lp = self.problem, self._lp
+        if deadline_s is not None:
+            # Choices no plan within the deadline can take are left out: a tighter hull.
+            problem = self.problem.restricted(deadline_s)
+            if problem is not self.problem:
+                lp, warm = HullLP(problem), False
+        relaxation = lp.solve(deadline_s, warm=warm, padded=padded)
         candidates = self._round(relaxation, deadline_s)
         if refined and self.problem.num_nodes <= REFINE_MAX_NODES:
-            refined_relaxation = refine(self.problem, self._lp, relaxation, deadline_s, padded)
+            refined_relaxation = refine(problem, lp, relaxation, deadline_s, padded)
             candidates += self._round(refined_relaxation, deadline_s)
-        if not padded and (deadline_s is None or relaxation.iteration_time_s < deadline_s * (1 - 1e-9)):
-            # The deadline does not bind: this is the minimum-energy plan. Rounding loses time
-            # that every stage then spends blocked, so slightly tighter targets can round to
-            # less energy; they meet the deadline too.
+        if deadline_s is None:
+            # The minimum-energy plan. Rounding loses time that every stage then spends blocked,
+            # so slightly tighter targets can round to less energy; they meet no deadline anyway.
             for factor in _MIN_ENERGY_TARGETS:
                 tighter = self._lp.solve(max(factor * relaxation.iteration_time_s, self.fastest_time_s), warm=True)
                 candidates += self._round(tighter, tighter.iteration_time_s)

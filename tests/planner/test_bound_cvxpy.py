@@ -2,8 +2,9 @@
 
 The planner solves its LP with HiGHS on hand-built sparse matrices (Pareto-filtered hull
 segments, times in milliseconds, warm starts). Here the relaxation is stated from its definition
-instead: every instruction takes a convex combination of its raw profile points, starts after
-its predecessors end, and the iteration ends by T <= deadline; minimise
+instead: every instruction takes a convex combination of its raw profile points (those it can
+take within the deadline, the others' fastest clocks granted), starts after its predecessors
+end, and the iteration ends by T <= deadline; minimise
 sum(e - P_block * t) + P_block * N_stages * T (padded: * deadline). Both must agree, and the
 bound must stay below every plan's energy.
 """
@@ -11,6 +12,7 @@ bound must stay below every plan's energy.
 from __future__ import annotations
 
 import cvxpy as cp
+import networkx as nx
 import numpy as np
 import pytest
 from test_solver import GPT3, random_profile
@@ -30,8 +32,18 @@ def relaxation_bound(schedule, profile, deadline_s: float, padded: bool = False)
     T = cp.Variable()
     cost = []
     constraints = [start >= 0, T <= deadline_s]
+    # No plan within the deadline gives an instruction more than the deadline less the longest
+    # paths before and after it at the fastest clocks: only those choices enter its hull.
+    fastest = {ins: min(p.time for p in profile.points_for(ins, schedule)) for ins in nodes}
+    before: dict = {}
+    for ins in nx.topological_sort(dag):
+        before[ins] = max((before[p] + fastest[p] for p in dag.predecessors(ins)), default=0.0)
+    after: dict = {}
+    for ins in reversed(list(nx.topological_sort(dag))):
+        after[ins] = max((after[q] + fastest[q] for q in dag.successors(ins)), default=0.0)
     for i, ins in enumerate(nodes):
-        points = profile.points_for(ins, schedule)
+        room = deadline_s - before[ins] - after[ins]
+        points = [p for p in profile.points_for(ins, schedule) if p.time <= room * (1 + 1e-9) or p.time == fastest[ins]]
         t = np.array([p.time for p in points])
         c = np.array([p.energy - p_block * p.time for p in points])
         weight = cp.Variable(len(points), nonneg=True)

@@ -271,3 +271,30 @@ def test_planning_prints_no_highs_banner(capfd):
     out, err = capfd.readouterr()
     assert done.returncode == 0, err
     assert out == "planned True True\n"
+
+
+AFTER_ANOTHER_HIGHS_USER = """
+import cvxpy as cp
+
+x = cp.Variable()
+cp.Problem(cp.Minimize(x), [x >= 1]).solve(solver=cp.HIGHS)  # starts HiGHS' thread pool its own way
+from perseus.planner import Planner
+from perseus.profiler import Profile, ProfilePoint
+from perseus.schedules import build_schedule
+
+points = {
+    (s, kind): [ProfilePoint(f, t * 1410 / f, t * 1410 / f * (80 + f / 10)) for f in (1410, 1200, 1005, 900)]
+    for s in range(2)
+    for kind, t in (("forward", 1.0 + s), ("backward", 2.0))
+}
+planner = Planner(build_schedule("1f1b", 2, 4), Profile(points, 60.0))
+print("planned", planner.plan().gap < 0.05, planner.plan(max_slowdown=1.2, padded=True).gap < 0.05)
+"""
+
+
+def test_planning_after_another_highs_user():
+    """HiGHS refuses to run an instance whose thread count differs from the process's running
+    thread pool; the planner must plan whoever started HiGHS first (here cvxpy)."""
+    done = subprocess.run([sys.executable, "-c", AFTER_ANOTHER_HIGHS_USER], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("planned True True")
