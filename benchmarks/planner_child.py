@@ -1,0 +1,101 @@
+"""One planner measurement in a fresh process, for benchmarks/planner.py: run with the perseus
+tree under test first on sys.path (this repository's, or another commit's extracted by the
+parent), a JSON task on stdin, a JSON answer on stdout. A fresh process measures peak memory and
+lets two versions of the planner run side by side in one benchmark.
+
+Tasks (all plans are checked against their deadline by the tree's own evaluator):
+- plans: setup + plan per slowdown factor (padded past 1.0 where the tree supports it).
+- speed: setup + no-slowdown plan; the 50-point frontier; re-plans of the kept planner at new
+  deadlines (what the service does when a straggler appears or recovers).
+- large: setup + no-slowdown plan, with the process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import resource
+import statistics
+import sys
+import time
+
+
+def profile_from(doc: dict):
+    from perseus.profiler import Profile, ProfilePoint
+
+    points = {(int(s), k): [ProfilePoint(int(f), t, e) for f, t, e in rows] for s, k, rows in doc["points"]}
+    return Profile(points, doc["blocking_power_w"])
+
+
+def plan_at(planner, factor: float, padded: bool):
+    deadline = factor * planner.max_frequency_time_s
+    if padded and "padded" in inspect.signature(planner.plan).parameters:
+        return planner.plan(deadline=deadline, padded=True), deadline
+    return planner.plan(deadline=deadline), deadline
+
+
+def summary(planner, plan, deadline: float, padded: bool) -> dict:
+    """Energy over an iteration of the deadline when padded (the straggler's pace), as the
+    plan's own bound states it; the tree's evaluator re-checks the deadline."""
+    ev = planner.evaluator.evaluate(plan.frequencies)
+    blocking = planner.evaluator.blocking_power_w * planner.evaluator.num_stages
+    energy = ev.energy_j + (blocking * (deadline - ev.iteration_time_s) if padded else 0.0)
+    same_objective = getattr(plan, "padded", False) == padded
+    return {
+        "time_s": ev.iteration_time_s,
+        "energy_j": energy,
+        "gap": plan.gap if same_objective else None,
+        "claimed_gap": plan.gap,
+        "met": ev.iteration_time_s <= deadline,
+    }
+
+
+def main() -> None:
+    task = json.load(sys.stdin)
+    from perseus.planner import Planner
+    from perseus.schedules import build_schedule
+
+    profile = profile_from(task["profile"])
+    name, stages, microbatches = task["schedule"]
+    schedule = build_schedule(name, stages, microbatches)
+    tick = time.perf_counter()
+    planner = Planner(schedule, profile)
+    setup_s = time.perf_counter() - tick
+    out: dict = {"nodes": planner.problem.num_nodes, "setup_s": setup_s}
+    if task["task"] == "plans":
+        rows = []
+        for factor in task["factors"]:
+            padded = factor > 1.0
+            tick = time.perf_counter()
+            plan, deadline = plan_at(planner, factor, padded)
+            rows.append(
+                {"factor": factor, "plan_s": time.perf_counter() - tick, **summary(planner, plan, deadline, padded)}
+            )
+        out["rows"] = rows
+    elif task["task"] == "speed":
+        tick = time.perf_counter()
+        plan, deadline = plan_at(planner, 1.0, False)
+        out["plan_s"] = time.perf_counter() - tick
+        out["plan"] = summary(planner, plan, deadline, False)
+        replans = []
+        for factor in (1.2, 1.0, 1.1, 1.05, 1.15):
+            tick = time.perf_counter()
+            plan_at(planner, factor, True)
+            replans.append(time.perf_counter() - tick)
+        out["replan_s"] = statistics.median(replans)
+        tick = time.perf_counter()
+        points = planner.frontier(50)
+        out["frontier_s"] = time.perf_counter() - tick
+        out["frontier_gap"] = max(p.plan.gap for p in points)
+    else:  # large
+        tick = time.perf_counter()
+        plan, deadline = plan_at(planner, 1.0, False)
+        out["plan_s"] = time.perf_counter() - tick
+        out["plan"] = summary(planner, plan, deadline, False)
+        out["saving"] = 1 - out["plan"]["energy_j"] / planner.max_frequency_energy_j
+    out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
