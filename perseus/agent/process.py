@@ -17,7 +17,8 @@ START_TIMEOUT_S = 60.0
 class AgentProcess:
     """One `perseus agent` serving `gpu_spec` on `socket_path`, its log in `log_path`.
 
-    env: extra environment (PERSEUS_SIM_DIR for simulated GPUs); args: more `perseus agent` options.
+    env: extra environment (PERSEUS_SIM_DIR for simulated GPUs); args: more `perseus agent` options;
+    prefix: a command that runs it (e.g. `ip netns exec NODE`).
     """
 
     def __init__(
@@ -29,6 +30,7 @@ class AgentProcess:
         *,
         env: dict[str, str] | None = None,
         args: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
     ) -> None:
         self.socket_path = socket_path
         self.state_path = state_path
@@ -36,6 +38,7 @@ class AgentProcess:
         self.log_path = log_path
         self.env = dict(env or {})
         self.args = args
+        self.prefix = prefix
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -49,7 +52,7 @@ class AgentProcess:
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> AgentProcess:
         """Start it and wait until it serves (its "serving" line); PerseusError with its log if it does not."""
-        cmd = [sys.executable, "-m", "perseus.cli.main", "agent", "--socket", self.socket_path]
+        cmd = [*self.prefix, sys.executable, "-m", "perseus.cli.main", "agent", "--socket", self.socket_path]
         cmd += ["--state-file", self.state_path, "--gpu", self.gpu_spec, *self.args]
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         env.pop("PERSEUS_AGENT", None)
