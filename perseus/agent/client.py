@@ -2,7 +2,8 @@
 
 Requests are request-reply, made on whichever thread calls them: for clocks, the frequency
 controller's worker thread, never the training thread. The first write to a GPU takes its lease,
-which lasts until the process ends: then the kernel closes the socket and the agent resets the GPU.
+which lasts until the process ends: it closes the connection at exit (the kernel does on a kill),
+and the agent resets the GPU.
 While the process holds leases a heartbeat thread keeps the connection alive (the agent ends a
 silent one); should the agent restart, it reconnects, takes the leases back and re-applies this
 process's settings. A forked child starts with no connection and no leases (its parent's stay its
@@ -11,6 +12,7 @@ parent's).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
@@ -299,6 +301,14 @@ def shared_client(path: str) -> AgentClient:
         return client
 
 
+def _close_at_exit() -> None:
+    """End this process's leases as it exits, before the interpreter's teardown (which can outlast
+    the heartbeat timeout, its heartbeat thread already stopped) would make the agent wait for it.
+    Registered at import, before any GPU's reset-at-exit, so it runs after them."""
+    for client in list(_clients):
+        client.close()
+
+
 def _after_fork_in_child() -> None:
     global _shared_lock
     _shared_lock = threading.Lock()
@@ -306,4 +316,5 @@ def _after_fork_in_child() -> None:
         client._forget_after_fork()
 
 
+atexit.register(_close_at_exit)
 os.register_at_fork(after_in_child=_after_fork_in_child)
