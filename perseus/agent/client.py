@@ -130,9 +130,6 @@ class AgentClient:
         with self._exclusive():
             return self._call(Revoke(uuids), Revoked).uuids
 
-    def holds(self, uuid: str) -> bool:
-        return uuid in self._leases
-
     def close(self) -> None:
         """Close the connection: the agent resets every GPU this process leased. The client may
         be used again (a new connection, new leases)."""

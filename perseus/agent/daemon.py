@@ -154,10 +154,6 @@ class Agent:
             StatusRequest: lambda conn, request: self.status(conn),
         }
 
-    @property
-    def gpus(self) -> list[GPU]:
-        return list(self._gpus.values())
-
     # Life cycle
     def start(self) -> None:
         """Reset what leases of a previous agent left, then listen. ConfigError if the socket is
@@ -324,18 +320,18 @@ class Agent:
         began = time.monotonic() if began is None else began
         changes, failures = [], []
         with self._gpu_locks[lease.uuid]:
-            for read, reset, what in (
-                (gpu.sm_clock, gpu.reset_sm_clock, "SM clock {} -> {} MHz"),
-                (lambda: f"{gpu.power_limit_mw() / 1000:g}", gpu.reset_power_limit, "power limit {} -> {} W"),
+            for name, read, reset, unit in (
+                ("SM clock", gpu.sm_clock, gpu.reset_sm_clock, "MHz"),
+                ("power limit", lambda: f"{gpu.power_limit_mw() / 1000:g}", gpu.reset_power_limit, "W"),
             ):
                 try:
                     before = _read_or(read, "?")
                     reset()
                     after = _read_or(read, "?")
                     if before != after:
-                        changes.append(what.format(before, after))
+                        changes.append(f"{name} {before} -> {after} {unit}")
                 except Exception as e:  # each setting is tried; a failure is logged, never raised
-                    failures.append(f"{what.split(' {')[0]}: {e}")
+                    failures.append(f"{name}: {e}")
         took_ms = (time.monotonic() - began) * 1000
         holder = f"pid {lease.holder.pid} (uid {lease.holder.uid}, {lease.holder.client!r})"
         done = "; ".join(changes) or "already at defaults"

@@ -99,11 +99,16 @@ class LeaseTable:
         return leases
 
     def save(self) -> None:
+        """Write the file now (at start: an empty table); ConfigError if it cannot be written, for an
+        agent that could not tell after a crash which GPUs to reset must not start."""
         with self._lock:
-            self._save()
+            try:
+                write_json_atomic(self.path, self._document(), mode=0o600)
+            except OSError as e:
+                raise ConfigError(f"cannot write the lease file {self.path} ({e}); choose --state-file") from e
 
-    def _save(self) -> None:
-        doc = {
+    def _document(self) -> dict:
+        return {
             "version": FILE_VERSION,
             "agent_pid": os.getpid(),
             "written": time.time(),
@@ -111,8 +116,10 @@ class LeaseTable:
                 {"uuid": lease.uuid, "index": lease.index, **lease.holder.to_wire()} for lease in self._leases.values()
             ],
         }
+
+    def _save(self) -> None:
         try:
-            write_json_atomic(self.path, doc, mode=0o600)
+            write_json_atomic(self.path, self._document(), mode=0o600)
         except OSError as e:
             # The lease still stands (training goes on); only a crash of this agent could now leave
             # these GPUs locked until someone runs `perseus reset`.

@@ -103,3 +103,12 @@ def test_a_second_agent_on_the_same_socket_is_refused(node, agent):
 def test_status_without_an_agent_says_how_to_start_one(node):
     shown = perseus(node, "agent", "status")
     assert shown.returncode == 1 and f"no perseus agent socket at {node.socket}: start the agent" in shown.stderr
+
+
+def test_an_agent_that_cannot_write_its_lease_file_does_not_start(node):
+    blocker = os.path.join(node.root, "file")
+    open(blocker, "w").close()
+    state = os.path.join(blocker, "leases.json")
+    started = perseus(node, "agent", "--state-file", state, "--socket", node.socket, agent=False)
+    assert started.returncode == 1 and f"cannot write the lease file {state}" in started.stderr
+    assert not os.path.exists(node.socket)
