@@ -31,6 +31,8 @@ from perseus.schedules.instruction import Schedule
 _LP_SLACK_S = 1e-9
 # Fractions of the relaxed minimum-energy time also tried when the deadline does not bind.
 _MIN_ENERGY_TARGETS = (0.99, 0.97)
+# Candidates polished by pair exchanges, best first.
+_EXCHANGED = 3
 # Iterative rounding (`refine`) costs a few warm LP re-solves: used for single plans up to this
 # many instructions, not for frontier sweeps (50 points stay within seconds).
 REFINE_MAX_NODES = 16384
@@ -108,7 +110,6 @@ class Planner:
 
     def _sweep(self, deadlines: np.ndarray, slowest: Plan) -> list[FrontierPoint]:
         num_points = len(deadlines)
-        self._lp.solve(float(deadlines[0]), warm=False)
         points: list[FrontierPoint] = []
         best: Plan | None = None
         for k, deadline in enumerate(deadlines.tolist()):
@@ -186,24 +187,32 @@ class Planner:
     def _best(
         self, candidates: list[np.ndarray], deadline_s: float | None, relaxation: Relaxation, padded: bool = False
     ) -> Plan:
-        best, best_te = None, (np.inf, np.inf)
-        for choice in candidates:
+        scored = []
+        for k, choice in enumerate(candidates):
             t, e = self._objective(choice, deadline_s, padded)
-            if deadline_s is not None and t > deadline_s:
-                continue
-            if (e, t) < (best_te[1], best_te[0]):
-                best, best_te = choice, (t, e)
-        if best is None:
+            if deadline_s is None or t <= deadline_s:
+                scored.append((e, t, k))
+        if not scored:
             raise PlanError(
                 f"no rounding of the relaxation met the deadline {deadline_s:.9g} s; report this with the profile"
             )
-        # Pair exchanges within the winner's own time: the iteration never gets longer. Padded,
-        # the time up to the deadline is free.
-        within = deadline_s if padded and deadline_s is not None else best_te[0]
-        improved = exchange(self.problem, best, within, self._walker)
-        t, e = self._objective(improved, deadline_s, padded)
-        if t <= within and e < best_te[1]:
-            best = improved
+        scored.sort()
+        best, best_te = candidates[scored[0][2]], (scored[0][1], scored[0][0])
+        # Pair exchanges within each leading candidate's own time (the iteration never gets
+        # longer; padded, the time up to the deadline is free): the best before them is not
+        # always the best after.
+        tried: list[np.ndarray] = []
+        for _, t0, k in scored:
+            if len(tried) == _EXCHANGED:
+                break
+            if any(np.array_equal(candidates[k], c) for c in tried):
+                continue
+            tried.append(candidates[k])
+            within = deadline_s if padded and deadline_s is not None else t0
+            improved = exchange(self.problem, candidates[k], within, self._walker)
+            t, e = self._objective(improved, deadline_s, padded)
+            if t <= within and (e, t) < (best_te[1], best_te[0]):
+                best, best_te = improved, (t, e)
         frequencies = self.problem.frequencies(best)
         evaluation = self.evaluator.evaluate(frequencies)
         if deadline_s is not None and evaluation.iteration_time_s > deadline_s:
