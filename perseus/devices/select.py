@@ -2,7 +2,8 @@
 
 Auto-detection (`auto`, the default) takes NVIDIA GPUs through NVML; only where NVML finds no
 NVIDIA GPU (no driver, no binding, no GPU) does it ask amdsmi for AMD GPUs, and it logs which it
-chose. An explicit `nvml` or `amd` never falls back to the other.
+chose. An explicit `nvml` or `amd` never falls back to the other. Where a perseus agent serves the
+node, the selected GPUs change clocks and power limits through it (perseus.agent.location says when).
 """
 
 from __future__ import annotations
