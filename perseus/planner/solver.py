@@ -31,7 +31,7 @@ from perseus.schedules.instruction import Schedule
 _LP_SLACK_S = 1e-9
 # Fractions of the relaxed minimum-energy time also tried when the deadline does not bind.
 _MIN_ENERGY_TARGETS = (0.99, 0.97)
-# Candidates polished by pair exchanges, best first.
+# Candidates polished by pair exchanges, best first (frontier sweeps: the best only).
 _EXCHANGED = 3
 # Iterative rounding (`refine`) costs a few warm LP re-solves: used for single plans up to this
 # many instructions, not for frontier sweeps (50 points stay within seconds).
@@ -110,6 +110,7 @@ class Planner:
 
     def _sweep(self, deadlines: np.ndarray, slowest: Plan) -> list[FrontierPoint]:
         num_points = len(deadlines)
+        self._lp.solve(float(deadlines[0]), warm=False)
         points: list[FrontierPoint] = []
         best: Plan | None = None
         for k, deadline in enumerate(deadlines.tolist()):
@@ -141,8 +142,9 @@ class Planner:
                 f"{self.fastest_time_s:.6g} s per iteration; relax the deadline"
             )
         problem, lp = self.problem, self._lp
-        if deadline_s is not None:
-            # Choices no plan within the deadline can take are left out: a tighter hull.
+        if deadline_s is not None and refined:
+            # Choices no plan within the deadline can take are left out: a tighter hull (a new LP,
+            # so frontier sweeps keep their one warm LP instead).
             problem = self.problem.restricted(deadline_s)
             if problem is not self.problem:
                 lp, warm = HullLP(problem), False
@@ -163,7 +165,7 @@ class Planner:
                 candidates.append(exact)
         if deadline_s is None or deadline_s >= self.max_frequency_time_s:
             candidates.append(self._max_frequency_dominated)
-        return self._best(candidates, deadline_s, relaxation, padded)
+        return self._best(candidates, deadline_s, relaxation, padded, _EXCHANGED if refined else 1)
 
     def _round(self, relaxation: Relaxation, deadline_s: float | None) -> list[np.ndarray]:
         rounded = round_down(self.problem, relaxation.finish_s, _LP_SLACK_S, self._walker)
@@ -185,7 +187,12 @@ class Planner:
         return t, e
 
     def _best(
-        self, candidates: list[np.ndarray], deadline_s: float | None, relaxation: Relaxation, padded: bool = False
+        self,
+        candidates: list[np.ndarray],
+        deadline_s: float | None,
+        relaxation: Relaxation,
+        padded: bool = False,
+        exchanged: int = _EXCHANGED,
     ) -> Plan:
         scored = []
         for k, choice in enumerate(candidates):
@@ -203,7 +210,7 @@ class Planner:
         # always the best after.
         tried: list[np.ndarray] = []
         for _, t0, k in scored:
-            if len(tried) == _EXCHANGED:
+            if len(tried) == exchanged:
                 break
             if any(np.array_equal(candidates[k], c) for c in tried):
                 continue
