@@ -100,7 +100,7 @@ def test_a_second_client_is_refused_naming_the_holder(node, thread_agent):
 
 def test_silence_ends_the_lease(node, thread_agent):
     """Heartbeats stop (a hung or stopped process): after the timeout the agent resets the GPU."""
-    thread_agent(timeout_s=0.3)
+    thread_agent(timeout_s=1.0)
     uuid = node.gpu(0).uuid()
     sock = raw_connect(node.socket)
     try:

@@ -26,12 +26,14 @@ from perseus.exceptions import DevicePermissionError
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping a rank to another uid needs root")
 
 NOBODY = 65534  # uid and gid of nobody/nogroup
+TIMEOUT_S = 2.0
 
 
 @pytest.fixture
 def agent(node):
-    """A `perseus agent` process as root; the socket admits group 65534 (the ranks')."""
-    proc = node.process("--group", str(NOBODY), "--heartbeat-timeout", "0.5").start()
+    """A `perseus agent` process as root; the socket admits group 65534 (the ranks'). A 2 s
+    heartbeat timeout: a loaded machine may starve a rank's heartbeat thread for a while."""
+    proc = node.process("--group", str(NOBODY), "--heartbeat-timeout", str(TIMEOUT_S)).start()
     yield proc
     proc.stop()
 
@@ -198,7 +200,7 @@ def test_an_agent_killed_and_restarted_resets_stale_locks(node, agent):
         child.kill_group()  # ... and the rank dies while no agent runs: nobody resets the GPU
         child.wait()
         assert node.gpu(1).sm_clock() == 510 and node.gpu(1).power_limit_mw() == 200_000
-        restarted = node.process("--group", str(NOBODY)).start()
+        restarted = node.process("--group", str(NOBODY), "--heartbeat-timeout", str(TIMEOUT_S)).start()
         try:
             assert at_defaults(node.gpu(1))  # reset before it serves
         finally:
@@ -214,7 +216,7 @@ def test_a_live_rank_gets_its_settings_back_from_a_restarted_agent(node, agent):
     try:
         pid = child.next()["pid"]
         agent.kill()
-        restarted = node.process("--group", str(NOBODY), "--heartbeat-timeout", "0.5").start()
+        restarted = node.process("--group", str(NOBODY), "--heartbeat-timeout", str(TIMEOUT_S)).start()
         watcher = AgentClient(node.socket)
         try:
 
