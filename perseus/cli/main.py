@@ -24,6 +24,7 @@ COMMANDS = [
     "perseus.cli.serve",
     "perseus.cli.agent",
     "perseus.cli.straggler",
+    "perseus.cli.status",
     "perseus.cli.keys",
     "perseus.cli.demo",
 ]
@@ -33,6 +34,7 @@ EPILOG = """examples:
   perseus info                                GPUs, clocks, power limits, permissions
   perseus plan --profile gpt3.csv --blocking-power 83.64 --stages 8 --microbatches 96
   perseus serve                               the planner service that instrumented training talks to
+  perseus status                              its jobs: model fit, plans, predicted and measured saving
   perseus demo                                end to end on a simulated 4-GPU pipeline
   perseus probe                               what this GPU's counters and clock changes really do
 

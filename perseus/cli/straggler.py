@@ -4,14 +4,11 @@ the others to its pace (or clear it); without --factor or --clear, show each pip
 from __future__ import annotations
 
 import argparse
-import logging
 
-from perseus.client.planner_client import PlannerClient
-from perseus.exceptions import ConfigError, ServiceError
-from perseus.wire.envelope import ErrorCode
+from perseus.cli.service_args import add_service_arguments, check_job_id, fetch_status, service_client, unreachable
+from perseus.exceptions import ConfigError
 from perseus.wire.limits import DEFAULT_ADDRESS, MAX_STRAGGLER_FACTOR
-from perseus.wire.messages import GetStatus, JobStatus
-from perseus.wire.security import DEFAULT_CLIENT, CurveClient
+from perseus.wire.messages import JobStatus
 
 EPILOG = f"""examples:
   perseus straggler --job job-1a2b3c4d5e6f7a8b --pipeline 1 --factor 1.2
@@ -49,71 +46,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     action.add_argument(
         "--clear", action="store_true", help="withdraw the declaration (the others go back to their no-slowdown plans)"
     )
-    parser.add_argument(
-        "--address",
-        default=DEFAULT_ADDRESS,
-        metavar="ENDPOINT",
-        help=f"the planner service (default {DEFAULT_ADDRESS})",
-    )
-    parser.add_argument(
-        "--curve-keys", default=None, metavar="DIR", help="CURVE keys folder, for a service run with --curve-keys"
-    )
-    parser.add_argument(
-        "--client",
-        default=DEFAULT_CLIENT,
-        metavar="NAME",
-        help=f"client key name in DIR/clients (default {DEFAULT_CLIENT})",
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for the service (default 5)"
-    )
+    add_service_arguments(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if (args.factor is not None or args.clear) and args.pipeline is None:
         raise ConfigError("say which pipeline with --pipeline K (its data-parallel index)")
-    try:
-        GetStatus(args.job)  # the protocol's own check of a job id
-    except ConfigError:
-        raise ConfigError(f"--job takes a job id as perseus serve logs it (job-<hex>), got {args.job!r}") from None
+    check_job_id(args.job)
     if args.pipeline is not None and args.pipeline < 0:
         raise ConfigError(f"--pipeline is a data-parallel index, 0 or more; got {args.pipeline}")
-    if not 0 < args.timeout <= 3600:
-        raise ConfigError(f"--timeout is in seconds, more than 0 and at most 3600; got {args.timeout:g}")
     if args.factor is not None and not 1.0 <= args.factor <= MAX_STRAGGLER_FACTOR:
         raise ConfigError(
             f"--factor is the straggler's iteration time over its planned time, in [1, {MAX_STRAGGLER_FACTOR:g}]; got "
             f"{args.factor:g}"
         )
-    security = CurveClient.from_dir(args.curve_keys, args.client) if args.curve_keys else None
-    unreachable = ServiceError(
-        "unreachable", f"the planner service at {args.address} did not answer within {args.timeout:g} s; is it running?"
-    )
-    # The client logs for training ranks ("training continues ..."); here every failure is raised
-    # and reported once, as this command's error.
-    client_log = logging.getLogger("perseus.client")  # the client package: its connection thread logs the timeouts
-    level = client_log.level
-    client_log.setLevel(logging.CRITICAL)
-    try:
-        with PlannerClient(args.address, timeout_s=args.timeout, security=security) as client:
-            if args.factor is not None or args.clear:
-                if not client.declare_straggler(args.job, args.pipeline, None if args.clear else args.factor):
-                    raise unreachable
-                what = "cleared" if args.clear else f"declared {args.factor:g}x"
-                print(f"job {args.job}: pipeline {args.pipeline} {what}")
-            status = client.status(args.job)
-    except ServiceError as e:
-        if e.code == ErrorCode.UNKNOWN_JOB.value:
-            raise ServiceError(
-                e.code,
-                f"no job {args.job} on the service at {args.address}; check --job (perseus serve logs each job's id)",
-            ) from None
-        raise
-    finally:
-        client_log.setLevel(level)
-    if status is None:
-        raise unreachable
+    with service_client(args) as client:
+        if args.factor is not None or args.clear:
+            if not client.declare_straggler(args.job, args.pipeline, None if args.clear else args.factor):
+                raise unreachable(args)
+            what = "cleared" if args.clear else f"declared {args.factor:g}x"
+            print(f"job {args.job}: pipeline {args.pipeline} {what}")
+        status = fetch_status(client, args, args.job)
     print(format_pipelines(status.jobs[0]))
     return 0
 

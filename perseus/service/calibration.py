@@ -171,17 +171,23 @@ class _Model:
 
     def simulate(self, span: np.ndarray, gap: np.ndarray, hop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(begin, end) of every node: each waits `gap` after its rank's previous instruction (or
-        the step's start) and `hop[pair]` after an input from another rank."""
+        the step's start) and `hop[pair]` after an input from another rank. Batched: with 2-D
+        arguments (k x nodes, k x pairs), k models at once."""
+        single = np.ndim(span) == 1 and np.ndim(gap) == 1 and np.ndim(hop) == 1
+        span, gap, hop = np.atleast_2d(span), np.atleast_2d(gap), np.atleast_2d(hop)
+        k = max(len(span), len(gap), len(hop))
         n = self.n
-        weight = np.where(self.remote, hop[np.maximum(self.pad_pair, 0)] if len(hop) else 0.0, gap[:, None])
-        begin = np.zeros(n)
-        end = np.zeros(n + 1)
+        hops = hop[:, np.maximum(self.pad_pair, 0)] if hop.shape[1] else np.zeros((1,) + self.pad.shape)
+        weight = np.where(self.remote[None], hops, gap[:, :, None])  # k x nodes x predecessors
+        begin = np.zeros((k, n))
+        end = np.zeros((k, n + 1))
         ptr = self.arrays.level_ptr
         for lo, hi in zip(ptr[:-1], ptr[1:]):
-            b = (end[self.pad[lo:hi]] + weight[lo:hi]).max(axis=1)
-            begin[lo:hi] = b
-            end[lo:hi] = b + span[lo:hi]
-        return begin, end[:n]
+            b = (end[:, self.pad[lo:hi]] + weight[:, lo:hi]).max(axis=2)
+            begin[:, lo:hi] = b
+            end[:, lo:hi] = b + span[:, lo:hi]
+        end = end[:, :n]
+        return (begin[0], end[0]) if single else (begin, end)
 
     def makespan(self, node_time: np.ndarray) -> np.ndarray:
         """The planner's model: end of every node, each node's time its only weight."""
@@ -246,6 +252,10 @@ def _timeline_model(m: _Model, data: _Measured) -> tuple[np.ndarray, np.ndarray,
             there = (data.begins[:, dst[up]] - data.ends[:, src[up]]).min(axis=1)
             back = (data.begins[:, dst[down]] - data.ends[:, src[down]]).min(axis=1)
             hop[p] = max(0.0, float(np.median(there + back)) / 2)
+    # A pair whose receivers never wait on each other shows its slack, not its hop: the hops of
+    # one job's links are alike, so none starts above their median (the fit may raise it).
+    if len(hop):
+        hop = np.minimum(hop, float(np.median(hop)))
 
     # Least squares of every rank's own timeline (each rank shifted by its median residual) and,
     # weighted as much as all of them, of every rank's window (its first begin to its last end).
@@ -254,29 +264,33 @@ def _timeline_model(m: _Model, data: _Measured) -> tuple[np.ndarray, np.ndarray,
     span = np.maximum(m.max_time + excess[m.row], 0.0)
     measured_windows = e[lasts] - b[firsts]
 
-    def loss() -> float:
-        sb, se = m.simulate(span, gap[m.kind], hop)
-        total = 0.0
-        for res in (sb - b, se - e):
-            for r in range(m.schedule.num_stages):
-                mine = res[m.rank == r]
-                total += float(((mine - np.median(mine)) ** 2).sum())
-        windows = (se[lasts] - sb[firsts]) - measured_windows
-        return total + m.n * float((windows**2).sum())
+    ranks = [m.rank == r for r in range(m.schedule.num_stages)]
 
-    best = loss()
+    def losses(gaps: np.ndarray, hops: np.ndarray) -> np.ndarray:
+        """Squared error of each candidate (k x kinds gaps, k x pairs hops)."""
+        sb, se = m.simulate(span, gaps[:, m.kind], hops)
+        total = np.zeros(len(sb))
+        for res in (sb - b, se - e):
+            for mine in ranks:
+                part = res[:, mine]
+                total += ((part - np.median(part, axis=1, keepdims=True)) ** 2).sum(axis=1)
+        windows = (se[:, lasts] - sb[:, firsts]) - measured_windows
+        return total + m.n * (windows**2).sum(axis=1)
+
+    best = float(losses(gap[None], hop[None])[0])
+    steps = np.array(_STEPS)
     for _ in range(_SWEEPS):
         improved = False
         for vec in (gap, hop):
             for k in range(len(vec)):
-                base_value = vec[k]
-                choice = base_value
-                for step in _STEPS:
-                    vec[k] = base_value * step if base_value > 0 else (1e-4 if step > 1 else 0.0)
-                    value = loss()
-                    if value < best * (1 - _GAIN):
-                        best, choice, improved = value, vec[k], True
-                vec[k] = choice
+                values = vec[k] * steps if vec[k] > 0 else np.array([1e-4, 0.0])
+                gaps = np.repeat(gap[None], len(values), axis=0)
+                hops = np.repeat(hop[None], len(values), axis=0)
+                (gaps if vec is gap else hops)[:, k] = values
+                scores = losses(gaps, hops)
+                j = int(np.argmin(scores))
+                if scores[j] < best * (1 - _GAIN):
+                    best, vec[k], improved = float(scores[j]), values[j], True
         if not improved:
             break
     return excess, gap, hop
@@ -284,10 +298,13 @@ def _timeline_model(m: _Model, data: _Measured) -> tuple[np.ndarray, np.ndarray,
 
 def _project(m: _Model, span: np.ndarray, gap_node: np.ndarray, hop: np.ndarray) -> np.ndarray:
     """One overhead per profile row, so that the planner's model (node times only) follows the
-    calibrated one at maximum clocks and with each stage slowed in turn."""
+    calibrated one at maximum clocks and, weighted as much in all, with each stage slowed in turn;
+    then scaled together to match its iteration at maximum clocks exactly."""
     n = m.n
-    scenarios = [span] + [span * np.where(m.rank == r, 1.5, 1.0) for r in range(m.schedule.num_stages)]
-    targets = [m.simulate(span, gap_node, hop)[1] for span in scenarios]
+    scenarios = np.array([span] + [span * np.where(m.rank == r, 1.5, 1.0) for r in range(m.schedule.num_stages)])
+    targets = np.array([m.simulate(s, gap_node, hop)[1] for s in scenarios])
+    weights = np.ones(len(scenarios))
+    weights[0] = len(scenarios) - 1  # maximum clocks, as much as every slowed stage together
     hop_in = np.zeros(n)
     for i in range(n):
         for k, j in enumerate(m.pad[i]):
@@ -298,25 +315,39 @@ def _project(m: _Model, span: np.ndarray, gap_node: np.ndarray, hop: np.ndarray)
     high = np.maximum(low, [float(np.median(np.maximum(gap_node, hop_in)[m.row == r])) for r in range(rows)])
     overhead = (low + high) / 2
 
-    def loss() -> float:
-        node = overhead[m.row]
-        return sum(float(((m.makespan(span + node) - t) ** 2).sum()) for span, t in zip(scenarios, targets))
+    def losses(candidates: np.ndarray) -> np.ndarray:
+        """Squared error of each candidate overhead vector (k x rows), every scenario at once."""
+        node = candidates[:, m.row]  # k x n
+        times = scenarios[None, :, :] + node[:, None, :]  # k x scenarios x n
+        ends = m.makespan(times.reshape(-1, n)).reshape(times.shape)
+        return (((ends - targets[None]) ** 2).sum(axis=2) * weights).sum(axis=1)
 
-    best = loss()
+    best = float(losses(overhead[None])[0])
     for _ in range(_SWEEPS):
         improved = False
         for r in range(rows):
-            base = overhead[r]
-            choice = base
-            for value in np.linspace(low[r], high[r], 9):
-                overhead[r] = value
-                current = loss()
-                if current < best * (1 - _GAIN):
-                    best, choice, improved = current, value, True
-            overhead[r] = choice
+            values = np.linspace(low[r], high[r], 9)
+            candidates = np.repeat(overhead[None], len(values), axis=0)
+            candidates[:, r] = values
+            scores = losses(candidates)
+            k = int(np.argmin(scores))
+            if scores[k] < best * (1 - _GAIN):
+                best, overhead[r], improved = float(scores[k]), values[k], True
         if not improved:
             break
-    return overhead
+    # Then exactly at maximum clocks, the operating point the no-slowdown plan is held to: all
+    # overheads scaled together until the planner's iteration is the calibrated model's.
+    goal = float(targets[0].max())
+    low_scale, high_scale = 0.0, 2.0
+    if m.makespan(span + high_scale * overhead[m.row]).max() < goal:
+        return high_scale * overhead
+    for _ in range(40):
+        mid = (low_scale + high_scale) / 2
+        if m.makespan(span + mid * overhead[m.row]).max() < goal:
+            low_scale = mid
+        else:
+            high_scale = mid
+    return high_scale * overhead
 
 
 def fit(schedule: Schedule, profile: Profile, timelines: Sequence[Timeline]) -> Calibration:

@@ -135,6 +135,10 @@ class Job:
                 None  # planned for another GPU (the rank came back on a new one): max clocks until its plan is solved
             )
         frequencies = plan.stage_frequencies[info.stage] if plan is not None and plan.version != known_version else None
+        # Baseline spans until the pipeline runs a plan: its model calibrates, its plans are checked on them.
+        spans = (
+            not self.error and info.dp_index not in self.plans and self.model.wants_spans(self.models(info.dp_index))
+        )
         return Table(
             phase=self.phase.value,
             warmup_iterations=self.spec.warmup_iterations,
@@ -146,7 +150,7 @@ class Job:
             frequencies=frequencies,
             error=self.error,
             upload=self.roster.uploads_profile(info),
-            spans=not self.error and self.model.wants_spans(self.models(info.dp_index)),
+            spans=spans,
         )
 
     @property
@@ -225,7 +229,7 @@ class Job:
             pipelines = self.pipelines_of(models)
             if profile is not None and self.model.due(models, pipelines):
                 timelines = self.model.timelines(pipelines)
-                self.model.calibrations.fitting(models, len(timelines))
+                self.model.calibrations.fitting(models, self.model.added(pipelines))
                 tasks.append((models, profile, timelines))
         return tasks
 

@@ -104,7 +104,11 @@ class PipelineModels:
 
     def due(self, models: Models, pipelines: list[int]) -> bool:
         """Whether these models have enough new baseline iterations to be fitted."""
-        return self.calibrates and self.calibrations.due(models, len(self.timelines(pipelines)))
+        return self.calibrates and self.calibrations.due(models, self.added(pipelines))
+
+    def added(self, pipelines: list[int]) -> int:
+        """Baseline timelines these pipelines ever completed."""
+        return sum(self.spans.added[k] for k in pipelines)
 
     def planning_profile(self, models: Models, measured: Profile | None) -> Profile | None:
         """The profile plans for `models` are solved on; None until they may be."""

@@ -145,7 +145,8 @@ class PlanBook:
 
     def publish(self, wanted: dict[int, PlanKey], start_iteration: int) -> list[int]:
         """Publish, with one new version starting at `start_iteration`, the wanted plan of every
-        pipeline whose plan changes and is solved; the pipelines changed."""
+        pipeline whose plan changes (another key, or the same key solved anew: a re-plan after
+        verification) and is solved; the pipelines changed."""
         changed: dict[int, tuple[PlanKey, PlanResult]] = {}
         for k, key in wanted.items():
             result = self.results.get(key)
@@ -154,7 +155,9 @@ class PlanBook:
             if isinstance(result, str):
                 key = (self.models(k), None)  # the deadline failed: run the no-slowdown plan
                 result = self.results.get(key)
-            if isinstance(result, PlanResult) and (k not in self.plans or self.plans[k].key != key):
+            if isinstance(result, PlanResult) and (
+                k not in self.plans or self.plans[k].key != key or self.plans[k].result() != result
+            ):
                 changed[k] = (key, result)
         if not changed:
             return []

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # annotations only: the fit imports numpy and the planner's D
 log = logging.getLogger(__name__)
 
 #: Baseline iterations a calibration needs (beyond the first iteration of the job).
-MIN_ITERATIONS = 6
+MIN_ITERATIONS = 8
 #: Baseline iterations kept per pipeline (the latest).
 MAX_TIMELINES = 24
 #: Iterations awaiting some stage's spans; older ones are dropped.
@@ -78,6 +78,7 @@ class SpanBook:
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
         self.timelines: list[deque[Timeline]] = [deque(maxlen=MAX_TIMELINES) for _ in range(spec.dp)]
+        self.added = [0] * spec.dp  # timelines each pipeline ever completed (the deque keeps the latest)
         self.pending: dict[tuple[int, int], dict[int, ReportSpans]] = {}
         self.received = 0  # span reports taken (any pipeline)
 
@@ -105,6 +106,7 @@ class SpanBook:
             return None
         del self.pending[key]
         self.timelines[info.dp_index].append(_timeline(self.spec.pp, stages))
+        self.added[info.dp_index] += 1
         return info.dp_index
 
     def baseline_s(self, pipelines: list[int]) -> tuple[float | None, float | None]:
@@ -157,14 +159,18 @@ class Calibrations:
         return self.get(models).state in (FITTED, UNCALIBRATED, OVERRIDDEN)
 
     def wants_spans(self, models: Models) -> bool:
-        return self.get(models).state in (COLLECTING, FITTING)
+        """Spans are wanted until a plan is in force (the more baseline iterations, the steadier
+        the baseline plans are verified against), unless the model failed."""
+        return self.get(models).state in (COLLECTING, FITTING, FITTED)
 
     def due(self, models: Models, timelines: int) -> bool:
-        """Whether enough new timelines are in to fit these models (again)."""
+        """Whether enough new timelines are in to fit these models (again); `timelines`: how many
+        their pipelines ever completed."""
         state = self.get(models)
         return state.state == COLLECTING and timelines >= state.fitted_with + MIN_ITERATIONS
 
     def fitting(self, models: Models, timelines: int) -> None:
+        """A fit of these models starts, `timelines` completed so far."""
         state = self.get(models)
         state.state = FITTING
         state.fitted_with = timelines

@@ -3,8 +3,9 @@
 A plan is a promise: the no-slowdown plan keeps the measured baseline iteration time, a
 straggler-aware plan keeps the straggler's pace (its deadline, at the baseline's scale). Each
 pipeline's measured iterations under its plan (from the plan's start, less the switch) are
-checked in windows of `WINDOW`: the median against the target. Past the job's tolerance the
-service warns once and re-plans with a margin: every instruction the plan slows is modelled
+checked in windows of `WINDOW`: the median against the target. Past the job's tolerance in
+`PERSISTS` windows in a row (a busy host's passing stall is not the plan's doing), the service
+warns once and re-plans with a margin: every instruction the plan slows is modelled
 that much slower (`margin`, grown by twice the excess each time), which tightens the plan by
 the excess it showed while keeping maximum clocks feasible. Margins only grow (hysteresis: no
 oscillation between plans) and at most `MAX_REPLANS` re-plans are made; if the plan still runs
@@ -22,10 +23,13 @@ from dataclasses import dataclass
 TOLERANCE = 0.01
 #: Planned iterations whose median is checked against the target.
 WINDOW = 10
-#: Iterations at a plan's start left out (the switch to it).
-SKIP = 1
+#: Iterations at a plan's start left out: the switch to it, and the first iterations it runs
+#: (every clock change then is a first one: slower on real and simulated GPUs alike).
+SKIP = 3
 #: Re-plans with a growing margin before a pipeline falls back to maximum clocks.
 MAX_REPLANS = 3
+#: Windows in a row over the tolerance before the plan is corrected.
+PERSISTS = 2
 
 VERIFYING = "verifying"
 HOLDS = "holds"
@@ -59,12 +63,14 @@ class PlanCheck:
         self.measured_s: float | None = None
         self.reason = ""
         self.warned_fallback = False
+        self.over = 0  # windows in a row over the tolerance
 
     def plan_started(self, version: int, start_iteration: int, target_s: float | None, fallback: bool) -> None:
         """A new plan (version) runs from `start_iteration`; its iterations should take `target_s`
         (None: unknown, nothing is checked)."""
         self.version, self.start, self.target_s = version, start_iteration, target_s
         self.window = []
+        self.over = 0
         if fallback:
             self.state = FALLBACK
         elif target_s is not None:
@@ -94,19 +100,25 @@ class PlanCheck:
                 )
             return None
         if self.excess <= self.tolerance:
+            self.over = 0
             if self.state == HOLDS:
                 return None  # said once per plan
             self.state = HOLDS
             return Verdict(HOLDS, self.excess, measured, self.target_s)
+        self.over += 1
+        if self.over < PERSISTS:
+            return None
         what = (
             f"plan v{self.version} runs {100 * self.excess:+.1f}% over its target ({measured:.4f} s against "
-            f"{self.target_s:.4f} s, median of {WINDOW} iterations; tolerance {100 * self.tolerance:.1f}%)"
+            f"{self.target_s:.4f} s, median of {WINDOW} iterations, over the tolerance of "
+            f"{100 * self.tolerance:.1f}% {self.over} windows in a row)"
         )
         if self.replans >= MAX_REPLANS:
             self.state = FALLBACK
             self.reason = f"{what}; after {self.replans} re-plans, falling back to maximum clocks"
             return Verdict(FALLBACK, self.excess, measured, self.target_s, self.reason)
         self.replans += 1
+        self.over = 0
         self.state = REPLANNING
         self.reason = f"{what}; re-planning ({self.replans} of {MAX_REPLANS})"
         return Verdict(REPLANNING, self.excess, measured, self.target_s, self.reason)

@@ -1,0 +1,93 @@
+"""Calibration and verification through a real `perseus serve`: ranks' spans over the socket,
+the model fitted on the calibration thread before any plan, `perseus status` showing the fit,
+and a plan that runs over corrected (a new version) with a warning in the service's log."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from server_helpers import rank_info, wait_until
+from timeline_helpers import STAGES, profile, timelines
+
+from perseus.client.planner_client import PlannerClient
+from perseus.profiler.profile import Profile
+from perseus.schedules import build_schedule
+from perseus.service.timelines import MIN_ITERATIONS
+from perseus.service.verification import PERSISTS, SKIP, WINDOW
+from perseus.wire.phases import Phase
+from perseus.wire.spans import ReportSpans
+from perseus.wire.spec import JobSpec
+
+
+def spans(job_id: str, rank: int, iteration: int, timeline) -> ReportSpans:
+    return ReportSpans(
+        job_id,
+        rank,
+        iteration,
+        "planning",
+        None,
+        round(timeline.steps[rank] * 1e6),
+        tuple(round(t * 1e6) for t in timeline.begins[rank]),
+        tuple(round(t * 1e6) for t in timeline.ends[rank]),
+    )
+
+
+def status_cli(endpoint: str, *args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "perseus.cli.main", "status", "--address", endpoint, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_spans_calibrate_the_model_and_an_overrunning_plan_is_replanned(serve):
+    served = serve()
+    spec = JobSpec(STAGES, STAGES, schedule_name="1f1b", num_microbatches=8, gpu_model="sim-a100")
+    clients = [PlannerClient(served.endpoint, timeout_s=3.0, poll_interval_s=0.05) for _ in range(STAGES)]
+    try:
+        job_id = clients[0].register_job(spec)
+        for r, client in enumerate(clients):
+            client.register_rank(job_id, rank_info(r, timeline=True))
+        wait_until(lambda: all(c.assignment(0).spans for c in clients))  # the service asks for spans
+        prof = profile(STAGES)
+        for r, client in enumerate(clients):
+            client.upload_profile(job_id, r, Profile({k: v for k, v in prof.points.items() if k[0] == r}, 83.64))
+        wait_until(lambda: served.log().count("profiled on") >= STAGES)
+        assert not clients[0].wait_for_plan(0.5)  # profiled, not calibrated: no plan yet
+        schedule = build_schedule("1f1b", STAGES, 8)
+        for it, timeline in enumerate(timelines(schedule, prof, count=MIN_ITERATIONS), start=1):
+            for r, client in enumerate(clients):
+                client.report_spans(spans(job_id, r, it, timeline))
+                client.report_iteration(job_id, r, it, timeline.steps[r], 100.0, compute_time_s=timeline.compute_s)
+        assert all(c.wait_for_plan(30.0) for c in clients)
+        assert "model calibrated" in served.log()
+
+        text = status_cli(served.endpoint)
+        assert f"job {job_id}: planned" in text and "model of sim-a100: fitted on 8 baseline iterations" in text
+        doc = json.loads(status_cli(served.endpoint, "--job", job_id, "--json"))["jobs"][0]
+        (calibration,) = doc["calibrations"]
+        assert abs(calibration["model_s"] / calibration["measured_s"] - 1) <= 0.01 and len(calibration["stages"]) == 4
+        (pipeline,) = doc["pipelines"]
+        target = pipeline["target_iteration_time_s"]
+        assert pipeline["verification"] == "verifying" and target == pytest.approx(
+            sorted(t.compute_s for t in timelines(schedule, prof, count=MIN_ITERATIONS))[MIN_ITERATIONS // 2], rel=0.01
+        )
+
+        start = min(i for i in range(1000) if clients[0].assignment(i).phase == Phase.PLANNED)
+        for it in range(start + SKIP, start + SKIP + WINDOW * PERSISTS):
+            for r, client in enumerate(clients):
+                client.report_iteration(job_id, r, it, target * 1.1, 90.0, compute_time_s=target * 1.08)
+        wait_until(lambda: clients[0].status(job_id).jobs[0].plan_version == 2, timeout_s=30)
+        assert "WARNING" in served.log() and "re-planning (1 of 3)" in served.log()
+        text = status_cli(served.endpoint, "--job", job_id)
+        assert "plan v2" in text and "re-planning (1 of 3)" in text
+    finally:
+        for c in clients:
+            c.close()

@@ -1,0 +1,216 @@
+"""Calibration and verification inside one job (no sockets): the job asks for spans, fits its model
+on them before any plan, plans on the calibrated profile, checks the plan on the measured
+iterations, re-plans with a growing margin when it runs over, falls back to maximum clocks after
+the cap, and says all of it in its status. `PlanCheck` and the profile margins on their own too."""
+
+from __future__ import annotations
+
+import pytest
+from server_helpers import FREQUENCIES, job_spec, rank_info, stage_profile
+from timeline_helpers import profile, timelines
+
+from perseus.planner import Planner
+from perseus.profiler.profile import Profile, ProfilePoint
+from perseus.schedules import build_schedule
+from perseus.service.calibration import fit
+from perseus.service.job import Job
+from perseus.service.model import max_clock_result, with_margin
+from perseus.service.planning import PlanResult, plan_pipeline
+from perseus.service.timelines import MIN_ITERATIONS
+from perseus.service.verification import (
+    FALLBACK,
+    HOLDS,
+    MAX_REPLANS,
+    PERSISTS,
+    REPLANNING,
+    SKIP,
+    WINDOW,
+    PlanCheck,
+    grown_margin,
+)
+from perseus.wire.messages import ReportIteration
+from perseus.wire.spans import ReportSpans
+from perseus.wire.spec import JobSpec
+
+STAGES = 4
+
+
+def feed(check: PlanCheck, start: int, values: list[float]):
+    verdicts = []
+    for i, value in enumerate(values):
+        verdict = check.add(start + i, value)
+        if verdict is not None:
+            verdicts.append(verdict)
+    return verdicts
+
+
+def test_a_plan_is_checked_in_windows_after_its_switch():
+    check = PlanCheck(tolerance=0.01)
+    check.plan_started(version=1, start_iteration=10, target_s=1.0, fallback=False)
+    assert check.state == "verifying"
+    assert not feed(check, 0, [9.0] * (10 + SKIP))  # before the plan and its switch: not counted
+    (verdict,) = feed(check, 10 + SKIP, [1.005] * WINDOW)
+    assert verdict.action == HOLDS and verdict.excess == pytest.approx(0.005) and check.state == HOLDS
+    assert not feed(check, 100, [1.0] * WINDOW)  # holds: said once
+
+
+def test_a_plan_over_its_target_is_replanned_then_falls_back():
+    check = PlanCheck(tolerance=0.01)
+    check.plan_started(1, 0, 1.0, fallback=False)
+    start = SKIP
+    verdicts = []
+    for _ in range(MAX_REPLANS + 1):
+        verdicts += feed(check, start, [1.05] * WINDOW * PERSISTS)
+        start += WINDOW * PERSISTS
+    assert [v.action for v in verdicts] == [REPLANNING] * MAX_REPLANS + [FALLBACK]
+    assert "re-planning (1 of 3)" in verdicts[0].reason and "+5.0%" in verdicts[0].reason
+    assert "falling back to maximum clocks" in verdicts[-1].reason and check.state == FALLBACK
+    assert check.replans == MAX_REPLANS
+
+
+def test_a_passing_stall_is_not_the_plans_doing():
+    check = PlanCheck(tolerance=0.01)
+    check.plan_started(1, 0, 1.0, fallback=False)
+    assert not feed(check, SKIP, [1.2] * WINDOW)  # one window over: wait for the next
+    (verdict,) = feed(check, SKIP + WINDOW, [1.0] * WINDOW)
+    assert verdict.action == HOLDS and check.replans == 0
+
+
+def test_margins_grow_and_slow_only_what_the_plan_slows():
+    assert grown_margin(0.0, 0.05, 0.01) == pytest.approx(0.10)
+    assert grown_margin(0.10, 0.001, 0.01) == pytest.approx(0.12)  # at least the tolerance
+    points = [ProfilePoint(1410, 0.010, 3.0), ProfilePoint(1110, 0.012, 2.5)]
+    margined = with_margin(Profile({(0, "forward"): points}, 80.0), 0.1).points[(0, "forward")]
+    assert margined[0] == points[0]
+    assert margined[1].time == pytest.approx(0.0132) and margined[1].energy == pytest.approx(2.5 + 80.0 * 0.0012)
+
+
+def test_the_fallback_plan_runs_every_instruction_at_its_highest_clock():
+    schedule = build_schedule("1f1b", STAGES, 4)
+    prof = profile(STAGES)
+    solved, _ = plan_pipeline(Planner(schedule, prof))
+    fallback = max_clock_result(schedule, prof, solved)
+    assert {f for row in fallback.stage_frequencies for f in row} == {FREQUENCIES[0]}
+    assert fallback.iteration_time_s == solved.baseline_iteration_time_s
+    assert fallback.energy_j == solved.baseline_energy_j
+
+
+def spans_of(job: Job, iteration: int, timeline) -> list[ReportSpans]:
+    return [
+        ReportSpans(
+            job.job_id,
+            s,
+            iteration,
+            "planning",
+            None,
+            round(timeline.steps[s] * 1e6),
+            tuple(round(t * 1e6) for t in timeline.begins[s]),
+            tuple(round(t * 1e6) for t in timeline.ends[s]),
+        )
+        for s in range(STAGES)
+    ]
+
+
+def calibrated_job(work_s: float = 0.006) -> Job:
+    """A 4-stage job whose ranks sent enough baseline spans, fitted and planned (as the service's
+    workers would)."""
+    spec = JobSpec(STAGES, STAGES, schedule_name="1f1b", num_microbatches=8, gpu_model="sim-a100")
+    job = Job(spec)
+    for r in range(STAGES):
+        job.add_rank(rank_info(r, timeline=True))
+    assert job.table(0, 0, 0).spans
+    prof = profile(STAGES, work_s)
+    for s in range(STAGES):
+        job.add_profile(s, s, Profile({k: v for k, v in prof.points.items() if k[0] == s}, 83.64))
+    assert job.missing_plans() == [] and job.calibration_tasks() == []  # no spans yet: no plan
+    for i, timeline in enumerate(timelines(job.schedule, prof, count=MIN_ITERATIONS), start=1):
+        for spans in spans_of(job, i, timeline):
+            job.add_spans(spans)
+    (task,) = job.calibration_tasks()
+    models, measured, fitted_on = task
+    job.set_calibration(models, fit(job.schedule, measured, fitted_on))
+    return job
+
+
+def solve(job: Job) -> None:
+    for key, prof in job.missing_plans():
+        job.add_result(key, plan_pipeline(Planner(job.schedule, prof), key[1])[0])
+    job.publish()
+
+
+def report(job: Job, iteration: int, compute_s: float) -> None:
+    for r in range(STAGES):
+        job.record(ReportIteration(job.job_id, r, iteration, compute_s + 0.001, 100.0, compute_time_s=compute_s))
+
+
+def test_a_job_plans_on_its_calibrated_model_and_corrects_a_plan_that_runs_over():
+    job = calibrated_job()
+    ((key, prof),) = job.missing_plans()
+    assert prof.points[(3, "forward")][0].time > profile(STAGES).points[(3, "forward")][0].time  # the overheads
+    solve(job)
+    plan = job.plans[0]
+    assert plan.version == 1 and not job.table(0, plan.start_iteration, 0).spans  # a plan runs: no more spans
+    status = job.status()
+    (calibration,) = status.calibrations
+    assert calibration.state == "fitted" and abs(calibration.error) <= 0.01 and len(calibration.stages) == STAGES
+    pipeline = status.pipelines[0]
+    assert (
+        pipeline.verification == "verifying" and pipeline.target_iteration_time_s == pipeline.baseline_iteration_time_s
+    )
+
+    target = pipeline.target_iteration_time_s
+    it = plan.start_iteration + SKIP
+    for _ in range(WINDOW * PERSISTS):
+        report(job, it, target * 1.06)
+        it += 1
+    ((k, verdict),) = job.model.take_verdicts()
+    assert verdict.action == REPLANNING
+    assert job.correct(k, verdict) == [key]  # its plan is solved again, with a margin
+    state = job.model.calibrations.get(key[0])
+    assert state.margin == pytest.approx(0.12)
+    ((_, margined),) = job.missing_plans()
+    assert margined.points[(0, "forward")][1].time == pytest.approx(prof.points[(0, "forward")][1].time * 1.12)
+    solve(job)
+    assert job.plans[0].version == 2
+    status = job.status()
+    assert status.pipelines[0].replans == 1 and "re-planning (1 of 3)" in status.pipelines[0].reason
+    assert status.calibrations[0].margin == pytest.approx(0.12)
+
+
+def test_after_the_cap_the_pipeline_falls_back_to_maximum_clocks():
+    job = calibrated_job()
+    solve(job)
+    for _ in range(MAX_REPLANS + 1):
+        plan = job.plans[0]
+        it = max(plan.start_iteration, job.last_iteration + 1) + SKIP
+        for _ in range(WINDOW * PERSISTS):
+            report(job, it, job.status().pipelines[0].target_iteration_time_s * 1.1)
+            it += 1
+        for k, verdict in job.model.take_verdicts():
+            job.correct(k, verdict)
+        solve(job)
+    pipeline = job.status().pipelines[0]
+    assert pipeline.verification == "fallback" and "falling back to maximum clocks" in pipeline.reason
+    assert set(job.plans[0].stage_frequencies[0]) == {FREQUENCIES[0]}
+
+
+def test_no_gpu_work_no_plan_and_the_reason_in_status():
+    job = calibrated_job(work_s=0.0)
+    assert job.phase.value == "failed" and job.missing_plans() == []
+    assert "explains only" in job.error and "emulate" in job.error
+    (calibration,) = job.status().calibrations
+    assert calibration.state == "failed" and calibration.explained < 0.5
+
+
+def test_ranks_that_send_no_spans_are_planned_on_the_profile_alone():
+    job = Job(job_spec())
+    for r in range(2):
+        job.add_rank(rank_info(r))  # an earlier release: no timeline
+    assert not job.table(0, 0, 0).spans
+    for s in range(2):
+        job.add_profile(s, s, stage_profile(s))
+    ((key, prof),) = job.missing_plans()
+    assert prof.points == job.pipeline_profile(key[0]).points
+    (calibration,) = job.status().calibrations
+    assert calibration.state == "uncalibrated" and "send no instruction spans" in calibration.reason
+    assert isinstance(plan_pipeline(Planner(job.schedule, prof))[0], PlanResult)
