@@ -7,11 +7,13 @@ emulate={"forward": Work(0.006), "backward": Work(0.012)})`, or a callable
 instruction launches its work as it begins (a kernel launch) and waits for it as it ends.
 
 Perseus sets each instruction's clock off the training thread, a moment after the instruction
-began; work must run at the clock in force, as a real GPU's kernels do once the change lands.
-So until the controller has applied the instruction's clock, the work goes out in short slices
-(each at the clock in force when queued, the next queued before the last ends), and the rest in
-one piece once it has. On real GPUs `emulate` does nothing (they run the real kernels), so the
-same script runs on both.
+began (or before it, see perseus.controller); work runs at the clock in force, as a real GPU's
+kernels do once the change lands. So the work goes out in two pieces: a first slice at the
+clock in force as the instruction begins, and, once the controller has applied the
+instruction's clock (or half the slice has run, whichever comes first), the rest: queued while
+the slice still runs, so the GPU never idles between them however late the training thread
+wakes up. On real GPUs `emulate` does nothing (they run the real kernels), so the same script
+runs on both.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from perseus.schedules.instruction import Kind
 #: What `emulate=` takes: work per instruction kind, or a function of (kind, microbatch, chunk).
 WorkSpec = Mapping[str, Work] | Callable[[str, int, int], Work | None]
 
-#: GPU time (at the highest clock) of one slice queued while the instruction's clock is not applied yet.
-SLICE_S = 0.0005
+#: GPU time (at the highest clock) of the first piece of an instruction's work.
+SLICE_S = 0.002
 
 
 def check_work_spec(spec: WorkSpec) -> WorkSpec:
@@ -88,14 +90,13 @@ class InstructionWork:
         if gpu is None:
             return
         work = self._work_of(kind, microbatch, chunk)
-        left = 0.0 if work is None else work.time_s
-        while left > 0:
-            if self._clock_applied(0.0) or left <= SLICE_S:
-                gpu.execute(Work(left, work.alpha, work.intensity), blocking=False)  # type: ignore[union-attr]
-                return
-            took = gpu.execute(Work(SLICE_S, work.alpha, work.intensity), blocking=False)  # type: ignore[union-attr]
-            left -= SLICE_S
-            self._clock_applied(0.8 * took)  # queue the next slice before this one ends
+        if work is None or work.time_s <= 0:
+            return
+        first = min(work.time_s, SLICE_S)
+        took = gpu.execute(Work(first, work.alpha, work.intensity), blocking=False)
+        if work.time_s > first:
+            self._clock_applied(0.5 * took)  # the instruction's clock, while the first slice runs
+            gpu.execute(Work(work.time_s - first, work.alpha, work.intensity), blocking=False)
 
     def end(self) -> None:
         """Wait until the instruction's work has finished."""

@@ -1,6 +1,7 @@
-"""A pipeline-parallel training script as a new user writes it from the README, on simulated GPUs.
+"""Any torch pipeline schedule under Perseus on simulated GPUs, the model's GPU work emulated.
 
-    PERSEUS_GPU=sim:a100-sxm:4 torchrun --standalone --nproc-per-node 4 outsider_pipeline.py \
+    perseus serve &
+    PERSEUS_GPU=sim:a100-sxm:4 torchrun --standalone --nproc-per-node 4 examples/pipeline_emulated.py \
         --schedule ScheduleInterleaved1F1B --out results/
 
 Each rank trains its part of a small model with a torch pipelining schedule over gloo; every
