@@ -11,6 +11,8 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from perseus.profiler.profile import KINDS
+from perseus.profiler.sweep import SweepPlan
 from perseus.wire.messages import Table
 from perseus.wire.phases import JobPhase, Phase
 from perseus.wire.spec import JobSpec, RankInfo
@@ -23,15 +25,16 @@ class Assignment:
     """What a rank runs in one iteration.
 
     `frequencies`: one MHz value per instruction of the rank, in schedule order (phase planned),
-    or None: leave clocks at maximum/default. `profiling_frequency`: the sweep's frequency for
-    every instruction (phase profiling), else None. `spans`: the service asks for this
+    or None: leave clocks at maximum/default. `sweep`: the profiling sweep the service designed
+    (phase profiling; the rank picks each iteration's step, see perseus.profiler.sweep), else
+    None. `spans`: the service asks for this
     iteration's instruction spans (it is calibrating its model of the job). Shared between
     calls: do not mutate.
     """
 
     phase: Phase
     frequencies: list[int] | None
-    profiling_frequency: int | None
+    sweep: SweepPlan | None
     plan_version: int
     spans: bool = False
 
@@ -44,8 +47,7 @@ class View:
     """A rank's table, as prebuilt Assignments: `RankState.assignment()` only picks one."""
 
     warmup_iterations: int
-    iterations_per_frequency: int
-    sweep: tuple[Assignment, ...]
+    profiling: Assignment | None  # the sweep, while the rank's stage is unprofiled
     stage_profiled: bool
     plan: Assignment | None
     plan_start: int
@@ -80,10 +82,8 @@ class RankState:
             return view.previous  # a re-plan (a straggler came or went) starts at plan_start
         if iteration < view.warmup_iterations:
             return view.warmup
-        if not (view.stage_profiled or self.uploaded):
-            k = (iteration - view.warmup_iterations) // view.iterations_per_frequency
-            if k < len(view.sweep):
-                return view.sweep[k]
+        if not (view.stage_profiled or self.uploaded) and view.profiling is not None:
+            return view.profiling
         return view.waiting
 
     def known_plan_version(self) -> int:
@@ -113,12 +113,16 @@ class RankState:
             previous = None
         failed = table.phase == JobPhase.FAILED.value  # no plan will come: no sweep either
         spans = table.spans
+        profiling = None
+        if table.sweep_steps and not failed:
+            steps = tuple(dict(zip(KINDS, step)) for step in table.sweep_steps)
+            sweep = old.profiling.sweep if old is not None and old.profiling is not None else None
+            if sweep is None or sweep.steps != steps:  # the same plan object while the sweep is the same
+                sweep = SweepPlan(table.sweep_frequencies, table.iterations_per_frequency, steps)
+            profiling = Assignment(Phase.PROFILING, None, sweep, version, spans)
         self.view = View(
             warmup_iterations=table.warmup_iterations,
-            iterations_per_frequency=table.iterations_per_frequency,
-            sweep=()
-            if failed
-            else tuple(Assignment(Phase.PROFILING, None, f, version, spans) for f in table.sweep_frequencies),
+            profiling=profiling,
             stage_profiled=info.stage in table.profiled_stages,
             plan=plan,
             plan_start=table.plan_start_iteration,

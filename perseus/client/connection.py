@@ -24,7 +24,7 @@ from perseus.client.assignments import RankState
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.wire.envelope import ErrorCode, decode_reply, encode_request
 from perseus.wire.fields import Message
-from perseus.wire.limits import HARD_MESSAGE_BYTES
+from perseus.wire.limits import HARD_MESSAGE_BYTES, SWEEP_VERSION
 from perseus.wire.messages import REQUESTS, GetTable, RegisterJob, RegisterRank, ReportIteration, Table, UploadProfile
 from perseus.wire.security import Security
 from perseus.wire.spans import ReportSpans
@@ -226,7 +226,13 @@ class Connection:
             assert rank.info is not None and rank.job_id is not None
             self.outbox.append(
                 Outgoing(
-                    GetTable(rank.job_id, rank.info.rank, max(-1, rank.iteration), rank.known_plan_version()),
+                    GetTable(
+                        rank.job_id,
+                        rank.info.rank,
+                        max(-1, rank.iteration),
+                        rank.known_plan_version(),
+                        sweep_version=SWEEP_VERSION,
+                    ),
                     reliable=False,
                 )
             )

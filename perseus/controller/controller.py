@@ -3,16 +3,33 @@
 The training thread only decides the target clock and, when it changes, drops it into a
 one-element "latest target" slot; a worker thread makes the (slow) GPU call. Only the newest
 target matters, so targets the worker has not reached yet are simply overwritten.
+
+A clock change comes into force a switch latency after the call (perseus.controller.latency);
+work issued meanwhile runs at the old clock. So, running a plan, a change to a *higher* clock is
+issued that long before the instruction needing it starts: the previous instruction's tail
+runs faster (never slower than planned), and the instruction itself runs at its clock from its
+start. When it starts is predicted from the previous iteration (the time from one instruction's
+start to the next's). A change to a lower clock is issued as the instruction starts: its first
+moments run at the old, higher clock, again never slower than planned. On a GPU that tells
+its clock in force (a simulated one) the controller counts, per iteration, the instructions
+that did not run at their planned clock (`off_clock`): whose clock in force as they ended --
+or, when the next instruction's change was issued early, just before it -- was another.
+
+`settle()` waits until the clock last asked for is in force and says since when: what the
+online profiler needs to time instructions at exactly one clock.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from perseus.controller.latency import SwitchLatency, switch_latency
 from perseus.devices.gpu import GPU
+from perseus.devices.sim import SimGPU
 from perseus.exceptions import PlanError
 from perseus.safety import ResetGuard, Watchdog
 
@@ -20,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 #: One instruction as the controller matches it: (kind value, microbatch, chunk).
 InstructionKey = tuple[str, int, int]
+#: A clock change: (in force from, MHz).
+ClockChange = tuple[float, int]
 
 
 @dataclass
@@ -31,6 +50,7 @@ class ControllerStats:
     applied: int = 0  # GPU calls the worker made
     errors: int = 0
     mismatches: int = 0
+    early: int = 0  # changes to a higher clock issued ahead of the instruction needing them
 
 
 class FrequencyController:
@@ -43,11 +63,22 @@ class FrequencyController:
 
     Clocks go back to default on `close()`, at interpreter exit, on SIGTERM/SIGINT
     (`handle_signals`), and, with `watchdog`, from a separate process if this one is SIGKILLed.
+    `latency`: seconds a change to a clock takes to come into force (default: see
+    perseus.controller.latency).
     """
 
-    def __init__(self, gpu: GPU, *, handle_signals: bool = True, watchdog: bool = True) -> None:
+    def __init__(
+        self,
+        gpu: GPU,
+        *,
+        handle_signals: bool = True,
+        watchdog: bool = True,
+        latency: SwitchLatency | None = None,
+    ) -> None:
         self.gpu = gpu
         self.stats = ControllerStats()
+        self.latency = latency or switch_latency(gpu)
+        self._clock = gpu.clock
         self._supported = frozenset(gpu.supported_frequencies())
         self._enabled = gpu.can_change_clocks()
         if not self._enabled:
@@ -63,14 +94,28 @@ class FrequencyController:
         self._plan_version = 0
         self._cursor = 0
         self._fallback = False
+        # Starts of the plan's instructions (clock time), this iteration and the last one.
+        self._starts: list[float] = []
+        self._last_starts: list[float] = []
+        self._next_first: float | None = None  # the last iteration's end to this one's first start
+        self._timer: object | None = None  # a virtual clock's pending early change
+        # Off-clock counting (GPUs that tell their clock in force).
+        self._tells_clock = isinstance(gpu, SimGPU)
+        self._planned: int | None = None  # the current instruction's planned clock (when counting)
+        self._early_for: int | None = None  # the request seq of the next instruction's early change
+        self._before_early: tuple[int, int] | None = None  # (seq, clock in force) just before an early change
+        self._off_clock = 0
         # Training thread -> worker.
         self._requested: int | None = None
-        self._slot: int | None = None
+        self._slot: tuple[int | None, int] = (None, 0)  # (target, seq): apply now
+        self._early: tuple[int | None, float, int] | None = None  # (target, not before, seq): apply then
         self._seq = 0
+        self._immediate_seq = 0
         self._wake = threading.Event()
         # Worker state.
         self._gpu_lock = threading.RLock()  # serialises GPU writes with reset() from any thread
         self._applied: int | None = None
+        self._change: ClockChange | None = None
         self._done_seq = 0
         self._done = threading.Condition()
         self._closed = False
@@ -102,10 +147,24 @@ class FrequencyController:
         self._plan_version = version
         self._cursor = 0
         self._fallback = False
+        self._starts, self._last_starts, self._next_first = [], [], None
 
     def begin_iteration(self) -> None:
         """A new iteration starts: the plan starts again from its first instruction."""
         self._cursor = 0
+        if self._keys is not None and len(self._starts) == len(self._keys):
+            self._last_starts = self._starts
+        self._starts = []
+        self._off_clock = 0
+        self._planned = None
+
+    @property
+    def off_clock(self) -> int | None:
+        """This iteration's instructions (so far) that ran at a clock other than planned (see the
+        module docstring). None unless running a plan on a GPU that tells its clock in force."""
+        if self._keys is None or not self._tells_clock or not self._enabled:
+            return None
+        return self._off_clock
 
     @property
     def enabled(self) -> bool:
@@ -122,6 +181,7 @@ class FrequencyController:
         """Set the clock for the instruction about to run. Never blocks on the GPU."""
         self.stats.instructions += 1
         keys = self._keys
+        position = None
         if keys is None:
             target = self._uniform
         elif self._fallback:
@@ -130,18 +190,74 @@ class FrequencyController:
             i = self._cursor
             if i < len(keys) and keys[i] == (kind, microbatch, chunk):
                 target = self._freqs[i]
-                self._cursor = i + 1
+                self._cursor = position = i + 1
             else:
                 self._mismatch(i, kind, microbatch, chunk)
                 target = None
-        if target != self._requested:
-            self._request(target)
+        if target != self._requested or self._early_pending():
+            self._request(target)  # also makes an early change not yet applied apply now
+        if position is not None:
+            self._planned_start(position - 1)
+
+    def after_instruction(self) -> None:
+        """The instruction ended: count it if it did not end at its planned clock (see the module docstring)."""
+        planned, self._planned = self._planned, None
+        if planned is None:
+            return
+        early, before = self._early_for, self._before_early
+        if early is not None and before is not None and before[0] == early:
+            clock = before[1]  # the next instruction's clock came in early: what ran just before it
+        else:
+            clock = self.gpu.sm_clock()
+        if clock != planned:
+            self._off_clock += 1
+
+    def _planned_start(self, i: int) -> None:
+        """Instruction `i` of the plan starts now: note when, check its clock, and issue the next
+        instruction's change early if it raises the clock."""
+        now = self._clock.now()
+        if not self._starts and self._last_starts:
+            self._next_first = now - self._last_starts[-1]
+        self._starts.append(now)
+        self._early_for = None
+        if self._tells_clock and self._enabled:
+            self._planned = self._freqs[i]
+        nxt = i + 1 if i + 1 < len(self._freqs) else 0
+        target = self._freqs[nxt]
+        if target <= self._freqs[i] or len(self._last_starts) != len(self._freqs):
+            return
+        if nxt:
+            gap = self._last_starts[nxt] - self._last_starts[i]
+        elif self._next_first is not None:
+            gap = self._next_first
+        else:
+            return
+        latency = self.latency(target)
+        lead = latency + 0.25 * latency + 0.001  # a margin for a late worker thread
+        if gap > lead:
+            self._request(target, not_before=now + gap - lead)
+            self._early_for = self._seq
+            self.stats.early += 1
 
     def wait_applied(self, timeout: float = 1.0) -> bool:
-        """Wait until the worker has applied the latest target (profiling needs exact clocks)."""
-        seq = self._seq
+        """Wait until the worker has applied the latest target asked for now (not an early one)."""
+        seq = self._immediate_seq
         with self._done:
             return self._done.wait_for(lambda: self._done_seq >= seq or self._closed, timeout)
+
+    def settle(self, timeout: float = 1.0) -> ClockChange | None:
+        """Wait until the latest target is applied and in force; the change that set it, as
+        (in force from, MHz), or None if this process may not change clocks."""
+        if not self._enabled:
+            return None
+        self.wait_applied(timeout)
+        change = self._change
+        if change is None:  # nothing applied yet: the default clock, in force all along
+            return (-math.inf, self.gpu.max_frequency())
+        left = change[0] - self._clock.now()
+        if left > 0:
+            self._clock.sleep(left)
+        return change
 
     def apply_now(self, frequency: int | None, timeout: float = 1.0) -> bool:
         """Request `frequency` outside any instruction and wait until it is applied."""
@@ -151,19 +267,53 @@ class FrequencyController:
             self._request(frequency)
         return self.wait_applied(timeout)
 
-    def _request(self, target: int | None) -> None:
-        """Hand `target` to the worker (the newest target replaces any not yet applied)."""
+    def _request(self, target: int | None, not_before: float | None = None) -> None:
+        """Hand `target` to the worker (the newest target replaces any not yet applied), to apply
+        now or, with `not_before`, at that time of the GPU's clock."""
+        self._cancel_timer()
         self._requested = target
-        self._slot = target
         self._seq += 1
         self.stats.requests += 1
+        if not_before is None:
+            self._immediate_seq = self._seq
+            self._slot = (target, self._seq)
+        elif getattr(self._clock, "every", None) is not None:
+            # A virtual clock: the change is made when the clock gets there, in the thread moving it.
+            delay = max(not_before - self._clock.now(), 1e-9)
+            seq = self._seq
+            self._timer = self._clock.every(delay, lambda: self._fire(target, seq))  # type: ignore[attr-defined]
+            return
+        else:
+            self._early = (target, not_before, self._seq)
         self._wake.set()
+
+    def _early_pending(self) -> bool:
+        """An early change is waiting for its time."""
+        early = self._early
+        return self._timer is not None or (early is not None and early[2] > self._done_seq)
+
+    def _fire(self, target: int | None, seq: int) -> None:
+        """A virtual clock reached an early change: apply it now (and wait, so time stays exact)."""
+        self._cancel_timer()
+        self._note_before_early(seq)
+        self._seq += 1
+        self._immediate_seq = self._seq
+        self._slot = (target, self._seq)
+        self._wake.set()
+        self.wait_applied()
+
+    def _cancel_timer(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()  # type: ignore[attr-defined]
 
     # Safety
     def reset(self) -> None:
         """Put the GPU back at default clocks now (safe from any thread and signal handlers)."""
+        self._cancel_timer()
         self._requested = None
-        self._slot = None
+        self._early = None
+        self._slot = (None, self._slot[1])
         with self._gpu_lock:
             if self._enabled:
                 try:
@@ -180,6 +330,7 @@ class FrequencyController:
             self._closed = True
         self._wake.set()
         self._worker.join(timeout=5.0)
+        self._cancel_timer()
         self.reset()
         self._guard.close()
         if self._watchdog is not None:
@@ -225,16 +376,39 @@ class FrequencyController:
         while True:
             self._wake.wait()
             self._wake.clear()
-            seq = self._seq
-            target = self._slot
-            with self._gpu_lock:
-                if self._closed:
-                    break
-                if target != self._applied:
-                    self._apply(target)
-            with self._done:
-                self._done_seq = seq
-                self._done.notify_all()
+            if self._closed:
+                break
+            target, seq = self._slot
+            if seq > self._done_seq and not self._make(target, seq):
+                break
+            early = self._early
+            if early is None or early[2] <= self._done_seq:
+                continue
+            wait = early[1] - self._clock.now()
+            if wait > 0 and self._wake.wait(wait):
+                continue  # a newer target came meanwhile: look again
+            if self._early is not early:
+                continue
+            self._note_before_early(early[2])
+            if not self._make(early[0], early[2]):
+                break
+
+    def _note_before_early(self, seq: int) -> None:
+        """Read the clock in force just before early change `seq` (see `after_instruction`)."""
+        if self._tells_clock and self._enabled:
+            self._before_early = (seq, self.gpu.sm_clock())
+
+    def _make(self, target: int | None, seq: int) -> bool:
+        """Apply `target` (request `seq`) and tell waiters; False once closed."""
+        with self._gpu_lock:
+            if self._closed:
+                return False
+            if target != self._applied:
+                self._apply(target)
+        with self._done:
+            self._done_seq = max(self._done_seq, seq)
+            self._done.notify_all()
+        return True
 
     def _apply(self, target: int | None) -> None:
         if not self._enabled:
@@ -249,6 +423,8 @@ class FrequencyController:
             else:
                 self.gpu.lock_sm_clock(target)
             self._applied = target
+            frequency = self.gpu.max_frequency() if target is None else target
+            self._change = (self._clock.now() + self.latency(target), frequency)
             self.stats.applied += 1
         except Exception:
             self.stats.errors += 1

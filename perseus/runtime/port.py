@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from perseus.profiler.profile import Profile
+from perseus.profiler.sweep import SweepPlan
 from perseus.wire.phases import Phase
 from perseus.wire.spans import ReportSpans
 from perseus.wire.spec import JobSpec, RankInfo
@@ -22,8 +23,8 @@ class PortAssignment(Protocol):
     """What a rank runs in one iteration (`perseus.client.Assignment` is one).
 
     `frequencies`: one MHz value per instruction of the rank, in schedule order (phase
-    PLANNED), or None: default clocks. `profiling_frequency`: the sweep's clock for every
-    instruction (phase PROFILING), else None."""
+    PLANNED), or None: default clocks. `sweep`: the profiling sweep the service designed
+    (phase PROFILING; the rank's profiler picks each iteration's step), else None."""
 
     @property
     def phase(self) -> Phase: ...
@@ -32,7 +33,7 @@ class PortAssignment(Protocol):
     def frequencies(self) -> Sequence[int] | None: ...
 
     @property
-    def profiling_frequency(self) -> int | None: ...
+    def sweep(self) -> SweepPlan | None: ...
 
     @property
     def plan_version(self) -> int: ...
@@ -70,6 +71,7 @@ class PlannerPort(Protocol):
         time_s: float,
         energy_j: float,
         compute_time_s: float | None = None,
+        off_clock: int | None = None,
     ) -> None:
         """One iteration's measured time and energy on this rank's GPU. Never raises."""
         ...

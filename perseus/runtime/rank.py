@@ -32,10 +32,12 @@ from collections.abc import Callable
 from typing import Any
 
 from perseus.controller import FrequencyController
+from perseus.controller.latency import switch_latency
 from perseus.devices.gpu import GPU
 from perseus.devices.sim import SimGPU
 from perseus.exceptions import ConfigError, PlanError
-from perseus.profiler.online import OnlineProfiler, Sweep, SweepStep
+from perseus.profiler.online import OnlineProfiler
+from perseus.profiler.sweep import Sweep
 from perseus.runtime import registration
 from perseus.runtime.emulation import InstructionWork, WorkSpec
 from perseus.runtime.port import PlannerPort, PortAssignment
@@ -137,18 +139,17 @@ class PerseusRank:
             progress = self.rank == 0
         self._progress = Progress() if progress is True else (progress or None)
 
-        freqs = self.settings.frequencies or tuple(gpu.supported_frequencies())
-        self.sweep = Sweep(
-            stage,
-            freqs,
-            warmup_iterations=self.settings.warmup_iterations,
-            iterations_per_frequency=self.settings.iterations_per_frequency,
-            early_stop_rises=self.settings.early_stop_rises,
-        )
+        self.sweep_frequencies = self.settings.frequencies or tuple(gpu.supported_frequencies())
+        self.sweep = Sweep(stage, early_stop_rises=self.settings.early_stop_rises)
         if client is not None:
             self.job_spec()  # a bad field (the overheads, say) raises ConfigError here, not in the registration thread
-        self.profiler = OnlineProfiler(gpu, self.sweep)
-        self.controller = FrequencyController(gpu, handle_signals=handle_signals, watchdog=watchdog)
+        self.controller = FrequencyController(
+            gpu,
+            handle_signals=handle_signals,
+            watchdog=watchdog,
+            latency=switch_latency(gpu, self.settings.switch_latency_s),
+        )
+        self.profiler = OnlineProfiler(gpu, self.sweep, self.controller.settle)
         self._emulated = InstructionWork(gpu, emulate, self.controller.wait_applied) if emulate is not None else None
 
         self.iteration = -1
@@ -261,6 +262,7 @@ class PerseusRank:
             self._mark_end()
             if self._profiling:
                 self.profiler.after_instruction(str(kind), self._virtual.get(chunk, self.stage))
+            self.controller.after_instruction()
             self._done += 1
             if self._done == len(self.order):  # the last one: the compute part of the iteration ends
                 self.gpu.synchronize()
@@ -295,6 +297,7 @@ class PerseusRank:
         self.on_step_end()
         self._closed = True
         self._stop.set()
+        self.profiler.stop()
         self.controller.close()
         if self._registrar is not None:
             self._registrar.join(timeout=5.0)
@@ -316,16 +319,20 @@ class PerseusRank:
         job_iteration = self.job_iteration  # set once the planner answered: so with any phase but UNPLANNED
         frequency = None
         self._profiling = False
-        if assignment is not None and job_iteration is not None and phase is Phase.PROFILING and not self.sweep.done:
+        sweep = assignment.sweep if assignment is not None and phase is Phase.PROFILING else None
+        if sweep is not None and job_iteration is not None and not self.sweep.done:
             try:
-                step = self.profiler.begin_iteration(job_iteration, assignment.profiling_frequency)
+                step = self.profiler.begin_iteration(sweep)
             except ConfigError as e:
-                self._warn_once("sweep", f"{e}; not profiling this iteration")
-                step = SweepStep(Phase.UNPLANNED, None, False)
-            frequency = step.frequency
-            self._profiling = step.measured
-            self.controller.set_uniform(frequency)
-            self.controller.apply_now(frequency)  # measured clocks must be exact from instruction one
+                self._warn_once("sweep", f"{e}; not profiling")
+                step = None
+            if step is not None:
+                # Each instruction at its kind's clock in this step; the profiler waits each change out.
+                self.controller.set_plan(self._keys, [step[kind] for kind, _, _ in self._keys])
+                frequency = self._step_frequency()
+                self._profiling = True
+            else:
+                self.controller.set_uniform(None)
             self._holds_plan = False
         elif assignment is not None and phase is Phase.PLANNED and assignment.frequencies is not None:
             if assignment.plan_version != self.plan_version or not self._holds_plan:
@@ -333,6 +340,8 @@ class PerseusRank:
         else:
             self.controller.set_uniform(None)
             self._holds_plan = False
+        if not self._profiling:
+            self.profiler.stop()
         self.controller.begin_iteration()
         self.phase = phase
         self._frequency = frequency
@@ -343,9 +352,9 @@ class PerseusRank:
             and self._span_reports < MAX_SPAN_REPORTS
         )
         if self._progress is not None:
-            step = self.sweep.step_at(job_iteration or 0)
-            total = len(self.sweep.frequencies)
-            done = step.index if phase is Phase.PROFILING and step.index >= 0 else None
+            plan = self.sweep.plan
+            total = len(plan.frequencies) if plan is not None else None
+            done = len(self.sweep.profiled_frequencies) if self._profiling else None
             self._progress.update(
                 self.iteration,
                 phase,
@@ -400,6 +409,11 @@ class PerseusRank:
             )
         )
 
+    def _step_frequency(self) -> int | None:
+        """The frequency the current profiling step profiles (the others run at one profiled before)."""
+        plan, index = self.sweep.plan, self.profiler.step_index
+        return None if plan is None or index is None else plan.frequencies[index // plan.steps_per_frequency]
+
     def _apply_plan(self, frequencies: Any, version: int) -> None:
         self.plan_version = version
         self._holds_plan = True
@@ -425,10 +439,12 @@ class PerseusRank:
             t1 - t0,
             (e1 - e0) / 1000.0,
             compute if compute is not None and compute > 0 else None,
+            sweep_step=self.profiler.step_index if self._profiling else None,
+            off_clock=self.controller.off_clock if self.phase is Phase.PLANNED else None,
         )
         self.last_iteration = record
         self._check_gpu_work(record)
-        if self.phase is Phase.PROFILING and not self.sweep.done and self.profiler.end_iteration():
+        if self._profiling and self.profiler.end_iteration():
             self._upload_profile()
         self._profiling = False
         job_iteration = self.job_iteration
@@ -441,6 +457,7 @@ class PerseusRank:
                 record.time_s,
                 record.energy_j,
                 compute_time_s=record.compute_time_s,
+                **({} if record.off_clock is None else {"off_clock": record.off_clock}),
             )
         if self._on_iteration is not None:
             self._on_iteration(record)
@@ -501,7 +518,7 @@ class PerseusRank:
             self.parallelism,
             self.gpu,
             self.settings,
-            self.sweep.frequencies,
+            self.sweep_frequencies,
             tag=self.tag,
             instruction_overhead_s=self.instruction_overhead_s,
             hop_latency_s=self.hop_latency_s,

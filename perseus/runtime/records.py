@@ -19,13 +19,22 @@ class IterationRecord:
     time_s: float
     energy_j: float
     compute_time_s: float | None = None  # to the end of the last instruction (see perseus.runtime.rank)
+    sweep_step: int | None = None  # the profiling sweep's step it ran (phase profiling)
+    # Instructions that ran at a clock other than planned (phase planned, on a GPU that tells its
+    # clock in force: see perseus.controller.controller); else None.
+    off_clock: int | None = None
 
 
 @dataclass(frozen=True)
 class ProfilingSettings:
-    """The online sweep; the planner service's job spec carries the same numbers."""
+    """The online sweep, as rank 0 registers it with the planner service (which designs its steps:
+    perseus.service.sweep). `iterations_per_frequency`: steps per frequency, one iteration each
+    (the first runs every kind at the new frequency, the others mix kinds at it and at the previous
+    one). `switch_latency_s`: how long a clock change takes to come into force on this GPU
+    (default: see perseus.controller.latency)."""
 
     warmup_iterations: int = 2
-    iterations_per_frequency: int = 2
+    iterations_per_frequency: int = 3
     frequencies: tuple[int, ...] | None = None  # default: every supported clock, highest first
     early_stop_rises: int = 3
+    switch_latency_s: float | None = None

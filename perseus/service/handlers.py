@@ -18,6 +18,7 @@ from perseus.service.text import clip
 from perseus.service.workers import Workers
 from perseus.wire.envelope import ErrorCode
 from perseus.wire.fields import Message
+from perseus.wire.limits import SWEEP_VERSION
 from perseus.wire.messages import (
     Ack,
     DeclareStraggler,
@@ -116,7 +117,15 @@ class Handlers:
         return RankRegistered(job.phase.value)
 
     def get_table(self, msg: GetTable) -> Message:
-        return self.admission.get(msg.job_id).table(msg.rank, msg.iteration, msg.plan_version)
+        table = self.admission.get(msg.job_id).table(msg.rank, msg.iteration, msg.plan_version)
+        if table.sweep_steps and msg.sweep_version != SWEEP_VERSION:
+            raise ServiceError(
+                ErrorCode.BAD_VERSION.value,
+                f"rank {msg.rank} follows profiling sweep v{msg.sweep_version}, computing the sweep itself; this "
+                f"service designs it and sends each step (sweep v{SWEEP_VERSION}): upgrade perseus on the ranks to "
+                "the service's release",
+            )
+        return table
 
     def upload_profile(self, msg: UploadProfile) -> Ack:
         job = self.admission.get(msg.job_id)

@@ -139,18 +139,20 @@ class Job:
         spans = (
             not self.error and info.dp_index not in self.plans and self.model.wants_spans(self.models(info.dp_index))
         )
+        profiled = self.profiling.stages_of(info.gpu_model)
         return Table(
             phase=self.phase.value,
             warmup_iterations=self.spec.warmup_iterations,
             iterations_per_frequency=self.spec.iterations_per_frequency,
             sweep_frequencies=self.profiling.sweep or (),
-            profiled_stages=self.profiling.stages_of(info.gpu_model),
+            profiled_stages=profiled,
             plan_version=plan.version if plan else 0,
             plan_start_iteration=plan.start_iteration if plan else 0,
             frequencies=frequencies,
             error=self.error,
             upload=self.roster.uploads_profile(info),
             spans=spans,
+            sweep_steps=() if info.stage in profiled or self.error else self.profiling.steps(),
         )
 
     @property

@@ -48,6 +48,7 @@ class Measurements:
         self._fed = False  # the detector has values it has not decided on
         self.baseline = Mean()
         self.planned = Mean()
+        self._off_clock = [0, 0]  # since the latest plan: instructions off their clock, reports telling it
         self.recent_time_s: float | None = None
 
     def published(self, plans: dict[int, PublishedPlan], changed: list[int], last_iteration: int) -> None:
@@ -60,6 +61,7 @@ class Measurements:
                 history.pop()  # superseded before its start: the ranks never run it (see PlannerClient)
             history.append((plan.start_iteration, plan.iteration_time_s))
         self.planned = Mean()
+        self._off_clock = [0, 0]
 
     def record(
         self,
@@ -75,6 +77,13 @@ class Measurements:
         baseline iterations (default clocks, no profiling) where the ranks say which they are;
         without it, the warm-up iterations are."""
         self._record_pipeline(info, report, base_time_s)
+        if (
+            report.off_clock is not None
+            and plans
+            and report.iteration >= max(p.start_iteration for p in plans.values())
+        ):
+            self._off_clock[0] += report.off_clock
+            self._off_clock[1] += 1
         measured = self.tally.add(report.rank, report.iteration, report.time_s, report.energy_j)
         if measured is None:
             return None
@@ -103,6 +112,13 @@ class Measurements:
             # At its no-slowdown plan's time scale: a pipeline slowed on purpose is not slow.
             self.detector.add(k, measured.time_s / planned * base)
             self._fed = True
+
+    @property
+    def off_clock_instructions(self) -> float | None:
+        """Per planned iteration, summed over the ranks: instructions that ran at a clock other than
+        planned (ranks that cannot tell count as the others do); None if no rank tells."""
+        total, reports = self._off_clock
+        return total * self.spec.world_size / reports if reports else None
 
     def _planned_time_at(self, pipeline: int, iteration: int) -> float | None:
         times = [t for start, t in self.history[pipeline] if start <= iteration]

@@ -15,6 +15,7 @@ from perseus.profiler.profile import Profile
 from perseus.schedules import Schedule
 from perseus.service.planning import check_stage_profile, merge_profiles, stage_rows
 from perseus.service.ranks import Models, bad_field
+from perseus.service.sweep import design_steps
 from perseus.wire.parallelism import merge_tensor_parallel
 from perseus.wire.spec import JobSpec, RankInfo
 
@@ -30,6 +31,14 @@ class Profiling:
         self.merged: dict[str, dict[int, Profile]] = {}  # model -> stage -> merged over tensor parallel
         # The frequencies ranks sweep: () when cached, None until the spec or the first rank names them.
         self.sweep: tuple[int, ...] | None = () if cached_profile is not None else spec.sweep_frequencies
+        self._steps: tuple[tuple[int, ...], ...] = ()  # design_steps of `sweep`, made once
+
+    def steps(self) -> tuple[tuple[int, ...], ...]:
+        """The sweep's steps as `Table.sweep_steps` carries them (perseus.service.sweep); () before the
+        sweep's frequencies are known."""
+        if not self._steps and self.sweep:
+            self._steps = design_steps(self.sweep, self.spec.iterations_per_frequency)
+        return self._steps
 
     def check_sweep(self, info: RankInfo) -> None:
         """ServiceError (bad_field) unless `info`'s GPU supports every sweep frequency (the first

@@ -16,11 +16,13 @@ def describe(job: Job, measured: Measured) -> str:
     """One planned iteration measured against the plans' prediction."""
     time_p, energy_p, _ = job.plan_book.predicted()
     versions = sorted({p.version for p in job.plans.values()})
+    off_clock = job.measurements.off_clock_instructions
     return (
         f"job {job.job_id} iteration {measured.iteration} (plan v{','.join(map(str, versions))}): "
         f"time {measured.time_s:.4f} s (predicted {time_p:.4f} s, {100 * (measured.time_s / time_p - 1):+.1f}%), "
         f"energy {measured.energy_j:.1f} J (predicted {energy_p:.1f} J, "
         f"{100 * (measured.energy_j / energy_p - 1):+.1f}%)"
+        + ("" if off_clock is None else f"; {off_clock:.1f} instructions per iteration off their planned clock")
     )
 
 
@@ -74,4 +76,5 @@ def job_status(job: Job) -> JobStatus:
         pipelines=tuple(pipelines),
         calibrations=job.model.status(list(dict.fromkeys(job.models(k) for k in range(job.spec.dp))), job.pipelines_of),
         tolerance=job.spec.tolerance,
+        off_clock_instructions=measurements.off_clock_instructions,
     )

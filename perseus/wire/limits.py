@@ -5,6 +5,9 @@ tools that probe the service (benchmarks/service_*fuzz.py) read the same numbers
 """
 
 PROTOCOL_VERSION = 1
+# The profiling sweep's format within v1: 2 = the service designs it and sends every step
+# (`Table.sweep_steps`; a rank asks with `GetTable.sweep_version`); 1 = ranks computed it.
+SWEEP_VERSION = 2
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7787"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # larger: a too_large error reply
 HARD_MESSAGE_BYTES = 4 * MAX_MESSAGE_BYTES  # zmq.MAXMSGSIZE: zmq drops a peer that sends more
@@ -20,6 +23,7 @@ MAX_ENERGY_J = 1e7
 MAX_RANKS = 1 << 20
 MAX_FREQUENCY_MHZ = 100_000
 MAX_FREQUENCIES = 1024
+MAX_SWEEP_STEPS = 1 << 14
 # Per job. The service decodes, hashes and saves a job's stage orders on its loop thread (the
 # schedule is built on a worker): 32,768 instructions keep that near 0.1 s (benchmarks/service_register.py).
 MAX_INSTRUCTIONS = 1 << 15

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from perseus.exceptions import ConfigError
-from perseus.profiler.profile import Profile
+from perseus.profiler.profile import KINDS, Profile
 from perseus.wire.calibration import CalibrationStatus
 from perseus.wire.fields import (
     Message,
@@ -32,6 +32,7 @@ from perseus.wire.limits import (
     MAX_RANK_ITERATION,
     MAX_RANKS,
     MAX_STRAGGLER_FACTOR,
+    MAX_SWEEP_STEPS,
     MAX_TIME_S,
     MIN_TIME_S,
 )
@@ -102,20 +103,33 @@ class GetTable(Message):
     rank: int
     iteration: int = -1  # the rank's current iteration (-1: not started), so plans start in lockstep
     plan_version: int = 0
+    sweep_version: int = 1  # the profiling sweep format the rank follows (see limits.SWEEP_VERSION)
 
     def __post_init__(self) -> None:
         check_job_id(self.job_id, "get_table.job_id")
         check_int(self.rank, "get_table.rank", 0, MAX_RANKS - 1)
         check_int(self.iteration, "get_table.iteration", -1, MAX_RANK_ITERATION)
         check_int(self.plan_version, "get_table.plan_version", 0, MAX_ITERATION)
+        check_int(self.sweep_version, "get_table.sweep_version", 1, 1 << 16)
+
+    def to_wire(self) -> dict[str, Any]:
+        doc = super().to_wire()
+        if self.sweep_version == 1:
+            del doc["sweep_version"]  # what earlier releases send
+        return doc
 
 
 @dataclass(frozen=True)
 class Table(Message):
     """Everything a rank needs to know what to run at any iteration.
 
-    Iterations [0, warmup_iterations): max clocks. Then sweep frequency k for iterations
-    warmup + k * iterations_per_frequency ... (until the rank's stage is profiled). From
+    Iterations [0, warmup_iterations): max clocks. Then, until the rank's stage is profiled, one
+    step of the profiling sweep per iteration: `sweep_steps`, designed by the service
+    (perseus.service.sweep), each one clock per instruction kind in KINDS order; steps
+    [k * iterations_per_frequency, (k + 1) * iterations_per_frequency) profile
+    sweep_frequencies[k]. Which step runs when is the rank's (perseus.profiler.sweep: in order,
+    stopping early, repeating uncertain ones); sent to ranks asking with sweep_version 2, and
+    only while their stage is unprofiled (omitted on the wire when empty). From
     `plan_start_iteration` on, once a plan exists: `frequencies`, one per instruction of the
     rank in schedule order (None when the rank already holds `plan_version`, or no plan yet).
     `upload`: this rank uploads its stage profile -- it has the lowest data-parallel index
@@ -136,6 +150,7 @@ class Table(Message):
     error: str = ""
     upload: bool = True
     spans: bool = False
+    sweep_steps: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         check_str(self.phase, "table.phase", 16, choices=JOB_PHASES)
@@ -158,6 +173,14 @@ class Table(Message):
         check_str(self.error, "table.error", 4096, printable=False)
         check_bool(self.upload, "table.upload")
         check_bool(self.spans, "table.spans")
+        steps = check_seq(self.sweep_steps, "table.sweep_steps", MAX_SWEEP_STEPS)
+        set_fields(
+            self,
+            sweep_steps=tuple(
+                check_ints(step, f"table.sweep_steps[{i}]", 1, MAX_FREQUENCY_MHZ, len(KINDS), min_len=len(KINDS))
+                for i, step in enumerate(steps)
+            ),
+        )
 
     def to_wire(self) -> dict[str, Any]:
         doc = super().to_wire()
@@ -168,6 +191,10 @@ class Table(Message):
             del doc["upload"]  # the default
         if not self.spans:
             del doc["spans"]  # the default, and what earlier releases send and accept
+        if self.sweep_steps:
+            doc["sweep_steps"] = [list(step) for step in self.sweep_steps]
+        else:
+            del doc["sweep_steps"]  # likewise
         return doc
 
 
@@ -211,6 +238,7 @@ class ReportIteration(Message):
     time_s: float
     energy_j: float
     compute_time_s: float | None = None
+    off_clock: int | None = None  # instructions that ran at a clock other than planned (if the rank can tell)
 
     def __post_init__(self) -> None:
         check_job_id(self.job_id, "report_iteration.job_id")
@@ -228,11 +256,15 @@ class ReportIteration(Message):
                     self.compute_time_s, "report_iteration.compute_time_s", MIN_TIME_S, MAX_TIME_S
                 ),
             )
+        if self.off_clock is not None:
+            check_int(self.off_clock, "report_iteration.off_clock", 0, MAX_INSTRUCTIONS)
 
     def to_wire(self) -> dict[str, Any]:
         doc = super().to_wire()
         if self.compute_time_s is None:
             del doc["compute_time_s"]  # what earlier releases send and accept
+        if self.off_clock is None:
+            del doc["off_clock"]  # likewise
         return doc
 
 
@@ -374,6 +406,9 @@ class JobStatus(Message):
     pipelines: tuple[PipelineStatus, ...] = ()
     calibrations: tuple[CalibrationStatus, ...] = ()
     tolerance: float | None = None
+    # Per planned iteration, summed over the ranks that can tell: instructions that ran at a clock
+    # other than planned (see perseus.controller.controller; None: no rank can tell).
+    off_clock_instructions: float | None = None
 
     def __post_init__(self) -> None:
         check_job_id(self.job_id, "job.job_id")
@@ -395,6 +430,7 @@ class JobStatus(Message):
             "baseline_energy_j",
             "planned_iteration_time_s",
             "planned_energy_j",
+            "off_clock_instructions",
         ):
             set_fields(self, **{name: check_opt_float(getattr(self, name), f"job.{name}")})
         pipelines = check_seq(self.pipelines, "job.pipelines", MAX_RANKS)
@@ -420,6 +456,8 @@ class JobStatus(Message):
                 del doc[name]  # what earlier releases send and accept
         if not self.warning:
             del doc["warning"]  # what earlier releases send and accept
+        if self.off_clock_instructions is None:
+            del doc["off_clock_instructions"]  # likewise
         return doc
 
     @property

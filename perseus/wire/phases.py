@@ -1,9 +1,9 @@
 """The phase vocabularies of the wire protocol.
 
 `Phase` is what one rank does in one iteration: the rank side's only phase vocabulary (the
-client's `Assignment.phase`, `PerseusRank.phase`, `IterationRecord.phase`, the online profiler's
-`SweepStep.phase`). `JobPhase` is a different concept: the state of a whole job at the planner
-service (`JobStatus.phase`, the phase in register and upload replies).
+client's `Assignment.phase`, `PerseusRank.phase`, `IterationRecord.phase`). `JobPhase` is a
+different concept: the state of a whole job at the planner service (`JobStatus.phase`, the
+phase in register and upload replies).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class Phase(WireName):
 
     UNPLANNED = "unplanned"  # no table from the service (unreachable, or planning failed): max clocks
     WARMUP = "warmup"  # max clocks, not measured
-    PROFILING = "profiling"  # the sweep table's frequency on every instruction
+    PROFILING = "profiling"  # a step of the service's sweep: each instruction kind at its clock
     PLANNING = "planning"  # profile uploaded (or sweep over): max clocks until the plan arrives
     PLANNED = "planned"  # the plan's frequency for each instruction
 

@@ -7,8 +7,11 @@ import threading
 
 import pytest
 
+from perseus.clock import VirtualClock
 from perseus.controller import FrequencyController
 from perseus.devices.sim import SimGPU
+from perseus.devices.sim_realism import SimRealism
+from perseus.devices.sim_work import Work
 from perseus.exceptions import PlanError
 
 
@@ -155,3 +158,63 @@ def test_close_resets_and_is_idempotent(gpu):
     c.close()
     assert gpu.sm_clock() == gpu.max_frequency()
     assert not c._worker.is_alive()
+
+
+# Switch latency (a GPU whose clock changes take a while to come into force), on a virtual clock.
+
+
+def latent_gpu(tmp_path, latency=0.01):
+    return SimGPU(
+        "a100-sxm", 0, clock=VirtualClock(), state_dir=str(tmp_path), realism=SimRealism(switch_latency_s=latency)
+    )
+
+
+def run_planned(c, gpu, order, works, gap=0.002):
+    """One planned iteration: each instruction's work after its hook; the clock in force at each start.
+    (The hook's GPU call is waited for, as PerseusRank(wait_for_clock=True) does: on a virtual clock
+    the worker thread would otherwise make it at whatever time the test had reached.)"""
+    c.begin_iteration()
+    started = []
+    for key in order:
+        c.before_instruction(*key)
+        assert c.wait_applied(WAIT_S)
+        started.append(gpu.sm_clock())
+        gpu.execute(works[key[0]])
+        c.after_instruction()
+        gpu.clock.sleep(gap)
+    return started
+
+
+def test_settle_waits_until_the_clock_is_in_force(tmp_path):
+    gpu = latent_gpu(tmp_path, 0.02)
+    c = FrequencyController(gpu, handle_signals=False, watchdog=False)
+    c.set_uniform(1005)
+    c.before_instruction("forward", 0)
+    asked = gpu.clock.now()
+    assert gpu.sm_clock() == 1410  # asked for, not in force yet
+    in_force, mhz = c.settle(WAIT_S)
+    assert (in_force, mhz) == (pytest.approx(asked + 0.02), 1005)
+    assert gpu.clock.now() == pytest.approx(asked + 0.02) and gpu.sm_clock() == 1005
+    assert c.settle(WAIT_S) == (in_force, mhz)  # nothing new: at once
+    c.close()
+
+
+def test_a_higher_clock_is_issued_ahead_and_off_clock_instructions_are_counted(tmp_path):
+    gpu = latent_gpu(tmp_path, 0.01)
+    c = FrequencyController(gpu, handle_signals=False, watchdog=False)
+    plan = [1410, 990, 1410, 990]
+    c.set_plan(ORDER, plan)
+    works = {"forward": Work(0.03), "backward": Work(0.03)}
+    first = run_planned(c, gpu, ORDER, works)
+    assert first == [1410, 1410, 990, 1410]  # a change comes into force 10 ms into its instruction
+    assert c.off_clock == 0  # ... and so each ran mostly at its clock
+    second = run_planned(c, gpu, ORDER, works)
+    assert second == [990, 1410, 1410, 1410]  # raised ahead of time (the first is the last one's, 990)
+    assert c.stats.early >= 2 and c.off_clock == 0
+    # An instruction shorter than the latency never runs at a lower clock asked for as it starts.
+    c.set_plan(ORDER, [1410, 990, 1410, 1410])
+    short = {"forward": Work(0.005), "backward": Work(0.03)}  # forward 1 at 990: 5 ms, under the latency
+    run_planned(c, gpu, ORDER, short)
+    assert c.off_clock == 1
+    assert FrequencyController(gpu, handle_signals=False, watchdog=False).off_clock is None  # no plan: not counted
+    c.close()

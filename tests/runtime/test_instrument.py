@@ -25,10 +25,14 @@ from torch.distributed.pipelining.schedules import (
 import perseus
 from perseus.client.planner_client import Assignment
 from perseus.devices.sim import SimGPU
+from perseus.devices.sim_work import Work
 from perseus.exceptions import ConfigError
+from perseus.profiler.profile import KINDS
+from perseus.profiler.sweep import SweepPlan
 from perseus.runtime import ProfilingSettings
 from perseus.runtime.torch_stage import check_torch_version
 from perseus.schedules import build_schedule
+from perseus.service.sweep import design_steps
 from perseus.wire.phases import Phase
 from perseus.wire.security import CurveClient, create_keys
 
@@ -72,14 +76,19 @@ def batch():
     return torch.randn(MICROBATCHES * 2, 8), torch.randn(MICROBATCHES * 2, 4)
 
 
+#: The service's sweep of 1410 and 1005 MHz, one step each (every instruction at that clock).
+SWEEP = SweepPlan((1410, 1005), 1, tuple(dict(zip(KINDS, step)) for step in design_steps((1410, 1005), 1)))
+
+
 class FakePlanner:
-    """The PlannerClient interface: iteration 0 warm-up, 1-2 sweep 1410/1005, then a plan."""
+    """The PlannerClient interface: iteration 0 warm-up, then the sweep until the profile is in, then a plan."""
 
     def __init__(self, plan: list[int]) -> None:
         self.plan = plan
         self.calls: list[str] = []
         self.profiles = {}
         self.reports = []
+        self.off_clock = []
 
     def register_job(self, spec):
         self.spec = spec
@@ -93,17 +102,16 @@ class FakePlanner:
     def assignment(self, iteration):
         if iteration < 1:
             return Assignment(Phase.WARMUP, None, None, 0)
-        if iteration < 3:
-            return Assignment(Phase.PROFILING, None, (1410, 1005)[iteration - 1], 0)
         if not self.profiles:
-            return Assignment(Phase.PLANNING, None, None, 0)
+            return Assignment(Phase.PROFILING, None, SWEEP, 0)
         return Assignment(Phase.PLANNED, self.plan, None, 1)
 
     def upload_profile(self, job_id, stage, profile):
         self.profiles[stage] = profile
 
-    def report_iteration(self, job_id, rank, iteration, time_s, energy_j, compute_time_s=None):
+    def report_iteration(self, job_id, rank, iteration, time_s, energy_j, compute_time_s=None, off_clock=None):
         self.reports.append((iteration, time_s, energy_j, compute_time_s))
+        self.off_clock.append(off_clock)
 
 
 class StaticPlanner(FakePlanner):
@@ -204,6 +212,7 @@ def test_profiles_then_applies_the_plan_on_a_real_stage(gpu):
         handle_signals=False,
         progress=False,
         wait_for_clock=True,
+        emulate={"forward": Work(0.003), "backward": Work(0.006)},  # GPU work for the profiler to measure
     )
     rank = stage.perseus
     rank._registrar.join(5)
@@ -226,11 +235,14 @@ def test_profiles_then_applies_the_plan_on_a_real_stage(gpu):
 
     n = len(order)
     assert planner.spec.stage_orders[0] == tuple((i.kind.value, i.microbatch, i.chunk) for i in order)
-    assert clocks[:n] == [1410] * n  # warm-up at default clocks
-    assert clocks[n : 3 * n] == [1410] * n + [1005] * n  # the sweep
-    assert clocks[3 * n : 5 * n] == plan * 2  # planned from the iteration after the upload
+    iterations = [clocks[i : i + n] for i in range(0, len(clocks), n)]
+    assert iterations[0] == [1410] * n  # warm-up at default clocks
+    swept = iterations[1 : iterations.index(plan)]  # the sweep: each step once, a step repeated if uncertain
+    assert swept[:2] == [[1410] * n, [1005] * n] and all(set(it) <= {1410, 1005} for it in swept)
+    assert iterations[1 + len(swept) :] == [plan] * (5 - len(swept))  # planned from the iteration after the upload
     assert eval_clock == gpu.max_frequency()
-    assert clocks[5 * n :] == plan  # after eval the plan continues
+    unplanned = 1 + len(swept)  # off-clock instructions are counted in planned iterations only: none here
+    assert planner.off_clock == [None] * unplanned + [0] * (6 - unplanned)
     assert not rank.controller.fallen_back
     profile = planner.profiles[0]
     assert set(profile.points) == {(0, "forward"), (0, "backward")}

@@ -43,7 +43,7 @@ def test_client_without_service_runs_unplanned_then_connects_when_it_starts(serv
         while not (c0.assignment(0).phase == Phase.WARMUP and c1.assignment(0).phase == Phase.WARMUP):
             assert time.monotonic() < deadline, "clients did not connect"
             time.sleep(0.02)
-        assert c1.assignment(2).profiling_frequency == FREQUENCIES[0]
+        assert c1.assignment(2).sweep.frequencies == FREQUENCIES
         assert "reachable again" in caplog.text and "rank 1 registered" in served.log()
         assert len([r for r in caplog.records if "did not answer" in r.getMessage()]) == len(warnings)
 

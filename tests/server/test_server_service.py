@@ -95,9 +95,10 @@ def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path)
         wait_until(lambda: all(c.assignment(0).phase == Phase.WARMUP for c in clients))
         for r, client in enumerate(clients):
             client.report_iteration(job_id, r, 0, 0.25, 30.0)  # warm-up: the measured baseline
-        # Warm-up, then the sweep: frequency k for iterations 2 + 2k, 2 + 2k + 1.
+        # Warm-up, then the sweep the service designed (the rank walks its steps), 2 steps per frequency.
         a = clients[1].assignment(2 + 2 * 3 + 1)
-        assert a.phase == Phase.PROFILING and a.profiling_frequency == FREQUENCIES[3] and a.frequencies is None
+        assert a.phase == Phase.PROFILING and a.sweep.frequencies == FREQUENCIES and a.frequencies is None
+        assert [set(step.values()) for step in a.sweep.steps[6:8]] == [{FREQUENCIES[3]}, set(FREQUENCIES[2:4])]
         clients[0].upload_profile(job_id, 0, stage_profile(0))
         assert clients[0].assignment(4).phase == Phase.PLANNING  # uploaded: max clocks until the plan
         clients[1].assignment(5)  # the furthest iteration any rank reached: the plan starts after it
