@@ -19,8 +19,8 @@ from perseus.schedules.instruction import Instruction, Kind, Schedule
 
 
 def schedule_edges(schedule: Schedule) -> tuple[list[Instruction], np.ndarray, np.ndarray]:
-    """The dependency edges of `schedule` as index pairs into its instructions (in stage order),
-    without checking for cycles: (instructions, src, dst)."""
+    """The dependency edges of `schedule` as distinct index pairs into its instructions (in stage
+    order), without checking for cycles: (instructions, src, dst)."""
     schedule.validate()
     nodes = [ins for row in schedule.stages for ins in row]
     index = {ins: i for i, ins in enumerate(nodes)}
@@ -51,7 +51,9 @@ def schedule_edges(schedule: Schedule) -> tuple[list[Instruction], np.ndarray, n
         dst.append(grads[last])
         src += grads[1:]
         dst += grads[:-1]
-    return nodes, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+    # A rank's next instruction can also be its data successor (I then W): one edge.
+    pairs = np.unique(np.array([src, dst], dtype=np.int64).reshape(2, -1).T, axis=0)
+    return nodes, pairs[:, 0].copy(), pairs[:, 1].copy()
 
 
 def build_dag(schedule: Schedule) -> nx.DiGraph:

@@ -141,31 +141,38 @@ class Planner:
                 f"no plan finishes within {deadline_s:.6g} s: even the fastest frequencies take "
                 f"{self.fastest_time_s:.6g} s per iteration; relax the deadline"
             )
-        problem, lp = self.problem, self._lp
-        if deadline_s is not None and refined:
-            # Choices no plan within the deadline can take are left out: a tighter hull (a new LP,
-            # so frontier sweeps keep their one warm LP instead).
-            problem = self.problem.restricted(deadline_s)
-            if problem is not self.problem:
-                lp, warm = HullLP(problem), False
-        relaxation = lp.solve(deadline_s, warm=warm, padded=padded)
+        # The relaxation over every profiled choice, at the plain (unpadded) objective: its
+        # rounding, iterative rounding and the minimum-energy targets are the candidates the
+        # planner always had, so no plan is ever worse than before.
+        relaxation = self._lp.solve(deadline_s, warm=warm)
         candidates = self._round(relaxation, deadline_s)
         if refined and self.problem.num_nodes <= REFINE_MAX_NODES:
-            refined_relaxation = refine(problem, lp, relaxation, deadline_s, padded)
-            candidates += self._round(refined_relaxation, deadline_s)
-        if deadline_s is None:
-            # The minimum-energy plan. Rounding loses time that every stage then spends blocked,
-            # so slightly tighter targets can round to less energy; they meet no deadline anyway.
+            candidates += self._round(refine(self.problem, self._lp, relaxation, deadline_s), deadline_s)
+        if deadline_s is None or relaxation.iteration_time_s < deadline_s * (1 - 1e-9):
+            # The deadline does not bind: the minimum-energy plan. Rounding loses time that every
+            # stage then spends blocked, so slightly tighter targets can round to less energy.
             for factor in _MIN_ENERGY_TARGETS:
                 tighter = self._lp.solve(max(factor * relaxation.iteration_time_s, self.fastest_time_s), warm=True)
                 candidates += self._round(tighter, tighter.iteration_time_s)
+        bound = relaxation
+        if deadline_s is not None and (refined or padded):
+            # The objective's own relaxation certifies the plan: padded if asked, and without the
+            # choices no plan within the deadline can take (a tighter hull where room is short).
+            # Its rounding is one more candidate.
+            problem = self.problem.restricted(deadline_s) if refined else self.problem
+            if padded or problem is not self.problem:
+                bound = HullLP(problem).solve(deadline_s, padded=padded)
+                candidates += self._round(bound, deadline_s)
+                if not padded and bound.lower_bound_j < relaxation.lower_bound_j:
+                    bound = relaxation  # both certify; keep the higher
         if self._exact:
-            exact = solve_exact(self.problem, deadline_s, padded)
-            if exact is not None:
-                candidates.append(exact)
+            for objective in {False, padded}:
+                exact = solve_exact(self.problem, deadline_s, objective)
+                if exact is not None:
+                    candidates.append(exact)
         if deadline_s is None or deadline_s >= self.max_frequency_time_s:
             candidates.append(self._max_frequency_dominated)
-        return self._best(candidates, deadline_s, relaxation, padded, _EXCHANGED if refined else 1)
+        return self._best(candidates, deadline_s, bound, padded, _EXCHANGED if refined else 1)
 
     def _round(self, relaxation: Relaxation, deadline_s: float | None) -> list[np.ndarray]:
         rounded = round_down(self.problem, relaxation.finish_s, _LP_SLACK_S, self._walker)
@@ -205,6 +212,15 @@ class Planner:
             )
         scored.sort()
         best, best_te = candidates[scored[0][2]], (scored[0][1], scored[0][0])
+        if padded and deadline_s is not None:
+            # Also the plan the unpadded objective would pick, polished as it would be.
+            plain = min((self.problem.energy(candidates[k])[::-1], k) for _, _, k in scored)[1]
+            improved = exchange(
+                self.problem, candidates[plain], self.problem.energy(candidates[plain])[0], self._walker
+            )
+            t, e = self._objective(improved, deadline_s, padded)
+            if t <= deadline_s and (e, t) < (best_te[1], best_te[0]):
+                best, best_te = improved, (t, e)
         # Pair exchanges within each leading candidate's own time (the iteration never gets
         # longer; padded, the time up to the deadline is free): the best before them is not
         # always the best after.

@@ -94,8 +94,9 @@ def test_arrays_are_consistent(name, chunks):
     a = dag_arrays(graph)
     assert set(a.nodes) == set(graph.nodes) and len(a.nodes) == graph.number_of_nodes()
     assert all(a.index[ins] == i for i, ins in enumerate(a.nodes))
-    got = {(a.nodes[u], a.nodes[v]) for u, v in zip(a.src, a.dst)}
-    assert got == set(graph.edges)
+    got = [(a.nodes[u], a.nodes[v]) for u, v in zip(a.src, a.dst)]
+    assert set(got) == set(graph.edges) and len(got) == graph.number_of_edges()
+    assert a.num_nodes == dag_arrays(s).num_nodes and np.array_equal(dag_arrays(s).src, a.src)
     assert np.all(a.src < a.dst)  # topological order
     for i in range(a.num_nodes):
         assert sorted(a.preds(i)) == sorted(a.index[p] for p in graph.predecessors(a.nodes[i]))
