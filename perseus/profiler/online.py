@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from perseus.devices.gpu import GPU
 from perseus.exceptions import ConfigError, DeviceError
 from perseus.profiler.energy_fit import IDLE, PowerFit, fit_powers
-from perseus.profiler.profile import Profile, ProfilePoint
+from perseus.profiler.profile import SWITCH_LATENCY_META, Profile, ProfilePoint
 from perseus.profiler.sampler import CounterSampler
 from perseus.profiler.sweep import Sweep, SweepPlan
 from perseus.profiler.timeline import Key, Span, Timeline, column
@@ -60,14 +60,22 @@ class OnlineProfiler:
 
     `settle`: waits until the clock the controller was last asked for is in force and returns
     that change, (in force from, MHz), or None when the controller changes nothing (the rank
-    then cannot profile). The rank calls `before_instruction` after asking the controller for
+    then cannot profile). `latency`: the switch latency per target clock, recorded in the
+    profile's meta for the planner. The rank calls `before_instruction` after asking the controller for
     the instruction's clock, and `after_instruction` once it was issued.
     """
 
-    def __init__(self, gpu: GPU, sweep: Sweep, settle: Callable[[], ClockChange | None]) -> None:
+    def __init__(
+        self,
+        gpu: GPU,
+        sweep: Sweep,
+        settle: Callable[[], ClockChange | None],
+        latency: Callable[[int | None], float] | None = None,
+    ) -> None:
         self.gpu = gpu
         self.sweep = sweep
         self._settle = settle
+        self._latency = latency
         self._clock = gpu.clock
         self.sampler = CounterSampler(gpu)
         self.timeline = Timeline()
@@ -238,6 +246,8 @@ class OnlineProfiler:
         period = self.sampler.update_period_s()
         if period is not None:
             meta["counter_update_s"] = f"{period:.4g}"
+        if self._latency is not None:  # the planner keeps instructions shorter than this at one clock
+            meta[SWITCH_LATENCY_META] = f"{max(self._latency(f) for f in [*common, None]):.4g}"
         meta.update(_error_meta(points, common))
         blocking = self._blocking_power(fit)
         meta["blocking_rel_error"] = f"{fit.relative_error(IDLE):.3g}"

@@ -149,7 +149,7 @@ class PerseusRank:
             watchdog=watchdog,
             latency=switch_latency(gpu, self.settings.switch_latency_s),
         )
-        self.profiler = OnlineProfiler(gpu, self.sweep, self.controller.settle)
+        self.profiler = OnlineProfiler(gpu, self.sweep, self.controller.settle, self.controller.latency)
         self._emulated = InstructionWork(gpu, emulate, self.controller.wait_applied) if emulate is not None else None
 
         self.iteration = -1
@@ -235,6 +235,7 @@ class PerseusRank:
     def on_instruction_begin(self, kind: str, microbatch: int, chunk: int = 0) -> None:
         """Right before an instruction's computation (kind: forward, backward, backward_input, backward_weight)."""
         if self._closed:
+            self._emulate_closed(True, str(kind), microbatch, chunk)
             return
         try:
             if not self._in_step:
@@ -254,7 +255,10 @@ class PerseusRank:
 
     def on_instruction_end(self, kind: str, microbatch: int, chunk: int = 0) -> None:
         """Right after an instruction's computation was issued."""
-        if self._closed or not self._in_step:
+        if self._closed:
+            self._emulate_closed(False, str(kind), microbatch, chunk)
+            return
+        if not self._in_step:
             return
         try:
             if self._emulated is not None:
@@ -363,6 +367,19 @@ class PerseusRank:
                 total if done is not None else None,
                 plan_version=self.plan_version if self._holds_plan else 0,
             )
+
+    def _emulate_closed(self, begins: bool, kind: str, microbatch: int, chunk: int) -> None:
+        """After `close()`, Perseus no longer measures or sets clocks, but the model's emulated GPU
+        work is the model's: it still runs (at default clocks)."""
+        if self._emulated is None:
+            return
+        try:
+            if begins:
+                self._emulated.begin(kind, microbatch, chunk)
+            else:
+                self._emulated.end()
+        except Exception as e:
+            self._warn_once("emulate", f"emulating {kind} {microbatch}'s GPU work failed: {e!r}; training continues")
 
     def _mark_begin(self) -> None:
         """An instruction begins: its span starts, in iterations the planner wants spans of."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 
 from perseus.exceptions import ConfigError
-from perseus.profiler.profile import Profile
+from perseus.profiler.profile import SWITCH_LATENCY_META, Profile
 from perseus.schedules import Schedule
 from perseus.service.planning import check_stage_profile, merge_profiles, stage_rows
 from perseus.service.ranks import Models, bad_field
@@ -113,7 +113,11 @@ class Profiling:
         stages = self.merged.get(model, {})
         if len(stages) < self.spec.pp:
             return None
-        return merge_profiles(stages, self._blocking_power())
+        merged = merge_profiles(stages, self._blocking_power())
+        latency = max(p.switch_latency_s() for p in stages.values())
+        if latency:
+            merged.meta[SWITCH_LATENCY_META] = f"{latency:.4g}"  # the cached profile keeps it
+        return merged
 
     def _blocking_power(self) -> float | None:
         power = self.spec.blocking_power_w
@@ -121,15 +125,18 @@ class Profiling:
 
     def pipeline_profile(self, schedule: Schedule, models: Models) -> Profile | None:
         """The profile a pipeline with these stage models is planned with: the stages' measured
-        rows plus the spec's host and hop overheads. None until complete."""
+        rows, instructions shorter than a clock change takes on their GPU held at their top clock
+        (`Profile.at_top_clock_below`), plus the spec's host and hop overheads. None until complete."""
         stages: dict[int, Profile] = {}
         for s, model in enumerate(models):
             if model in self.cached:
                 rows = stage_rows(schedule, s, self.cached[model])
+                latency = self.cached[model].switch_latency_s()
             else:
                 rows = self.merged.get(model, {}).get(s)
+                latency = rows.switch_latency_s() if rows is not None else 0.0
             if rows is None:
                 return None
-            stages[s] = rows
+            stages[s] = rows.at_top_clock_below(latency)
         merged = merge_profiles(stages, self._blocking_power())
         return merged.with_overheads(self.spec.instruction_overhead_s, self.spec.hop_latency_s)
