@@ -13,6 +13,7 @@ from perseus.profiler.profile import Profile, ProfilePoint
 from perseus.service.job import Job
 from perseus.service.planning import PlanResult, merge_profiles
 from perseus.service.plans import PLAN_LEAD_ITERATIONS
+from perseus.service.sweep import design_steps
 from perseus.wire.envelope import (
     ErrorCode,
     RequestRejected,
@@ -23,7 +24,7 @@ from perseus.wire.envelope import (
     encode_request,
 )
 from perseus.wire.limits import MAX_MESSAGE_BYTES
-from perseus.wire.messages import GetTable, RegisterJob, ReportIteration, UploadProfile
+from perseus.wire.messages import GetTable, RegisterJob, ReportIteration, Table, UploadProfile
 from perseus.wire.phases import JobPhase
 from perseus.wire.profiles import profile_from_wire, profile_to_wire
 from perseus.wire.spec import JobSpec, RankInfo
@@ -199,6 +200,18 @@ def test_job_table_sweeps_then_plans_with_a_lead():
     assert job.publish() == []  # nothing changed: no new version
     job.rerun()
     assert job.plans[0].start_iteration == 0 and job.last_iteration == -1
+
+
+def test_the_service_designs_the_sweep_and_sends_it_while_a_stage_is_unprofiled():
+    job = _job()
+    steps = job.table(0, iteration=-1, known_version=0).sweep_steps
+    assert steps == design_steps(FREQUENCIES, 2) and len(steps) == 2 * len(FREQUENCIES)
+    assert GetTable("job-00ab", 0).to_wire().get("sweep_version") is None  # an earlier release's request
+    wire = job.table(0, -1, 0).to_wire()
+    assert Table.from_wire(wire).sweep_steps == steps
+    job.add_profile(0, 0, stage_profile(0))
+    assert job.table(0, -1, 0).sweep_steps == () and "sweep_steps" not in job.table(0, -1, 0).to_wire()
+    assert job.table(1, -1, 0).sweep_steps == steps  # stage 1 still profiles
 
 
 def test_job_rejects_inconsistent_ranks_and_profiles():

@@ -100,6 +100,20 @@ def test_finding_2_a_job_over_the_per_job_budget_is_refused_at_once(serve):
     assert _ok(request(served.endpoint, "status"))["jobs"] == []
 
 
+def test_a_rank_computing_its_own_sweep_is_told_to_upgrade(tmp_path):
+    local = Local(tmp_path)
+    job_id = local.register(4)
+    _ok(local.call("register_rank", job_id=job_id, info=rank_info(0).to_wire()))
+    old = local.call("get_table", job_id=job_id, rank=0)  # an earlier release: no sweep_version
+    assert _code(old) == "bad_version" and "upgrade perseus on the ranks" in old["error"]["message"]
+    table = _ok(local.call("get_table", job_id=job_id, rank=0, sweep_version=2))
+    assert len(table["sweep_steps"]) == 2 * len(FREQUENCIES)
+    local.settle()  # the schedule is built: profiles are taken
+    wire = profile_to_wire(stage_profile(0))
+    _ok(local.call("upload_profile", job_id=job_id, rank=0, stage=0, profile=wire))
+    assert "sweep_steps" not in _ok(local.call("get_table", job_id=job_id, rank=0))  # profiled: no sweep to follow
+
+
 class Local:
     """A PlannerService in this process with a simulated clock: requests go straight to `handle`."""
 
