@@ -33,6 +33,9 @@ _LP_SLACK_S = 1e-9
 _MIN_ENERGY_TARGETS = (0.99, 0.97)
 # Candidates polished by pair exchanges, best first (frontier sweeps: the best only).
 _EXCHANGED = 3
+# The restricted relaxation costs one more cold LP solve (superlinear in the instructions): used
+# up to this many, where the solve is short.
+RESTRICT_MAX_NODES = 4096
 # Iterative rounding (`refine`) costs a few warm LP re-solves: used for single plans up to this
 # many instructions, not for frontier sweeps (50 points stay within seconds).
 REFINE_MAX_NODES = 16384
@@ -159,7 +162,8 @@ class Planner:
             # The objective's own relaxation certifies the plan: padded if asked, and without the
             # choices no plan within the deadline can take (a tighter hull where room is short).
             # Its rounding is one more candidate.
-            problem = self.problem.restricted(deadline_s) if refined else self.problem
+            restrict = refined and self.problem.num_nodes <= RESTRICT_MAX_NODES
+            problem = self.problem.restricted(deadline_s) if restrict else self.problem
             if padded or problem is not self.problem:
                 bound = HullLP(problem).solve(deadline_s, padded=padded)
                 candidates += self._round(bound, deadline_s)
