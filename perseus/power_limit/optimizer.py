@@ -10,12 +10,16 @@
         optimizer.on_epoch_end()
     optimizer.close()
 
-The optimizer sweeps power limits from the highest down in `pl_step_w` steps. At each it lets
-`warmup_steps` steps pass, then measures `profile_steps` steps (time and GPU energy); an epoch
-that ends first discards that measurement and the limit is tried again next epoch. The sweep
-stops as soon as the selector says no lower limit could be chosen (`stop_sweep`: a step slower
-than MaxSlowdownConstraint allows, energy or cost rising at 3 limits in a row); the limits
-left are recorded in `skipped_mw` (`early_stop=False` measures them all). Then the selector
+The optimizer sweeps power limits from the highest down in `pl_step_w` steps. Once
+`wait_steps` steps have passed (at the start only), it lets `warmup_steps` steps pass at each
+limit, then measures `profile_steps` steps (time and GPU energy); an epoch that ends first
+discards that limit's warm-up and measurement (an epoch's end -- evaluation, a new data loader
+-- would distort it) and the limit starts over next epoch. `sweep_steps` counts every step
+taken while sweeping: `waited_steps` + warm-up and measured steps of each limit measured +
+`cut_steps` (those discarded at epoch ends). The sweep stops as soon as the selector says no
+lower limit could be chosen (`stop_sweep`: two limits in a row slower than
+MaxSlowdownConstraint allows, energy or cost rising at 3 limits in a row); the limits left are
+recorded in `skipped_mw` (`early_stop=False` measures them all). Then the selector
 picks a limit, which stays (selectors that depend on the outside world, like CarbonCost,
 pick again at every epoch).
 
@@ -150,11 +154,14 @@ class GlobalPowerLimitOptimizer:
         self.measurements: list[PowerLimitMeasurement] = []  # over all ranks, one per limit measured
         self.local_measurements: list[PowerLimitMeasurement] = []  # this rank's GPUs
         self.skipped_mw: list[int] = []  # sweep limits left unmeasured: no selector choice below
-        self.sweep_steps = 0  # training steps taken while sweeping (warm-up, measured, cut short)
+        self.sweep_steps = 0  # training steps taken while sweeping: waited + per limit measured + cut
+        self.waited_steps = 0  # of those, the wait_steps at the start
+        self.cut_steps = 0  # of those, steps at limits an epoch's end cut short (measured again after)
         self.selected_mw: int | None = None
         self.num_gpus = len(self.gpus)
         self._sweep_index = 0
         self._steps = 0  # in the current warm-up or measurement
+        self._limit_steps = 0  # at the current limit since its warm-up began
         self._wait = wait_steps  # steps still to pass before the first warm-up counts (Zeus' wait_steps)
         self._in_step = False  # on_step_begin came and its on_step_end has not (yet)
         self._begins_steps = False  # the loop calls on_step_begin (else only on_step_end)
@@ -169,7 +176,7 @@ class GlobalPowerLimitOptimizer:
             if self._load_profile():
                 self._select()
                 self.phase = Phase.DONE
-                self._tell(f"from profile {self.profile_path}")
+                self._tell(f"(from profile {self.profile_path})")
             else:
                 self._apply(self.power_limits_mw[0])
         except BaseException:
@@ -224,17 +231,17 @@ class GlobalPowerLimitOptimizer:
 
     def _step_ended(self) -> None:
         self._epoch_steps += 1
-        if self.phase is Phase.WARMUP:
-            if self._wait > 0:
-                self._wait -= 1
-            else:
-                self._steps += 1
-            self.sweep_steps += 1
-        elif self.phase is Phase.MEASURE:
-            self._steps += 1
-            self.sweep_steps += 1
-            if self._steps >= self.profile_steps:
-                self._end_measurement()
+        if self.phase not in (Phase.WARMUP, Phase.MEASURE):
+            return
+        self.sweep_steps += 1
+        if self.phase is Phase.WARMUP and self._wait > 0:
+            self._wait -= 1
+            self.waited_steps += 1
+            return
+        self._steps += 1
+        self._limit_steps += 1
+        if self.phase is Phase.MEASURE and self._steps >= self.profile_steps:
+            self._end_measurement()
 
     def on_epoch_end(self) -> None:
         if self.phase is Phase.CLOSED:
@@ -266,6 +273,8 @@ class GlobalPowerLimitOptimizer:
                 )
             self.phase = Phase.WARMUP
             self._steps = 0
+            self.cut_steps += self._limit_steps
+            self._limit_steps = 0
 
     # Lifecycle
     def close(self) -> None:
@@ -316,6 +325,7 @@ class GlobalPowerLimitOptimizer:
         self.measurements.append(PowerLimitMeasurement(limit, time_s, energy_all_j))
         self._sweep_index += 1
         self._steps = 0
+        self._limit_steps = 0
         if self._sweep_index < len(self.power_limits_mw):
             if not (self.early_stop and self._stop_now()):
                 self._apply(self.power_limits_mw[self._sweep_index])
@@ -326,7 +336,17 @@ class GlobalPowerLimitOptimizer:
             self._save_profile()
         self._select()
         self.phase = Phase.DONE
-        self._tell(f"{self.sweep_steps} steps")
+        self._tell(self._steps_taken())
+
+    def _steps_taken(self) -> str:
+        """What the sweep cost in training steps, with what is not warm-up and measurement per limit."""
+        text = f"in {self.sweep_steps} steps"
+        extra = []
+        if self.waited_steps:
+            extra.append(f"{self.waited_steps} waited")
+        if self.cut_steps:
+            extra.append(f"{self.cut_steps} discarded: an epoch ended before their limit was measured")
+        return text + (f" ({', '.join(extra)})" if extra else "")
 
     def _context(self) -> SelectionContext:
         return SelectionContext(self.max_power_limit_mw, self.num_gpus, self._last_epoch_steps)
@@ -358,7 +378,7 @@ class GlobalPowerLimitOptimizer:
                 f": per step {chosen.time_s / top.time_s - 1:+.1%} time, "
                 f"{chosen.energy_j / top.energy_j - 1:+.1%} energy vs {top.power_limit_w:.0f} W"
             )
-        line += f"; {len(self.measurements)} of {len(self.power_limits_mw)} limits measured ({source})"
+        line += f"; {len(self.measurements)} of {len(self.power_limits_mw)} limits measured {source}"
         if self.skipped_mw:
             line += f", {len(self.skipped_mw)} skipped: none below could be chosen"
         if not (self.verbose or logs_info(logger)):

@@ -6,10 +6,12 @@ through `stop_sweep`, when the sweep (highest limit first) may stop because no l
 could be chosen: the optimizer then skips the rest.
 
 Early stopping rests on what lowering a power limit does: a step never gets faster, and its
-energy falls, bottoms out, then rises (the step slows more than power drops). So a limit
-below one that was too slow for `MaxSlowdownConstraint` is too slow as well, and once energy
-(or a cost mixing energy and time) has risen at several limits in a row (`stop_patience`,
-against measurement noise), every lower limit costs more than one already measured.
+energy falls, bottoms out, then rises (the step slows more than power drops). So limits
+below one that was too slow for `MaxSlowdownConstraint` are too slow as well, and once energy
+(or a cost mixing energy and time) has risen at several limits in a row, every lower limit
+costs more than one already measured. Both rules wait for more than one reading, against
+measurement noise: two slow limits in a row (`slow_limits_to_stop`), a rise kept over three
+(`stop_patience`; one stray reading is followed by a fall, which breaks the run).
 """
 
 from __future__ import annotations
@@ -170,13 +172,18 @@ class MaxSlowdownConstraint(PowerLimitSelector):
         best = min(allowed, key=lambda m: (m.energy_j, -m.power_limit_mw))
         return best.power_limit_mw
 
+    #: Limits in a row slower than `factor` allows before the sweep stops: one slow reading can
+    #: be a hiccup (a data-loader stall, a busy CPU) at a limit that is fast enough.
+    slow_limits_to_stop: int = 2
+
     def stop_sweep(self, measurements: Sequence[PowerLimitMeasurement], context: SelectionContext) -> bool:
-        """Stop at the first limit slower than `factor` x the highest limit's time (lower ones are
-        slower still), or once energy rose at `stop_patience` limits in a row."""
+        """Stop once `slow_limits_to_stop` limits in a row were slower than `factor` x the highest
+        limit's time (lower ones are slower still), or energy rose at `stop_patience` limits in a row."""
         if not measurements:
             return False
         baseline = max(measurements, key=lambda m: m.power_limit_mw).time_s
-        if measurements[-1].time_s > self.factor * baseline:
+        last = measurements[-self.slow_limits_to_stop :]
+        if len(last) == self.slow_limits_to_stop and all(m.time_s > self.factor * baseline for m in last):
             return True
         return rising([m.energy_j for m in measurements], self.stop_patience)
 

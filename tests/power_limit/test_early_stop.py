@@ -49,9 +49,13 @@ def sim_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("PERSEUS_SIM_DIR", str(tmp_path / "sim"))
 
 
-def sweep(selector, work=WORKLOADS["alpha 0.3"], early_stop=True, **kwargs):
-    """Run steps until the optimizer is done; returns it (closed) and the steps taken."""
-    gpus = sim_gpus(PRESET, 2, VirtualClock())
+def sweep(selector, work=WORKLOADS["alpha 0.3"], early_stop=True, stall=None, **kwargs):
+    """Run steps until the optimizer is done; returns it (closed) and the steps taken.
+
+    stall: (limit in mW, seconds): the first step measured at that limit takes that much longer
+    (the training thread waits, e.g. on a data loader: the GPUs idle)."""
+    clock = VirtualClock()
+    gpus = sim_gpus(PRESET, 2, clock)
     kwargs.setdefault("warmup_steps", 2)
     kwargs.setdefault("profile_steps", 5)
     optimizer = GlobalPowerLimitOptimizer(
@@ -65,6 +69,9 @@ def sweep(selector, work=WORKLOADS["alpha 0.3"], early_stop=True, **kwargs):
             gpu.execute(work, blocking=False)
         for gpu in gpus:
             gpu.synchronize()
+        if stall is not None and optimizer.phase is Phase.MEASURE and optimizer.power_limit_mw == stall[0]:
+            clock.advance(stall[1])
+            stall = None
         optimizer.on_step_end()
         steps += 1
     optimizer.on_epoch_end()
@@ -86,12 +93,35 @@ def test_early_stop_chooses_what_the_full_sweep_chooses(workload, selector):
 
 
 def test_the_benchmark_workload_skips_the_slowest_limits():
-    """Memory-bound steps under MaxSlowdownConstraint(1.1): 200 W is 1.138x slower than 400 W,
-    so the sweep stops there and never runs 175-100 W (up to 2.6x slower per step)."""
+    """Memory-bound steps under MaxSlowdownConstraint(1.1): 200 W is 1.138x slower than 400 W and
+    175 W slower still, so the sweep stops there and never runs 150-100 W (up to 2.6x slower)."""
     early, _ = sweep(MaxSlowdownConstraint(1.1))
-    assert [m.power_limit_mw // 1000 for m in early.measurements] == [400, 375, 350, 325, 300, 275, 250, 225, 200]
-    assert early.skipped_mw == [175_000, 150_000, 125_000, 100_000]
+    measured = [400, 375, 350, 325, 300, 275, 250, 225, 200, 175]
+    assert [m.power_limit_mw // 1000 for m in early.measurements] == measured
+    assert early.skipped_mw == [150_000, 125_000, 100_000]
     assert early.selected_mw == 225_000
+
+
+def test_one_slow_reading_does_not_end_the_sweep():
+    """A stall in one measured step at 350 W makes 350 W read 1.125x slower than 400 W: stopping
+    there would choose 375 W. The sweep goes on (the next limit is fast enough) and chooses what
+    the full sweep with the same stall chooses, which is the clean sweep's choice."""
+    t_top, _ = predict(PRESET, WORKLOADS["alpha 0.3"], 1410, 400)
+    t_350, _ = predict(PRESET, WORKLOADS["alpha 0.3"], 1410, 350)
+    stall = (350_000, 5 * (1.125 * t_top - t_350))  # over the 5 measured steps: 1.125x on average
+    full, _ = sweep(MaxSlowdownConstraint(1.1), early_stop=False, stall=stall)
+    early, _ = sweep(MaxSlowdownConstraint(1.1), stall=stall)
+    clean, _ = sweep(MaxSlowdownConstraint(1.1))
+    outlier = early.measurements[2]
+    assert outlier.power_limit_mw == 350_000 and outlier.time_s == pytest.approx(1.125 * early.measurements[0].time_s)
+    assert early.selected_mw == full.selected_mw == clean.selected_mw == 225_000
+    assert early.measurements == full.measurements[: len(early.measurements)]
+    assert early.skipped_mw == clean.skipped_mw
+
+    jumpy = MaxSlowdownConstraint(1.1)  # what stopping on one slow reading did
+    jumpy.slow_limits_to_stop = 1
+    stopped, _ = sweep(jumpy, stall=stall)
+    assert stopped.selected_mw == 375_000 and len(stopped.measurements) == 3
 
 
 def test_rising_means_a_rise_then_no_fall():
@@ -109,8 +139,10 @@ def test_selector_stop_rules():
     def rows(*pairs):
         return [PowerLimitMeasurement(400_000 - 25_000 * i, t, e) for i, (t, e) in enumerate(pairs)]
 
-    slow = rows((1.0, 10), (1.05, 9), (1.12, 8))
-    assert MaxSlowdownConstraint(1.1).stop_sweep(slow, context)  # 1.12x: beyond 1.1
+    slow = rows((1.0, 10), (1.05, 9), (1.12, 8), (1.15, 7))
+    assert MaxSlowdownConstraint(1.1).stop_sweep(slow, context)  # 1.12x and 1.15x: beyond 1.1 twice
+    assert not MaxSlowdownConstraint(1.1).stop_sweep(slow[:3], context)  # once: it may be noise
+    assert not MaxSlowdownConstraint(1.1).stop_sweep(rows((1.0, 10), (1.12, 9), (1.05, 8)), context)
     assert not MaxSlowdownConstraint(1.2).stop_sweep(slow, context)
     bottomed = rows((1.0, 10), (1.01, 8), (1.02, 9), (1.03, 10), (1.04, 11))
     assert MaxSlowdownConstraint(2.0).stop_sweep(bottomed, context)  # energy rose 3 times
@@ -142,8 +174,8 @@ def test_skipped_limits_are_recorded_in_the_profile_and_a_reuse_that_needs_them_
     path = tmp_path / "pl.json"
     early, _ = sweep(MaxSlowdownConstraint(1.1), profile_path=path)
     data = json.loads(path.read_text())
-    assert data["skipped_power_limits_mw"] == [175_000, 150_000, 125_000, 100_000]
-    assert len(data["measurements"]) == 9
+    assert data["skipped_power_limits_mw"] == [150_000, 125_000, 100_000]
+    assert len(data["measurements"]) == 10
 
     again = GlobalPowerLimitOptimizer(
         Monitor(gpus=sim_gpus(PRESET, 2, VirtualClock()), cpus=[]),
@@ -158,7 +190,7 @@ def test_skipped_limits_are_recorded_in_the_profile_and_a_reuse_that_needs_them_
     other = GlobalPowerLimitOptimizer(
         Monitor(gpus=sim_gpus(PRESET, 2, VirtualClock()), cpus=[]), Energy(), profile_path=path, watchdog=False
     )
-    assert "stops at 200 W" in caplog.text and "delete the file to profile again" in caplog.text
+    assert "stops at 175 W" in caplog.text and "delete the file to profile again" in caplog.text
     other.close()
 
 
@@ -171,7 +203,7 @@ def test_one_line_reaches_stderr_without_logging_set_up(capsys):
     t, e = predict(PRESET, WORKLOADS["alpha 0.3"], 1410, 225)
     assert line.startswith("perseus: power limit 225 W for 2 GPU(s) (MaxSlowdownConstraint(factor=1.1))")
     assert f"per step {t / t_top - 1:+.1%} time, {e / e_top - 1:+.1%} energy vs 400 W" in line
-    assert "9 of 13 limits measured (63 steps), 4 skipped" in line
+    assert line.endswith("; 10 of 13 limits measured in 70 steps, 3 skipped: none below could be chosen")
 
 
 def test_the_table_goes_to_the_log_at_info_and_nothing_is_printed_twice(capsys, caplog):
@@ -182,7 +214,7 @@ def test_the_table_goes_to_the_log_at_info_and_nothing_is_printed_twice(capsys, 
     table = record.getMessage().splitlines()
     assert table[0].startswith("power limit 225 W for 2 GPU(s)")
     assert sum("<- selected" in row for row in table) == 1
-    assert [row.split()[0] for row in table if row.endswith("skipped")] == ["175", "150", "125", "100"]
+    assert [row.split()[0] for row in table if row.endswith("skipped")] == ["150", "125", "100"]
 
 
 def test_verbose_false_prints_nothing(capsys):

@@ -34,7 +34,8 @@ def optimizer(**kwargs):
     gpus = sim_gpus("a100-sxm", 2, VirtualClock())
     kwargs.setdefault("warmup_steps", 2)
     kwargs.setdefault("profile_steps", 5)
-    return GlobalPowerLimitOptimizer(Monitor(gpus=gpus, cpus=[]), watchdog=False, verbose=False, **kwargs), gpus
+    kwargs.setdefault("verbose", False)
+    return GlobalPowerLimitOptimizer(Monitor(gpus=gpus, cpus=[]), watchdog=False, **kwargs), gpus
 
 
 def run(opt, gpus, steps, hooks=("begin", "end"), epochs=1):
@@ -124,6 +125,25 @@ def test_begin_only_epochs_that_end_mid_measurement_retry_the_limit():
     # 400 W: 2 warm-up + 5 measured; 375 W: 3 steps cut by the epoch end, then again.
     assert limits == [400] * 7 + [375] * 3 + [375] * 7 + [350] * 3
     assert [m.power_limit_mw for m in opt.measurements] == [400_000, 375_000]
+    opt.close()
+
+
+@pytest.mark.parametrize("epoch_steps", [100, 20])
+def test_the_steps_a_sweep_took_add_up(epoch_steps, capsys):
+    """wait_steps=1, 2 warm-up + 5 measured per limit, 6 limits: 43 steps when no epoch ends in
+    the middle of a limit. With 20-step epochs, each epoch's end discards the limit it cuts short
+    (5 steps in the first epoch: 1 waited + 2 x 7 + 5; 6 in the second: 2 x 7 + 6) and the last
+    epoch measures 2 limits: 54 steps, 11 of them discarded, as the line printed says."""
+    opt, gpus = optimizer(selector=ZeusCost(0.5), pl_step=60, wait_steps=1, early_stop=False, verbose=True)
+    assert len(opt.power_limits_mw) == 6
+    limits = run(opt, gpus, epoch_steps, epochs=100 // epoch_steps)
+    assert opt.selected_mw is not None
+    cut = 0 if epoch_steps == 100 else 11
+    assert (opt.sweep_steps, opt.waited_steps, opt.cut_steps) == (43 + cut, 1, cut)
+    assert limits[opt.sweep_steps - 1] == 100 and set(limits[opt.sweep_steps :]) == {opt.selected_mw // 1000}
+    line = capsys.readouterr().err.strip()
+    more = ", 11 discarded: an epoch ended before their limit was measured" if cut else ""
+    assert line.endswith(f"; 6 of 6 limits measured in {43 + cut} steps (1 waited{more})"), line
     opt.close()
 
 
