@@ -505,7 +505,8 @@ class CarbonReporter:
         self.codecarbon_csv = os.fspath(codecarbon_csv) if codecarbon_csv is not None else None
         self.run_info = run_info or RunInfo()
         self.epochs: list[EpochCarbon] = []
-        self._energy_j = {"gpu": 0.0, "cpu": 0.0, "ram": 0.0}  # over finished epochs, for the CSV
+        # Over finished epochs, for the CSV; CPU and RAM stay None unless a counter measured them.
+        self._energy_j: dict[str, float | None] = {"gpu": 0.0, "cpu": None, "ram": None}
         self._window = f"perseus.carbon.{id(self)}"
         self._begin_intensity: float | None = None
 
@@ -521,9 +522,13 @@ class CarbonReporter:
         measurement = self.monitor.end_window(self._window)
         intensity = (self._begin_intensity + self.provider.current()) / 2
         self._begin_intensity = None
-        self._energy_j["gpu"] += sum(measurement.gpu_energy_j.values())
-        self._energy_j["cpu"] += sum((measurement.cpu_energy_j or {}).values())
-        self._energy_j["ram"] += sum((measurement.dram_energy_j or {}).values())
+        for kind, energies in (
+            ("gpu", measurement.gpu_energy_j),
+            ("cpu", measurement.cpu_energy_j),
+            ("ram", measurement.dram_energy_j),
+        ):
+            if energies is not None:
+                self._energy_j[kind] = (self._energy_j[kind] or 0.0) + sum(energies.values())
         record = EpochCarbon(
             epoch=len(self.epochs) + 1,
             time_s=measurement.time_s,
@@ -566,17 +571,15 @@ class CarbonReporter:
             self.monitor.end_window(self._window, cancel=True)
             self._begin_intensity = None
         total = self.totals()
-        self._tell(
-            f"training: {len(self.epochs)} epochs, {total.time_s:.1f} s, {total.energy_j:.1f} J, "
-            f"{total.carbon_g:.3f} g CO2e"
-        )
+        epochs = f"{len(self.epochs)} epoch{'s' if len(self.epochs) != 1 else ''}"
+        self._tell(f"training: {epochs}, {total.time_s:.1f} s, {total.energy_j:.1f} J, {total.carbon_g:.3f} g CO2e")
         line = asdict(total)
         del line["epoch"]
         self._write({"total": True, "epochs": len(self.epochs), **line})
         if self.codecarbon_csv is not None:
             run = RunEnergy(
                 duration_s=total.time_s,
-                gpu_energy_j=self._energy_j["gpu"],
+                gpu_energy_j=self._energy_j["gpu"] or 0.0,
                 cpu_energy_j=self._energy_j["cpu"],
                 ram_energy_j=self._energy_j["ram"],
                 carbon_g=total.carbon_g,

@@ -2,9 +2,13 @@
 Perseus' figures: the same columns in the same order, energy in kWh, emissions in kg CO2e,
 power in W, duration in s, RAM in GB; one row per run, appended.
 
-What Perseus does not know stays empty (cloud provider and region, coordinates);
-`codecarbon_version` is empty too, since no CodeCarbon wrote the row (`tracking_mode` says
-"perseus" instead). The file is rewritten atomically with each row.
+What Perseus does not know stays empty: cloud provider and region, coordinates, CPU and RAM
+energy and power where no counter measured them (no RAPL, or a Monitor without CPUs; RAM is
+the DRAM counter of RAPL, where CodeCarbon estimates it), the CPU model where the system does
+not name it. `country_name` comes from `country_iso_code` (ISO 3166-1 alpha-3, perseus.
+measurement.iso3166) unless given. `codecarbon_version` is empty too, since no CodeCarbon
+wrote the row (`tracking_mode` says "perseus" instead). The file is rewritten atomically with
+each row.
 """
 
 from __future__ import annotations
@@ -13,12 +17,15 @@ import csv
 import io
 import os
 import platform
+import subprocess
+import sys
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from perseus.atomic import write_text_atomic
 from perseus.exceptions import ConfigError
+from perseus.measurement.iso3166 import COUNTRIES
 
 JOULES_PER_KWH = 3.6e6
 
@@ -61,12 +68,12 @@ COLUMNS = (
 
 @dataclass(frozen=True)
 class RunEnergy:
-    """What one run measured, in Perseus' units (J, s, g CO2e)."""
+    """What one run measured, in Perseus' units (J, s, g CO2e); None: not measured."""
 
     duration_s: float
     gpu_energy_j: float
-    cpu_energy_j: float
-    ram_energy_j: float
+    cpu_energy_j: float | None
+    ram_energy_j: float | None
     carbon_g: float
     gpu_count: int
     gpu_name: str
@@ -74,7 +81,8 @@ class RunEnergy:
 
 @dataclass(frozen=True)
 class RunInfo:
-    """Who and where: CodeCarbon's descriptive columns."""
+    """Who and where: CodeCarbon's descriptive columns. `country_iso_code` is ISO 3166-1
+    alpha-3, as in CodeCarbon ("DEU"); `country_name` defaults to that country's name."""
 
     project_name: str = "perseus"
     experiment_id: str = ""
@@ -82,18 +90,35 @@ class RunInfo:
     country_iso_code: str = ""
     region: str = ""
 
+    def __post_init__(self) -> None:
+        code = self.country_iso_code
+        if not isinstance(code, str):
+            raise ConfigError(f"RunInfo country_iso_code must be a string such as 'DEU', got {code!r}")
+        if code and code.upper() not in COUNTRIES:
+            alpha3 = next((a3 for a3, (a2, _) in COUNTRIES.items() if a2 == code.upper()), None)
+            hint = f"for {COUNTRIES[alpha3][1]}, give {alpha3!r}" if alpha3 else "e.g. 'DEU' for Germany"
+            raise ConfigError(
+                f"RunInfo country_iso_code {code!r} is not an ISO 3166-1 alpha-3 code, which CodeCarbon's "
+                f"emissions.csv holds ({hint})"
+            )
+        object.__setattr__(self, "country_iso_code", code.upper())
+        if not self.country_name and code:
+            object.__setattr__(self, "country_name", COUNTRIES[code.upper()][1])
+
 
 def row(run: RunEnergy, info: RunInfo, when: datetime | None = None) -> dict[str, object]:
-    """One CodeCarbon row for `run`."""
-    kwh = {
-        k: j / JOULES_PER_KWH
-        for k, j in (("cpu", run.cpu_energy_j), ("gpu", run.gpu_energy_j), ("ram", run.ram_energy_j))
-    }
+    """One CodeCarbon row for `run` (columns of what was not measured left empty)."""
     seconds = run.duration_s
 
-    def power(joules: float) -> float:
+    def kwh(joules: float | None) -> float | str:
+        return "" if joules is None else joules / JOULES_PER_KWH
+
+    def power(joules: float | None) -> float | str:
+        if joules is None:
+            return ""
         return joules / seconds if seconds > 0 else 0.0
 
+    measured_j = [j for j in (run.gpu_energy_j, run.cpu_energy_j, run.ram_energy_j) if j is not None]
     emissions_kg = run.carbon_g / 1000
     return {
         "timestamp": (when or datetime.now(timezone.utc)).isoformat(timespec="seconds"),
@@ -106,10 +131,10 @@ def row(run: RunEnergy, info: RunInfo, when: datetime | None = None) -> dict[str
         "cpu_power": power(run.cpu_energy_j),
         "gpu_power": power(run.gpu_energy_j),
         "ram_power": power(run.ram_energy_j),
-        "cpu_energy": kwh["cpu"],
-        "gpu_energy": kwh["gpu"],
-        "ram_energy": kwh["ram"],
-        "energy_consumed": sum(kwh.values()),
+        "cpu_energy": kwh(run.cpu_energy_j),
+        "gpu_energy": kwh(run.gpu_energy_j),
+        "ram_energy": kwh(run.ram_energy_j),
+        "energy_consumed": sum(measured_j) / JOULES_PER_KWH,
         "country_name": info.country_name,
         "country_iso_code": info.country_iso_code,
         "region": info.region,
@@ -119,7 +144,7 @@ def row(run: RunEnergy, info: RunInfo, when: datetime | None = None) -> dict[str
         "python_version": platform.python_version(),
         "codecarbon_version": "",
         "cpu_count": os.cpu_count() or 0,
-        "cpu_model": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "gpu_count": run.gpu_count,
         "gpu_model": f"{run.gpu_count} x {run.gpu_name}" if run.gpu_count else "",
         "longitude": "",
@@ -155,6 +180,36 @@ def append_row(path: str | os.PathLike[str], values: dict[str, object]) -> None:
         writer.writeheader()
     writer.writerow(values)
     write_text_atomic(path, existing + out.getvalue())
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name as the system gives it ("" where it gives none): Linux's /proc/cpuinfo
+    (`model name` on x86, `cpu model`, `Model` or `cpu` on other architectures), macOS' sysctl,
+    Windows' processor string. Never the architecture (`platform.machine()`) in its place."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            fields: dict[str, str] = {}
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and value.strip():
+                    fields.setdefault(key.strip(), value.strip())
+        for key in ("model name", "cpu model", "Model", "cpu"):
+            if key in fields:
+                return fields[key]
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        try:
+            done = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5, check=False
+            )
+            return done.stdout.strip() if done.returncode == 0 else ""
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    if sys.platform == "win32":
+        name = platform.processor()
+        return name if name and name != platform.machine() else ""
+    return ""
 
 
 def _ram_gb() -> float:
