@@ -35,8 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "monitor",
         help="run a command and report its time and energy",
-        description="Run CMD, then print its wall time, the energy of each GPU and in total, and "
-        "the average power (on stderr, like `time`; --json prints JSON on stdout instead). "
+        description="Run CMD, then print its wall time, the energy and average power of each GPU (and CPU "
+        "package), the total energy and the average power of all of them together (on stderr, like `time`; "
+        "--json prints JSON on stdout instead). "
         "Measures the GPUs (and CPU packages where RAPL is readable) from just before CMD "
         "starts until it exits.",
         epilog=EPILOG,
@@ -170,16 +171,21 @@ def _as_json(m: Measurement, cmd: list[str], exit_code: int) -> dict[str, Any]:
 
 
 def _print_summary(m: Measurement, cmd: list[str], exit_code: int) -> None:
+    """Energy and average power of each device, then their sums; the summed power says what it
+    sums (8 GPUs' 2400 W is not one GPU's)."""
     width = 14
     lines = [
         f"perseus monitor: {shlex.join(cmd)} (exit code {exit_code})",
         f"  {'time':<{width}}{m.time_s:12.3f} s",
     ]
-    for i, e in sorted(m.gpu_energy_j.items()):
-        lines.append(f"  {f'GPU {i}':<{width}}{e:12.1f} J")
-    for label, energies in (("CPU", m.cpu_energy_j), ("DRAM", m.dram_energy_j)):
+    counted = []
+    for label, energies in (("GPU", m.gpu_energy_j), ("CPU", m.cpu_energy_j), ("DRAM", m.dram_energy_j)):
         for i, e in sorted((energies or {}).items()):
-            lines.append(f"  {f'{label} {i}':<{width}}{e:12.1f} J")
+            average = e / m.time_s if m.time_s > 0 else 0.0
+            lines.append(f"  {f'{label} {i}':<{width}}{e:12.1f} J   average {average:8.1f} W")
+        if energies:
+            counted.append(f"{len(energies)} {label}{'s' if len(energies) != 1 and label != 'DRAM' else ''}")
+    what = "all GPUs" if len(counted) == 1 else "sum of " + " + ".join(counted)
     lines.append(f"  {'total':<{width}}{m.total_energy_j:12.1f} J")
-    lines.append(f"  {'average power':<{width}}{m.average_power_w:12.1f} W")
+    lines.append(f"  {'average power':<{width}}{m.average_power_w:12.1f} W ({what})")
     print("\n".join(lines), file=sys.stderr)
