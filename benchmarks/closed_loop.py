@@ -7,11 +7,11 @@ ranks, gloo, simulated A100s, forward 6 ms and backward 12 ms of GPU work at the
 the later half of the ranks 25% heavier, 8 microbatches). The service calibrates its model on
 the job's own baseline timeline, plans, and checks the plan on the measured iterations. Printed
 side by side per schedule: the baseline measured on the same run (median of the iterations at
-default clocks: the slowest rank's time, the energy of all ranks) against the planned iterations
-on the final plan (median), the model's fit (the calibrated model against the measured
-baseline, and the GPU-only profile's share of it), the saving the plan predicts, and the
-re-plans verification made. Exits 1 if a schedule's planned iterations run over 2% slower than
-its baseline or save under 5% of its energy.
+default clocks, before the plan and once Perseus is closed after it: the slowest rank's time,
+the energy of all ranks) against the planned iterations on the final plan (median), the model's
+fit (the calibrated model against the measured baseline, and the GPU-only profile's share of
+it), the saving the plan predicts, and the re-plans verification made. Exits 1 if a schedule's
+planned iterations run over 2% slower than its baseline or save under 5% of its energy.
 
 Wall-clock figures: a machine shared with other jobs stretches host work and makes them noisy.
 """
@@ -65,8 +65,9 @@ class Run:
         return out
 
     def baseline(self) -> tuple[float, float, int]:
-        """Medians of time and energy over the iterations at default clocks (no profiling), and how many."""
-        rows = self.iterations({"warmup", "planning"})
+        """Medians of time and energy over the iterations at default clocks without profiling,
+        before the plan and after Perseus closed (on either side of the planned ones), and how many."""
+        rows = self.iterations({"warmup", "planning", "after"})
         if not rows:
             return float("nan"), float("nan"), 0
         return statistics.median(t for t, _, _ in rows), statistics.median(e for _, e, _ in rows), len(rows)
@@ -127,7 +128,7 @@ def run_job(work: Path, schedule: str, *args: str, throttle: tuple[int, float] |
 
 
 def job_status(address: str) -> dict:
-    """`perseus status --json` of the service: its one job."""
+    """`perseus status --json` of the service: its one job ({} before it registers)."""
     out = subprocess.run(
         [sys.executable, "-m", "perseus.cli.main", "status", "--address", address, "--json"],
         capture_output=True,
@@ -136,8 +137,10 @@ def job_status(address: str) -> dict:
     )
     if out.returncode != 0:
         raise RuntimeError(f"perseus status failed: {out.stderr}")
-    (job,) = json.loads(out.stdout)["jobs"]
-    return job
+    jobs = json.loads(out.stdout)["jobs"]
+    if len(jobs) > 1:
+        raise RuntimeError(f"{len(jobs)} jobs on a service started for one")
+    return jobs[0] if jobs else {}
 
 
 def _throttle_once_checked(job: subprocess.Popen, address: str, sim: Path, rank: int, factor: float) -> None:

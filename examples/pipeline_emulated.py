@@ -9,8 +9,10 @@ instruction stands for about 6 ms of GPU work at the highest clock (forward 6 ms
 12 ms, the zero-bubble halves 6 ms each), and the later half of the ranks 25% more. Perseus is
 one line (`perseus.instrument`); the script only reads what Perseus reports about each
 iteration and writes it to OUT/rank<R>.json. Only public API: nothing here knows Perseus'
-internals. The ranks stop together once rank 0 has run `--planned` iterations on one plan
-version (or after `--max-iterations`).
+internals. Once rank 0 has run `--planned` iterations on one plan version (or after
+`--max-iterations`), the ranks close Perseus together and train `--after` more iterations at
+default clocks, measured with a `Monitor` (phase "after"): a baseline on either side of the
+planned iterations, for comparisons a machine's changing load cannot tilt.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.distributed import pipelining
 
 import perseus
 from perseus.devices import Work
+from perseus.measurement import Monitor
 from perseus.runtime import ProfilingSettings
 
 SINGLE = ("ScheduleGPipe", "Schedule1F1B")
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--heavier", type=float, default=1.25, help="work factor of the later half of the ranks")
     parser.add_argument("--planned", type=int, default=30, help="stop after this many iterations on one plan")
     parser.add_argument("--max-iterations", type=int, default=400)
+    parser.add_argument("--after", type=int, default=10, help="iterations at default clocks once Perseus is closed")
     parser.add_argument("--frequencies", default="1410,1305,1200,1095,990,885,780")
     args = parser.parse_args()
 
@@ -89,23 +93,21 @@ def main() -> None:
     targets = torch.randn(batch, WIDTH, generator=torch.Generator().manual_seed(1))
     optimizer = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=1e-3)
     records = []
-    last_stage = num_stages - 1
-    holds = {stage_index for stage_index in indices}
+    holds = set(indices)
+
+    def train_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        target = {"target": targets} if num_stages - 1 in holds else {}
+        if 0 in holds:
+            schedule.step(inputs, **target)
+        else:
+            schedule.step(**target)
+        optimizer.step()
+
     stable, version = 0, None
     try:
         for _ in range(args.max_iterations):
-            optimizer.zero_grad(set_to_none=True)
-            kwargs = {}
-            if 0 in holds:
-                kwargs["x"] = inputs
-            if last_stage in holds:
-                kwargs["target"] = targets
-            x = kwargs.pop("x", None)
-            if x is not None:
-                schedule.step(x, **kwargs)
-            else:
-                schedule.step(**kwargs)
-            optimizer.step()
+            train_step()
             perseus_rank.on_step_end()
             record = perseus_rank.last_iteration
             records.append(
@@ -124,6 +126,22 @@ def main() -> None:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # the ranks stop together
             if stop.item():
                 break
+        perseus_rank.close()  # default clocks from here on; the emulated GPU work goes on
+        monitor = Monitor()  # this rank's GPU
+        for _ in range(args.after):
+            dist.barrier()
+            with monitor.window("step") as window:
+                train_step()
+            m = window.measurement
+            records.append(
+                {
+                    "iteration": len(records),
+                    "phase": "after",
+                    "plan_version": 0,
+                    "time_s": m.time_s,
+                    "energy_j": sum(m.gpu_energy_j.values()),
+                }
+            )
     finally:
         perseus_rank.close()
         os.makedirs(args.out, exist_ok=True)

@@ -10,10 +10,10 @@ Perseus sets each instruction's clock off the training thread, a moment after th
 began (or before it, see perseus.controller); work runs at the clock in force, as a real GPU's
 kernels do once the change lands. So the work goes out in two pieces: a first slice at the
 clock in force as the instruction begins, and, once the controller has applied the
-instruction's clock (or half the slice has run, whichever comes first), the rest: queued while
-the slice still runs, so the GPU never idles between them however late the training thread
-wakes up. On real GPUs `emulate` does nothing (they run the real kernels), so the same script
-runs on both.
+instruction's clock (or three quarters of the slice have run, whichever comes first), the rest:
+queued while the slice still runs, so the GPU does not idle between them. (Changing a simulated
+GPU's clock takes its controller a millisecond or so of wall time on a busy host.) On real GPUs
+`emulate` does nothing (they run the real kernels), so the same script runs on both.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from perseus.schedules.instruction import Kind
 WorkSpec = Mapping[str, Work] | Callable[[str, int, int], Work | None]
 
 #: GPU time (at the highest clock) of the first piece of an instruction's work.
-SLICE_S = 0.002
+SLICE_S = 0.003
 
 
 def check_work_spec(spec: WorkSpec) -> WorkSpec:
@@ -95,7 +95,7 @@ class InstructionWork:
         first = min(work.time_s, SLICE_S)
         took = gpu.execute(Work(first, work.alpha, work.intensity), blocking=False)
         if work.time_s > first:
-            self._clock_applied(0.5 * took)  # the instruction's clock, while the first slice runs
+            self._clock_applied(0.75 * took)  # the instruction's clock, while the first slice runs
             gpu.execute(Work(work.time_s - first, work.alpha, work.intensity), blocking=False)
 
     def end(self) -> None:

@@ -1,11 +1,11 @@
 """When each instruction of an iteration began and ended on this rank, for the planner service.
 
 The profile holds each instruction's GPU work; what the training loop does between instructions
-(host work, waiting for a peer stage's activations or gradients) it does not. While the service
-calibrates a job's model it asks the ranks (`Table.spans`) for their timelines of baseline and
-profiling iterations; `SpanRecorder` keeps one iteration's, as offsets from the rank's own step
-start (clocks of different hosts never meet: the service uses the schedule's dependencies), and
-`MAX_SPAN_REPORTS` bounds what one rank ever sends.
+(host work, waiting for a peer stage's activations or gradients) it does not. Until a plan runs,
+the service asks the ranks (`Table.spans`) for the timelines of their baseline iterations
+(default clocks, no profiling); `SpanRecorder` keeps one iteration's, as offsets from the rank's
+own step start (clocks of different hosts never meet: the service uses the schedule's
+dependencies), and `MAX_SPAN_REPORTS` bounds what one rank ever sends.
 
 On a simulated GPU, iterations that ran no simulated work are a script that forgot to emulate its
 model's GPU work: `WorkCheck` tells, from the energy counter.

@@ -1,0 +1,93 @@
+"""`perseus status` as text, from a job's status: the model's fit per stage, the plan's check with
+its re-plans and why, the measured saving against the baseline. (Through a real service:
+tests/server/test_server_calibration.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from perseus.cli.main import main
+from perseus.cli.status import format_job
+from perseus.wire.calibration import CalibrationStatus, StageFitStatus
+from perseus.wire.messages import JobStatus, PipelineStatus
+
+
+def job_status() -> JobStatus:
+    return JobStatus(
+        job_id="job-1a2b3c4d5e6f7a8b",
+        phase="planned",
+        world_size=2,
+        ranks_registered=2,
+        profiled_stages=(0, 1),
+        plan_version=2,
+        last_iteration=61,
+        predicted_iteration_time_s=0.2800,
+        predicted_energy_j=90.0,
+        predicted_baseline_energy_j=100.0,
+        baseline_iterations=8,
+        baseline_iteration_time_s=0.2810,
+        baseline_energy_j=101.0,
+        planned_iterations=20,
+        planned_iteration_time_s=0.2820,
+        planned_energy_j=93.0,
+        pipelines=(
+            PipelineStatus(
+                0,
+                2,
+                None,
+                0.2800,
+                0.2790,
+                baseline_iteration_time_s=0.2780,
+                target_iteration_time_s=0.2780,
+                verification="holds",
+                verified_iteration_time_s=0.2790,
+                replans=1,
+                reason="plan v1 runs +4.0% over its target; re-planning (1 of 3)",
+            ),
+        ),
+        calibrations=(
+            CalibrationStatus(
+                "sim-a100",
+                "fitted",
+                iterations=8,
+                measured_s=0.2810,
+                model_s=0.2800,
+                gpu_only_s=0.2500,
+                explained=0.89,
+                host_gap_s=0.0006,
+                hop_s=0.0009,
+                margin=0.08,
+                stages=(
+                    StageFitStatus(0, 0.2700, 0.2710, 0.15, 0.0005),
+                    StageFitStatus(1, 0.2600, 0.2580, 0.2, 0.0007),
+                ),
+            ),
+        ),
+        tolerance=0.01,
+    )
+
+
+def test_the_text_tells_fit_check_and_saving():
+    text = format_job(job_status())
+    assert "job job-1a2b3c4d5e6f7a8b: planned, 2 of 2 ranks, plan v2, iteration 61, tolerance 1%" in text
+    assert "model of sim-a100: fitted on 8 baseline iterations: model 0.2800 s vs measured 0.2810 s (-0.4%)" in text
+    assert "(89.0% explained); host gap 0.60 ms, hop 0.90 ms; margin 8% on slowed instructions" in text
+    assert "        1      0.2600   0.2580   -0.8%" in text
+    assert "holds" in text and "re-planning (1 of 3)" in text
+    assert "saving 7.9% measured (predicted 10.0%)" in text
+
+
+def test_a_bad_job_id_is_refused_before_any_connection(capsys):
+    assert main(["status", "--job", "nope", "--timeout", "0.2"]) == 1
+    assert "--job takes a job id" in capsys.readouterr().err
+
+
+def test_an_absent_service_is_one_clear_error(capsys):
+    assert main(["status", "--address", "tcp://127.0.0.1:9", "--timeout", "0.3"]) == 1
+    assert "did not answer within 0.3 s; is it running?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout", ["0", "5000"])
+def test_the_timeout_is_checked(capsys, timeout):
+    assert main(["status", "--timeout", timeout]) == 1
+    assert "--timeout is in seconds" in capsys.readouterr().err
