@@ -41,86 +41,13 @@ from perseus.exceptions import ConfigError
 from perseus.planner.dag import DagArrays, dag_arrays
 from perseus.profiler.profile import Profile
 from perseus.schedules import Schedule
-from perseus.service.timelines import Timeline
+from perseus.service.timelines import MIN_EXPLAINED, TOLERANCE, Calibration, StageFit, Timeline
 
-#: The planner's model must reproduce the measured baseline iteration within this fraction.
-TOLERANCE = 0.01
-#: Below this share of the measured iteration explained by the GPU profile, no plan is made.
-MIN_EXPLAINED = 0.5
+__all__ = ["MIN_EXPLAINED", "TOLERANCE", "Calibration", "StageFit", "fit"]
+
 _SWEEPS = 6  # coordinate-descent sweeps of each least-squares fit
 _STEPS = (4.0, 2.0, 1.5, 1.0 / 1.5, 0.5, 0.25, 0.0)  # multiplicative moves tried per parameter
 _GAIN = 1e-3  # a move must cut the squared error by this fraction (flat directions stay where they start)
-
-
-@dataclass(frozen=True)
-class StageFit:
-    """One stage (rank): its measured instruction window (first begin to last end, median over
-    iterations) against the planner's calibrated model, its busy time, and the fitted host gap
-    between its instructions (median over kinds)."""
-
-    stage: int
-    measured_s: float
-    model_s: float
-    busy_s: float
-    host_gap_s: float
-
-    @property
-    def error(self) -> float:
-        return self.model_s / self.measured_s - 1.0 if self.measured_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What `fit` found. Times in seconds; `overheads` are the planner's per profile row."""
-
-    iterations: int
-    measured_s: float  # median baseline iteration (the longest rank's step)
-    model_s: float  # the planner's calibrated model at maximum clocks, plus the step's host time
-    gpu_only_s: float  # the GPU-only profile at maximum clocks, plus the same host time
-    outside_s: float  # the step's time outside the instruction window (on the first stage)
-    explained: float  # share of the measured iteration the GPU profile alone accounts for
-    hop_s: float  # median stage-to-stage hop (one way)
-    host_gap_s: float  # median host gap between a stage's instructions
-    overheads: dict[tuple[int, str], float]
-    stages: tuple[StageFit, ...]
-
-    @property
-    def error(self) -> float:
-        """The planner's model against the measured baseline iteration (+: the model is slower)."""
-        return self.model_s / self.measured_s - 1.0
-
-    @property
-    def fit_ok(self) -> bool:
-        return abs(self.error) <= TOLERANCE
-
-    @property
-    def plannable(self) -> bool:
-        return self.explained >= MIN_EXPLAINED
-
-    def reason(self) -> str:
-        """Why no plan may be made on this model ("" when one may)."""
-        if not self.plannable:
-            return (
-                f"the GPU profile explains only {100 * self.explained:.0f}% of the measured iteration "
-                f"({self.gpu_only_s:.4f} s of {self.measured_s:.4f} s): host work and transfers dominate, so clocks "
-                "cannot save energy without slowing it; on simulated GPUs, emulate the model's GPU work "
-                "(perseus.instrument(..., emulate=...))"
-            )
-        if not self.fit_ok:
-            return (
-                f"the calibrated model does not reproduce the measured baseline iteration: {self.model_s:.4f} s "
-                f"against {self.measured_s:.4f} s measured ({100 * self.error:+.1f}%, tolerance "
-                f"{100 * TOLERANCE:.0f}%)"
-            )
-        return ""
-
-    def describe(self) -> str:
-        return (
-            f"model {self.model_s:.4f} s vs measured {self.measured_s:.4f} s ({100 * self.error:+.2f}%) over "
-            f"{self.iterations} iterations; GPU profile alone {self.gpu_only_s:.4f} s "
-            f"({100 * self.explained:.0f}% explained); host gap {1000 * self.host_gap_s:.2f} ms, hop "
-            f"{1000 * self.hop_s:.2f} ms"
-        )
 
 
 class _Model:

@@ -122,9 +122,14 @@ class PipelineModels:
 
     # ---- verification -------------------------------------------------------------------------
 
-    def targets(self, pipelines: list[int]) -> tuple[float | None, float | None]:
-        """(baseline iteration, baseline compute time) measured for these pipelines."""
-        return self.spans.baseline_s(pipelines)
+    def targets(self, models: Models, pipelines: list[int]) -> tuple[float | None, float | None]:
+        """(baseline iteration, baseline compute time) measured for these pipelines of `models`
+        (kept with their model once a plan was checked against it: a restarted service has no spans)."""
+        measured = self.spans.baseline_s(pipelines)
+        if measured[0] is not None:
+            return measured
+        kept = self.calibrations.get(models).baseline_s
+        return (None, None) if kept is None else kept
 
     def plans_published(
         self, plans: dict[int, PublishedPlan], changed: list[int], pipelines_of: Callable[[Models], list[int]]
@@ -132,9 +137,10 @@ class PipelineModels:
         """Check the pipelines' new plans against their targets from their start."""
         for k in changed:
             plan = plans[k]
-            _, baseline = self.targets(pipelines_of(plan.models))
+            time_s, baseline = self.targets(plan.models, pipelines_of(plan.models))
             target = None
-            if baseline is not None:
+            if time_s is not None and baseline is not None:
+                self.calibrations.get(plan.models).baseline_s = (time_s, baseline)
                 scale = 1.0 if plan.deadline_s is None else plan.deadline_s / plan.baseline_iteration_time_s
                 target = baseline * max(1.0, scale)
             fallback = self.calibrations.get(plan.models).fallback
@@ -172,7 +178,7 @@ class PipelineModels:
             if m not in self.calibrations.states:
                 continue
             state = self.calibrations.get(m)
-            out.append(_calibration_status(m, state, self.targets(pipelines_of(m))[0]))
+            out.append(_calibration_status(m, state, self.targets(m, pipelines_of(m))[0]))
         return tuple(out)
 
 

@@ -1,7 +1,8 @@
 """A job as its job.json record holds it (see perseus.service.state), and back.
 
 `to_record` is everything a restarted service needs besides the uploaded profiles (saved beside
-it) and the signature cache; measurements are not kept (the ranks report again).
+it) and the signature cache: measurements are not kept (the ranks report again), but each
+pipeline model's calibration, verification margin and measured baseline are.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from perseus.profiler.profile import Profile
 from perseus.service.planning import job_schedule
 from perseus.service.plans import PublishedPlan
 from perseus.service.text import clip
+from perseus.service.timelines import ModelState
 from perseus.wire.spec import RankInfo
 
 if TYPE_CHECKING:  # annotations only: job.py imports this module
@@ -37,6 +39,7 @@ def to_record(job: Job) -> dict[str, Any]:
         "last_version": job.plan_book.last_version,
         "plans": {str(k): asdict(p) for k, p in sorted(job.plans.items())},
         "declared": {str(k): f for k, f in sorted(job.measurements.declared.items())},
+        "models": [[list(m), state.to_record()] for m, state in job.model.calibrations.states.items()],
     }
 
 
@@ -88,5 +91,8 @@ def restore(job: Job, doc: dict[str, Any], stage_profiles: dict[str, Profile], c
     for k, record in (plans or {}).items():
         job.plan_book.restore(int(k), PublishedPlan.from_record(record))
     job.measurements.declared = {int(k): float(f) for k, f in doc.get("declared", {}).items()}
+    for models, state in doc.get("models", []):  # the calibrations plans were made on, and their checks
+        job.model.calibrations.states[tuple(models)] = ModelState.from_record(state)
     job.error = clip(str(doc["error"])) if doc.get("error") else ""
     job.measurements.restart(job.plans)
+    job.model.plans_published(job.plans, sorted(job.plans), job.pipelines_of)

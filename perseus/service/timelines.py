@@ -19,19 +19,20 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from perseus.service.ranks import Models, bad_field
 from perseus.wire.phases import Phase
 from perseus.wire.spans import ReportSpans
 from perseus.wire.spec import JobSpec, RankInfo
 
-if TYPE_CHECKING:  # annotations only: the fit imports numpy and the planner's DAG, which the loop never needs
-    from perseus.service.calibration import Calibration
-
 log = logging.getLogger(__name__)
 
+#: The planner's model must reproduce the measured baseline iteration within this fraction.
+TOLERANCE = 0.01
+#: Below this share of the measured iteration explained by the GPU profile, no plan is made.
+MIN_EXPLAINED = 0.5
 #: Baseline iterations a calibration needs (beyond the first iteration of the job).
 MIN_ITERATIONS = 8
 #: Baseline iterations kept per pipeline (the latest).
@@ -70,6 +71,77 @@ class Timeline:
     def compute_s(self) -> float:
         """To the end of the last instruction of the slowest rank (what ranks report as compute time)."""
         return max(row[-1] for row in self.ends)
+
+
+@dataclass(frozen=True)
+class StageFit:
+    """One stage (rank): its measured instruction window (first begin to last end, median over
+    iterations) against the planner's calibrated model, its busy time, and the fitted host gap
+    between its instructions (median over kinds)."""
+
+    stage: int
+    measured_s: float
+    model_s: float
+    busy_s: float
+    host_gap_s: float
+
+    @property
+    def error(self) -> float:
+        return self.model_s / self.measured_s - 1.0 if self.measured_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What `fit` found. Times in seconds; `overheads` are the planner's per profile row."""
+
+    iterations: int
+    measured_s: float  # median baseline iteration (the longest rank's step)
+    model_s: float  # the planner's calibrated model at maximum clocks, plus the step's host time
+    gpu_only_s: float  # the GPU-only profile at maximum clocks, plus the same host time
+    outside_s: float  # the step's time outside the instruction window (on the first stage)
+    explained: float  # share of the measured iteration the GPU profile alone accounts for
+    hop_s: float  # median stage-to-stage hop (one way)
+    host_gap_s: float  # median host gap between a stage's instructions
+    overheads: dict[tuple[int, str], float]
+    stages: tuple[StageFit, ...]
+
+    @property
+    def error(self) -> float:
+        """The planner's model against the measured baseline iteration (+: the model is slower)."""
+        return self.model_s / self.measured_s - 1.0
+
+    @property
+    def fit_ok(self) -> bool:
+        return abs(self.error) <= TOLERANCE
+
+    @property
+    def plannable(self) -> bool:
+        return self.explained >= MIN_EXPLAINED
+
+    def reason(self) -> str:
+        """Why no plan may be made on this model ("" when one may)."""
+        if not self.plannable:
+            return (
+                f"the GPU profile explains only {100 * self.explained:.0f}% of the measured iteration "
+                f"({self.gpu_only_s:.4f} s of {self.measured_s:.4f} s): host work and transfers dominate, so clocks "
+                "cannot save energy without slowing it; on simulated GPUs, emulate the model's GPU work "
+                "(perseus.instrument(..., emulate=...))"
+            )
+        if not self.fit_ok:
+            return (
+                f"the calibrated model does not reproduce the measured baseline iteration: {self.model_s:.4f} s "
+                f"against {self.measured_s:.4f} s measured ({100 * self.error:+.1f}%, tolerance "
+                f"{100 * TOLERANCE:.0f}%)"
+            )
+        return ""
+
+    def describe(self) -> str:
+        return (
+            f"model {self.model_s:.4f} s vs measured {self.measured_s:.4f} s ({100 * self.error:+.2f}%) over "
+            f"{self.iterations} iterations; GPU profile alone {self.gpu_only_s:.4f} s "
+            f"({100 * self.explained:.0f}% explained); host gap {1000 * self.host_gap_s:.2f} ms, hop "
+            f"{1000 * self.hop_s:.2f} ms"
+        )
 
 
 class SpanBook:
@@ -138,6 +210,37 @@ class ModelState:
     margin: float = 0.0  # verification's margin on slowed instructions (perseus.service.verification)
     fallback: bool = False  # verification gave up: maximum clocks
     history: list[str] = field(default_factory=list)  # the re-plans and fallback, why
+    baseline_s: tuple[float, float] | None = None  # (iteration, compute time) measured, kept for restarts
+
+    def to_record(self) -> dict[str, Any]:
+        """What a restarted service needs: the fit the plans were made on and verification's state."""
+        doc = {k: v for k, v in asdict(self).items() if k not in ("calibration", "attempts", "fitted_with")}
+        if self.calibration is not None:
+            doc["calibration"] = {
+                **asdict(self.calibration),
+                "overheads": [[s, k, v] for (s, k), v in sorted(self.calibration.overheads.items())],
+            }
+        return doc
+
+    @classmethod
+    def from_record(cls, doc: dict[str, Any]) -> ModelState:
+        c = doc.get("calibration")
+        calibration = None
+        if c is not None:
+            stages = tuple(StageFit(**s) for s in c.get("stages", ()))
+            overheads = {(int(s), str(k)): float(v) for s, k, v in c.get("overheads", ())}
+            calibration = Calibration(**{**c, "stages": stages, "overheads": overheads})
+        baseline = doc.get("baseline_s")
+        state = str(doc.get("state", COLLECTING))
+        return cls(
+            state=COLLECTING if state == FITTING else state,  # a fit in flight is made again
+            calibration=calibration,
+            reason=str(doc.get("reason", "")),
+            margin=float(doc.get("margin", 0.0)),
+            fallback=bool(doc.get("fallback", False)),
+            history=[str(h) for h in doc.get("history", [])][-8:],
+            baseline_s=None if baseline is None else (float(baseline[0]), float(baseline[1])),
+        )
 
 
 class Calibrations:

@@ -5,6 +5,8 @@ the cap, and says all of it in its status. `PlanCheck` and the profile margins o
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from server_helpers import FREQUENCIES, job_spec, rank_info, stage_profile
 from timeline_helpers import profile, timelines
@@ -214,3 +216,32 @@ def test_ranks_that_send_no_spans_are_planned_on_the_profile_alone():
     (calibration,) = job.status().calibrations
     assert calibration.state == "uncalibrated" and "send no instruction spans" in calibration.reason
     assert isinstance(plan_pipeline(Planner(job.schedule, prof))[0], PlanResult)
+
+
+def test_a_restarted_service_keeps_the_calibration_margin_and_baseline():
+    job = calibrated_job()
+    solve(job)
+    job.correct(0, _over(job))
+    solve(job)
+    record = json.loads(json.dumps(job.to_record()))  # as job.json holds it
+    profiles = {f"stage-{s}": job.profiles[job.spec.gpu_model][s] for s in range(STAGES)}
+    again = Job.from_record(record, profiles, {})
+    models = job.models(0)
+    assert again.model.calibrations.get(models).calibration == job.model.calibrations.get(models).calibration
+    assert again.model.calibrations.get(models).margin == pytest.approx(0.12)
+    assert again.planning_profile(models).points == job.planning_profile(models).points
+    pipeline = again.status().pipelines[0]
+    assert pipeline.verification == "verifying" and pipeline.target_iteration_time_s == pytest.approx(
+        job.status().pipelines[0].target_iteration_time_s
+    )
+
+
+def _over(job: Job):
+    """Two windows of the pipeline's plan 6% over its target: the verdict."""
+    target = job.status().pipelines[0].target_iteration_time_s
+    it = job.plans[0].start_iteration + SKIP
+    for _ in range(WINDOW * PERSISTS):
+        report(job, it, target * 1.06)
+        it += 1
+    ((_, verdict),) = job.model.take_verdicts()
+    return verdict
