@@ -60,8 +60,6 @@ class _Model:
         nodes = arrays.nodes
         self.n = n = len(nodes)
         self.rank = arrays.stage
-        position = {ins: (ins.stage, k) for row in schedule.stages for k, ins in enumerate(row)}
-        self.where = [position[ins] for ins in nodes]
         keys: dict[tuple[int, str], int] = {}
         self.row = np.array(
             [keys.setdefault((profile.stage_for(ins, schedule), ins.kind.value), len(keys)) for ins in nodes]
@@ -82,12 +80,10 @@ class _Model:
         self.pad = pad
         src = np.where(pad < n, pad, 0)
         self.remote = (pad < n) & (self.rank[src] != self.rank[:, None])
-        self.pairs = [
-            tuple(sorted((int(self.rank[s]), int(self.rank[d]))))
-            for s, d in zip(arrays.src, arrays.dst)
-            if self.rank[s] != self.rank[d]
-        ]
-        self.pair_keys = sorted(set(self.pairs))
+        self.pair_keys = sorted(
+            {tuple(sorted((int(self.rank[s]), int(self.rank[d])))) for s, d in zip(arrays.src, arrays.dst)}
+            - {(r, r) for r in range(schedule.num_stages)}
+        )
         pair_index = {p: k for k, p in enumerate(self.pair_keys)}
         self.pad_pair = np.full(pad.shape, -1)
         for i in range(n):

@@ -5,6 +5,7 @@ the cap, and says all of it in its status. `PlanCheck` and the profile margins o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -245,3 +246,13 @@ def _over(job: Job):
         it += 1
     ((_, verdict),) = job.model.take_verdicts()
     return verdict
+
+
+def test_a_straggler_aware_plan_is_held_to_the_stragglers_pace_at_the_baseline_scale():
+    job = calibrated_job()
+    solve(job)
+    base = job.plans[0]
+    baseline = job.status().pipelines[0].baseline_iteration_time_s
+    slowed = dataclasses.replace(base, version=2, deadline_s=base.baseline_iteration_time_s * 1.2)
+    job.model.plans_published({0: slowed}, [0], job.pipelines_of)
+    assert job.model.checks[0].target_s == pytest.approx(baseline * 1.2)
