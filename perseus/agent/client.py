@@ -6,8 +6,9 @@ which lasts until the process ends: it closes the connection at exit (the kernel
 and the agent resets the GPU.
 While the process holds leases a heartbeat thread keeps the connection alive (the agent ends a
 silent one); should the agent restart, it reconnects, takes the leases back and re-applies this
-process's settings. A forked child starts with no connection and no leases (its parent's stay its
-parent's).
+process's settings (unless the new agent serves other GPUs). The agent's hello reply says what it
+serves, so that GPUs can check they are the ones it writes (perseus.devices.agent_gpu). A forked
+child starts with no connection and no leases (its parent's stay its parent's).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class AgentClient:
         self._leases: set[str] = set()
         self._settings: dict[tuple[str, str], int] = {}  # (uuid, setting) -> value this process set
         self._heartbeat_s = 0.25
+        self._welcome: Welcome | None = None  # the agent's hello reply: what it serves
         self._beating: threading.Thread | None = None
         self._closed = threading.Event()
         self._outage_logged = False
@@ -119,6 +121,19 @@ class AgentClient:
         if state.holder is not None and not state.yours:
             return False, f"{self.where} has leased GPU {state.index} ({uuid}) to {state.holder.describe()}"
         return True, ""
+
+    def served(self) -> Welcome:
+        """What the agent serves (its reply to this process's hello: backend, simulated GPUs'
+        folder, UUIDs), connecting if this process has not yet. AgentError if it cannot be reached."""
+        with self._exclusive():
+            if self._welcome is None:
+                try:
+                    self._connect()
+                except OSError as e:
+                    self._drop()
+                    raise AgentError(UNREACHABLE, f"lost the connection to {self.where} ({e})") from None
+            assert self._welcome is not None
+            return self._welcome
 
     def status(self) -> AgentStatus:
         with self._exclusive():
@@ -220,8 +235,9 @@ class AgentClient:
         try:
             welcome = self._round_trip(Hello(client_name(), os.getpid()), Welcome)
             self._heartbeat_s = welcome.heartbeat_s
+            before, self._welcome = self._welcome, welcome
             if self._leases:
-                self._take_back()
+                self._take_back(before)
         except BaseException:
             self._drop()
             raise
@@ -229,7 +245,21 @@ class AgentClient:
             logger.warning("%s answers again; this process's leases and settings are restored", self.where)
             self._outage_logged = False
 
-    def _take_back(self) -> None:
+    def _take_back(self, before: Welcome | None) -> None:
+        welcome = self._welcome
+        assert welcome is not None
+        if before is not None and (before.backend, before.sim_dir) != (welcome.backend, welcome.sim_dir):
+            logger.error(
+                "%s now serves %s GPUs%s; this process's leases were on its %s GPUs%s: not taken back",
+                self.where,
+                welcome.backend,
+                _folder(welcome),
+                before.backend,
+                _folder(before),
+            )
+            self._leases.clear()
+            self._settings.clear()
+            return
         try:
             self._round_trip(Acquire(tuple(sorted(self._leases))), Granted)
         except (LeaseHeldError, DevicePermissionError) as e:
@@ -282,6 +312,10 @@ class AgentClient:
             with contextlib.suppress(OSError):
                 self._sock.close()
         self._fresh()
+
+
+def _folder(welcome: Welcome) -> str:
+    return "" if welcome.sim_dir is None else f" in {welcome.sim_dir}"
 
 
 _clients: weakref.WeakSet[AgentClient] = weakref.WeakSet()

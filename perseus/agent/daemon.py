@@ -52,7 +52,10 @@ from perseus.agent.protocol import (
     encode_reply,
     recv_frame,
 )
+from perseus.agent.sim_folder import remove_marker, share, write_marker
 from perseus.devices.gpu import GPU
+from perseus.devices.select import gpu_backend
+from perseus.devices.sim import SimGPU
 from perseus.exceptions import ConfigError, DeviceError
 from perseus.wire.fields import Message
 
@@ -135,6 +138,11 @@ class Agent:
                 raise ConfigError(f"GPUs {self._gpus[uuid]!r} and {gpu!r} have the same UUID {uuid}")
             self._gpus[uuid] = gpu
         self._gpu_locks = {uuid: threading.Lock() for uuid in self._gpus}
+        self.backend = gpu_backend(list(gpus))
+        folders = sorted({os.path.abspath(os.path.dirname(g.state_path)) for g in gpus if isinstance(g, SimGPU)})
+        if len(folders) > 1:
+            raise ConfigError(f"one agent serves the simulated GPUs of one folder, not of {' and '.join(folders)}")
+        self.sim_dir = folders[0] if folders else None
         self.leases = LeaseTable(config.state_path)
         self._listener: socket.socket | None = None
         self._lock_file: int | None = None
@@ -160,14 +168,20 @@ class Agent:
         another running agent's or cannot be made."""
         self._take_lock_file()
         try:
+            if self.sim_dir is not None:
+                group = self.config.group if self.config.group is not None else os.getegid()
+                share(self.sim_dir, self.config.mode, group)
             self._reset_stale()
             self._listen()
+            if self.sim_dir is not None:
+                write_marker(self.sim_dir, self.config.socket_path)
         except BaseException:
             self._release_lock_file()
             raise
         logger.info(
-            "serving %d GPU(s) on %s (mode %o, group %s; heartbeat timeout %g s; leases in %s)",
+            "serving %d GPU(s)%s on %s (mode %o, group %s; heartbeat timeout %g s; leases in %s)",
             len(self._gpus),
+            "" if self.sim_dir is None else f", simulated in {self.sim_dir}",
             self.config.socket_path,
             self.config.mode,
             self.config.group if self.config.group is not None else os.getegid(),
@@ -232,6 +246,8 @@ class Agent:
         if self._listener is not None:
             self._listener.close()
         self._unlink_socket()
+        if self.sim_dir is not None:
+            remove_marker(self.sim_dir)
         with self._conn_lock:
             connections = list(self._connections.values())
             threads = list(self._threads.values())
@@ -422,7 +438,14 @@ class Agent:
         conn.client, conn.client_pid = request.client, request.pid
         logger.debug("connection %d: %s", conn.number, conn.who())
         timeout = self.config.timeout_s
-        return Welcome(agent_pid=os.getpid(), heartbeat_s=timeout / HEARTBEATS_PER_TIMEOUT, timeout_s=timeout)
+        return Welcome(
+            agent_pid=os.getpid(),
+            heartbeat_s=timeout / HEARTBEATS_PER_TIMEOUT,
+            timeout_s=timeout,
+            backend=self.backend,
+            sim_dir=self.sim_dir,
+            uuids=tuple(self._gpus),
+        )
 
     def _gpu(self, uuid: str) -> GPU:
         gpu = self._gpus.get(uuid)
@@ -431,7 +454,7 @@ class Agent:
             raise AgentRejected(
                 AgentErrorCode.UNKNOWN_GPU,
                 f"this agent serves no GPU {uuid} (it serves {served}); is the agent running with the backend and "
-                "GPUs this process uses (PERSEUS_GPU, and PERSEUS_SIM_DIR for simulated ones)?",
+                "GPUs this process uses (PERSEUS_GPU)?",
             )
         return gpu
 

@@ -1,8 +1,8 @@
 """The agent's wire protocol: length-prefixed msgpack maps on a Unix stream socket (never pickle).
 
 A frame is a 4-byte big-endian length, then that many bytes holding one msgpack map. A request is
-`{"v": 1, "id": N, "type": T, ...fields}`; its reply `{"v": 1, "id": N, "ok": true, ...fields}` or
-`{"v": 1, "id": N, "ok": false, "error": {"code": C, "message": M}}` (with `holder_pid` when C is
+`{"v": 2, "id": N, "type": T, ...fields}`; its reply `{"v": 2, "id": N, "ok": true, ...fields}` or
+`{"v": 2, "id": N, "ok": false, "error": {"code": C, "message": M}}` (with `holder_pid` when C is
 `held`). A `heartbeat` has no reply. Both sides build every message through the classes below,
 whose constructors check every field (perseus.wire.fields), so what a client can send is exactly
 what the agent accepts. A frame over MAX_FRAME_BYTES cannot be skipped safely: the agent answers
@@ -24,7 +24,7 @@ from perseus.wire.fields import Message, check_bool, check_float, check_int, che
 from perseus.wire.limits import MAX_FREQUENCY_MHZ
 from perseus.wire.phases import WireName
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: welcome names the GPUs served (backend, simulated GPUs' folder, UUIDs)
 MAX_FRAME_BYTES = 64 * 1024
 HEADER = struct.Struct(">I")
 MAX_ID = 2**63 - 1
@@ -34,6 +34,8 @@ MAX_NAME_CHARS = 200
 MAX_PID = 2**31 - 1
 MAX_POWER_LIMIT_MW = 10_000_000  # 10 kW: above any GPU's
 MAX_MESSAGE_CHARS = 2000  # an error reply's text
+MAX_PATH_CHARS = 4096
+BACKENDS = ("nvml", "amd", "sim", "mixed")
 
 SM_CLOCK = "sm_clock"
 POWER_LIMIT = "power_limit"
@@ -113,14 +115,25 @@ class Hello(Message):
 
 @dataclass(frozen=True)
 class Welcome(Message):
+    """The reply to hello: how often to speak, and which GPUs the agent serves, so that a client
+    can check it reads the very GPUs the agent writes (for simulated ones: the same state folder)."""
+
     agent_pid: int
     heartbeat_s: float  # send something at least this often
     timeout_s: float  # silence this long ends the connection and its leases
+    backend: str  # the agent's GPUs: "nvml", "amd", "sim" or "mixed"
+    sim_dir: str | None  # the state folder of its simulated GPUs (None: it serves none)
+    uuids: tuple[str, ...]
 
     def __post_init__(self) -> None:
         check_int(self.agent_pid, "welcome.agent_pid", 0, MAX_PID)
         check_float(self.heartbeat_s, "welcome.heartbeat_s", 0.0, 3600.0, open_lo=True)
         check_float(self.timeout_s, "welcome.timeout_s", 0.0, 3600.0, open_lo=True)
+        check_str(self.backend, "welcome.backend", 16, choices=BACKENDS)
+        if self.sim_dir is not None:
+            check_str(self.sim_dir, "welcome.sim_dir", MAX_PATH_CHARS, min_len=1)
+        uuids = check_seq(self.uuids, "welcome.uuids", MAX_GPUS)
+        _set(self, uuids=tuple(check_uuid(u, f"welcome.uuids[{i}]") for i, u in enumerate(uuids)))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ import argparse
 import grp
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -16,7 +15,6 @@ from typing import TYPE_CHECKING
 from perseus.agent.location import DEFAULT_SOCKET, configured_socket
 from perseus.cli.common import add_gpu_argument, parse_gpu_indices
 from perseus.devices.select import get_gpus
-from perseus.devices.sim import SimGPU
 from perseus.exceptions import ConfigError
 
 if TYPE_CHECKING:
@@ -29,7 +27,9 @@ EPILOG = f"""examples:
   sudo perseus agent --group perseus               members of group perseus may connect
   perseus agent status                             GPUs, clocks, power limits and who holds each
   sudo perseus agent revoke --gpu-index 2          end GPU 2's lease and restore its defaults
-  PERSEUS_GPU=sim:a100-sxm:4 perseus agent --socket /tmp/agent.sock --state-file /tmp/leases.json
+  sudo PERSEUS_GPU=sim:a100-sxm:4 perseus agent --group "$(id -gn)"
+                                                   simulated GPUs; your processes use them with
+                                                   PERSEUS_AGENT=/run/perseus/agent.sock
 
 Training processes use the agent when PERSEUS_AGENT names its socket (or, for real GPUs, when its
 socket is at {DEFAULT_SOCKET}): their clock and power-limit changes go through it, under a lease
@@ -121,9 +121,6 @@ def serve(args: argparse.Namespace, path: str) -> int:
     indices = parse_gpu_indices(args.gpu_indices, [gpu.index for gpu in gpus])
     if indices is not None:
         gpus = [gpu for gpu in gpus if gpu.index in indices]
-    for folder in sorted({os.path.dirname(g.state_path) for g in gpus if isinstance(g, SimGPU)}):
-        # Readable to the ranks, writable only to the agent's user: simulated GPUs in privilege mode.
-        os.makedirs(folder, mode=0o755, exist_ok=True)
     config = AgentConfig(
         socket_path=path,
         state_path=args.state_file,
@@ -140,7 +137,8 @@ def serve(args: argparse.Namespace, path: str) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     agent.start()
-    print(f"perseus agent: serving {len(gpus)} GPU(s) on {path}", flush=True)
+    simulated = "" if agent.sim_dir is None else f" (simulated, in {agent.sim_dir})"
+    print(f"perseus agent: serving {len(gpus)} GPU(s){simulated} on {path}", flush=True)
     notify_systemd("READY=1")
     agent.serve_forever()
     notify_systemd("STOPPING=1")
@@ -170,10 +168,14 @@ def parse_group(text: str | None) -> int | None:
 
 def show_status(client: AgentClient, as_json: bool) -> int:
     status = client.status()
+    served = client.served()
     if as_json:
-        print(json.dumps({**status.to_wire(), "socket": client.path}, indent=2))
+        doc = {**status.to_wire(), "socket": client.path, "backend": served.backend, "sim_dir": served.sim_dir}
+        print(json.dumps(doc, indent=2))
         return 0
     print(f"perseus agent (pid {status.agent_pid}) on {client.path}: {status.connections} connection(s)")
+    if served.sim_dir is not None:
+        print(f"simulated GPUs, their state in {served.sim_dir} (every process on this node uses these)")
     now = time.time()
     for gpu in status.gpus:
         clock = "?" if gpu.sm_clock_mhz is None else f"{gpu.sm_clock_mhz} MHz"

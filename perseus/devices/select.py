@@ -12,11 +12,11 @@ import logging
 import os
 from dataclasses import dataclass
 
-from perseus.agent.location import agent_socket
+from perseus.agent.location import agent_socket, note_direct_sim_gpus
 from perseus.devices.amd import AMDGPU, amd_gpus
 from perseus.devices.gpu import GPU
 from perseus.devices.nvml import NVMLGPU, nvml_gpus
-from perseus.devices.sim import SimGPU, sim_gpus
+from perseus.devices.sim import SIM_DIR_ENV, SimGPU, sim_dir, sim_gpus
 from perseus.exceptions import ConfigError, DeviceNotFoundError
 
 logger = logging.getLogger(__name__)
@@ -60,22 +60,24 @@ def get_gpus(spec: str | None = None, *, direct: bool = False) -> list[GPU]:
     """The GPUs to use: `spec`, else $PERSEUS_GPU, else auto-detected (NVML, else amdsmi).
 
     Their writes go through the node's perseus agent when one serves them ($PERSEUS_AGENT, or its
-    socket at the default path for real GPUs; see perseus.agent.location); `direct` never does
-    (the agent itself)."""
+    socket at the default path for real GPUs; see perseus.agent.location), simulated ones then in
+    the agent's folder unless $PERSEUS_SIM_DIR says otherwise; `direct` never does (the agent itself)."""
     if spec is None:
         spec = os.environ.get(ENV_VAR) or "auto"
     parsed = parse_gpu_spec(spec)
-    gpus = _backend_gpus(parsed)
-    socket = None if direct else agent_socket(simulated=parsed.backend == "sim")
+    simulated = parsed.backend == "sim"
+    socket = None if direct else agent_socket(simulated=simulated)
     if socket is None:
-        return gpus
+        if simulated and not direct:
+            note_direct_sim_gpus(sim_dir(), chosen=bool(os.environ.get(SIM_DIR_ENV)))
+        return _backend_gpus(parsed)
     # Deliberately lazy: the agent's client (msgpack, the wire's checks) loads only where an agent serves.
-    from perseus.devices.agent_gpu import through_agent
+    from perseus.devices.agent_gpu import sim_dir_through, through_agent
 
-    return through_agent(gpus, socket)
+    return through_agent(_backend_gpus(parsed, sim_dir_through(socket) if simulated else None), socket)
 
 
-def _backend_gpus(parsed: GPUSpec) -> list[GPU]:
+def _backend_gpus(parsed: GPUSpec, state_dir: str | None = None) -> list[GPU]:
     # list() makes each a list[GPU] (list is invariant, so a list[NVMLGPU] is not one)
     if parsed.backend == "nvml":
         return list(nvml_gpus())
@@ -84,7 +86,7 @@ def _backend_gpus(parsed: GPUSpec) -> list[GPU]:
     if parsed.backend == "auto":
         return detect_gpus()
     assert parsed.preset is not None  # parse_gpu_spec gives every sim spec a preset
-    return list(sim_gpus(parsed.preset, parsed.count))
+    return list(sim_gpus(parsed.preset, parsed.count, state_dir=state_dir))
 
 
 def detect_gpus() -> list[GPU]:

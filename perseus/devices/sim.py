@@ -502,9 +502,13 @@ def emulate(gpus: GPU | Iterable[GPU], work: Work | float, blocking: bool = True
 
 
 def sim_gpus(
-    preset: str, count: int = 1, clock: Clock | None = None, realism: SimRealism | str | None = None
+    preset: str,
+    count: int = 1,
+    clock: Clock | None = None,
+    realism: SimRealism | str | None = None,
+    state_dir: str | None = None,
 ) -> list[SimGPU]:
-    """`count` simulated GPUs of `preset`, indices 0..count-1, state in `sim_dir()`.
+    """`count` simulated GPUs of `preset`, indices 0..count-1, state in `state_dir` (default `sim_dir()`).
 
     realism: a SimRealism, or a mode ("ideal", "realistic"); None: `sim_realism(preset)`, the
     default mode with the environment's overrides (what `PERSEUS_GPU=sim:...` gets).
@@ -514,7 +518,7 @@ def sim_gpus(
         raise ConfigError(f"simulated GPU count must be >= 1, got {count}")
     if not isinstance(realism, SimRealism):
         realism = sim_realism(preset, realism)
-    return [SimGPU(preset, i, clock, realism=realism) for i in range(count)]
+    return [SimGPU(preset, i, clock, state_dir, realism) for i in range(count)]
 
 
 def _grid_instant(now: float, period: float) -> float:

@@ -12,6 +12,9 @@ the running total of extra (busy minus idle) energy in all earlier generations, 
 that slept through whole generations still adds up what it missed. Appends are single
 O_APPEND writes under a shared lock; replacement holds the exclusive lock, so a reader that
 finds the log replaced drains its open descriptor of the old one completely.
+
+A setgid activity folder (the perseus agent shares its GPUs' so: perseus.agent.sim_folder) is
+shared by several users: the files made in it take its read and write bits.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import math
 import os
+import stat
 import struct
 
 from perseus.atomic import write_bytes_atomic
@@ -40,6 +44,7 @@ class ActivityLog:
         self.idle_w = idle_w
         self._lock_path = os.path.join(os.path.dirname(path), ".lock")
         self._lock_fd: int | None = None
+        self._mode: int | None = None  # of the files this object creates (None: the umask decides)
         self._fd: int | None = None  # the generation this reader is on
         self._ino = -1
         self._offset = 0
@@ -149,8 +154,13 @@ class ActivityLog:
 
     def _writer_lock(self) -> int:
         if self._lock_fd is None:
-            os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-            self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            folder = os.path.dirname(self.path)
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            self._mode = _shared_mode(folder)
+            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600 if self._mode is None else self._mode)
+            if self._mode is not None and os.fstat(fd).st_uid == os.geteuid():
+                os.fchmod(fd, self._mode)  # one this process made: past its umask
+            self._lock_fd = fd
         return self._lock_fd
 
     def _replace(self, lock: int, only_if_missing: bool = False) -> None:
@@ -170,7 +180,7 @@ class ActivityLog:
                 finally:
                     os.close(fd)
                 header = RECORD.pack(generation + 1, total_before_j + self._extra_j(records), math.nan)
-            write_bytes_atomic(self.path, header, fsync=False)  # a runtime log: no need to survive a reboot
+            write_bytes_atomic(self.path, header, fsync=False, mode=self._mode)  # a runtime log: lost on reboot
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -186,6 +196,14 @@ class ActivityLog:
             self.close()
         except OSError:
             pass
+
+
+def _shared_mode(folder: str) -> int | None:
+    """The mode of the files in a folder that processes of several users share (setgid, as the
+    perseus agent makes its GPUs' activity folder): the folder's read and write bits, so each may
+    append and start a new generation; None for a private folder."""
+    mode = os.stat(folder).st_mode
+    return mode & 0o666 if mode & stat.S_ISGID else None
 
 
 def _read_all(fd: int) -> list[Record]:

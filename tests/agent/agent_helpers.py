@@ -16,6 +16,7 @@ from typing import Any
 
 from perseus.agent.daemon import Agent, AgentConfig
 from perseus.agent.process import AgentProcess
+from perseus.devices.gpu import GPU
 from perseus.devices.sim import SimGPU
 
 PRESET = "a100-sxm"
@@ -69,10 +70,10 @@ def make_root() -> str:
 class ThreadAgent:
     """An Agent serving in a thread of this process; `stop()` ends it (and resets what is leased)."""
 
-    def __init__(self, node: Node, timeout_s: float = 5.0, **config) -> None:
+    def __init__(self, node: Node, timeout_s: float = 5.0, gpus: list[GPU] | None = None, **config) -> None:
         self.node = node
-        os.makedirs(node.sim_dir, mode=0o755, exist_ok=True)
-        self.agent = Agent(node.sim_gpus(), AgentConfig(node.socket, node.leases, timeout_s=timeout_s, **config))
+        gpus = node.sim_gpus() if gpus is None else gpus
+        self.agent = Agent(gpus, AgentConfig(node.socket, node.leases, timeout_s=timeout_s, **config))
         self.agent.start()
         self._thread = threading.Thread(target=self.agent.serve_forever, daemon=True)
         self._thread.start()

@@ -10,6 +10,13 @@ from agent_helpers import Node, ThreadAgent, make_root
 from perseus.agent.client import shared_client
 
 
+@pytest.fixture(autouse=True)
+def ideal_sims(monkeypatch):
+    """Simulated GPUs without a clock switch latency, here and in the agents and ranks started:
+    these tests read a clock right after setting it (tests/devices cover the realistic ones)."""
+    monkeypatch.setenv("PERSEUS_SIM_MODE", "ideal")
+
+
 @pytest.fixture
 def node():
     root = make_root()

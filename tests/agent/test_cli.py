@@ -55,13 +55,25 @@ def test_status_shows_gpus_clocks_and_holders(node, holder):
     assert [g["holder"]["pid"] if g["holder"] else None for g in doc["gpus"]] == [holder, None]
 
 
-def test_reset_goes_through_the_agent_and_names_the_holder(node, holder):
+def test_reset_goes_through_the_agent_and_names_the_holder_once(node, holder):
     reset = perseus(node, "reset")
     assert reset.returncode == 1
-    assert f"GPU 1 (NVIDIA A100-SXM4-40GB (simulated)) through the perseus agent at {node.socket}:" in reset.stdout
-    assert f"GPU 0 (GPU-{node.gpu(0).uuid()[4:]}) is leased to pid {holder}" in reset.stderr
+    through = f"(NVIDIA A100-SXM4-40GB (simulated)) through the perseus agent at {node.socket}"
+    assert reset.stdout.splitlines() == [
+        f"GPU 0 {through}: SM clock NOT reset; power limit NOT reset",
+        f"GPU 1 {through}: already at defaults",
+    ]
+    assert reset.stderr.count(f"GPU 0 ({node.gpu(0).uuid()}) is leased to pid {holder}") == 1
     assert "perseus agent revoke --gpu-index 0" in reset.stderr
     assert node.gpu(0).sm_clock() == 990
+
+
+def test_reset_through_the_agent_reports_what_it_changed(node, agent):
+    node.gpu(1).lock_sm_clock(1005)  # left by a process that wrote directly, as root
+    reset = perseus(node, "reset")
+    assert reset.returncode == 0, reset.stderr
+    assert reset.stdout.splitlines()[1].endswith(": SM clock unlocked (1005 -> 1410 MHz)")
+    assert at_defaults(node.gpu(1))
 
 
 def test_revoke_ends_the_lease(node, holder):

@@ -125,7 +125,7 @@ def test_the_client_sends_heartbeats_while_it_holds_a_lease(node):
     conn.settimeout(30)
     buffer = bytearray()
     try:
-        for reply in (Welcome(1, 0.01, 0.04), Granted(("GPU-x",)), Done()):
+        for reply in (Welcome(1, 0.01, 0.04, "nvml", None, ("GPU-x",)), Granted(("GPU-x",)), Done()):
             payload = recv_frame(conn, buffer)
             request_id = msgpack.unpackb(payload)["id"]
             conn.sendall(encode_reply(request_id, reply))

@@ -22,13 +22,13 @@ def nearly_valid(rng: random.Random, uuid: str) -> dict:
     """A request with one thing wrong (or nothing): the fields a client could get wrong."""
     doc = rng.choice(
         [
-            {"v": 1, "id": 1, "type": "hello", "client": "fuzz", "pid": 1},
-            {"v": 1, "id": 2, "type": "acquire", "uuids": [uuid]},
-            {"v": 1, "id": 3, "type": "write", "uuid": uuid, "setting": "sm_clock", "value": 990},
-            {"v": 1, "id": 4, "type": "write", "uuid": uuid, "setting": "power_limit", "value": 250_000},
-            {"v": 1, "id": 5, "type": "status"},
-            {"v": 1, "id": 6, "type": "revoke", "uuids": [uuid]},
-            {"v": 1, "id": 7, "type": "heartbeat"},
+            {"v": 2, "id": 1, "type": "hello", "client": "fuzz", "pid": 1},
+            {"v": 2, "id": 2, "type": "acquire", "uuids": [uuid]},
+            {"v": 2, "id": 3, "type": "write", "uuid": uuid, "setting": "sm_clock", "value": 990},
+            {"v": 2, "id": 4, "type": "write", "uuid": uuid, "setting": "power_limit", "value": 250_000},
+            {"v": 2, "id": 5, "type": "status"},
+            {"v": 2, "id": 6, "type": "revoke", "uuids": [uuid]},
+            {"v": 2, "id": 7, "type": "heartbeat"},
         ]
     )
     junk = rng.choice([None, -1, 2**64 - 1, -(2**63), 1.5, float("nan"), True, "", "x" * 5000, "\x1b[31m\n"])
@@ -88,7 +88,7 @@ def test_the_agent_survives_any_bytes(node):
                     if frame is None:
                         break
                     reply = msgpack.unpackb(frame)
-                    assert reply["v"] == 1 and isinstance(reply["ok"], bool)
+                    assert reply["v"] == 2 and isinstance(reply["ok"], bool)
                     answered += 1
                     if reply["id"] == marker:
                         break

@@ -19,9 +19,10 @@ import perseus.devices.agent_gpu  # get_gpus imports it lazily; used below too
 from perseus.agent.client import AgentClient
 from perseus.agent.protocol import LeaseHeldError
 from perseus.controller import FrequencyController
-from perseus.devices import get_gpus
+from perseus.devices import Work, emulate, get_gpus
 from perseus.devices.sim import SimGPU
 from perseus.exceptions import DevicePermissionError
+from perseus.measurement import Monitor
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping a rank to another uid needs root")
 
@@ -81,6 +82,54 @@ def test_an_unprivileged_rank_controls_clocks_through_the_agent(node, agent):
         assert child.wait() == 0
     finally:
         child.close()
+    wait_for(lambda: at_defaults(node.gpu(0)), "GPU 0 back at defaults")
+
+
+def test_an_unprivileged_rank_runs_work_on_the_agents_gpus_and_measures_it(node, agent):
+    """PERSEUS_GPU and PERSEUS_AGENT only, as the README says: the rank takes the agent's folder
+    (not one of its own), its clock is what the agent set, and the work it runs is logged in the
+    agent's activity folder, which its Monitor and everyone else's count."""
+    own = f"/tmp/perseus-sim-{NOBODY}"
+    had_own = os.path.exists(own)
+    work = Work(0.2, alpha=0.6)
+    view = node.gpu(0)  # another user's view of the same GPU
+    began, before_mj = view.clock.now(), view.energy_mj()
+
+    def body(report) -> None:
+        os.environ.pop("PERSEUS_SIM_DIR", None)
+        gpu = get_gpus()[0]
+        gpu.lock_sm_clock(810)
+        time_s, energy_j = gpu.predict(work)
+        with Monitor(gpus=[gpu], cpu_indices=[]) as monitor:
+            monitor.begin_window("step")
+            emulate(gpu, work)
+            measured = monitor.end_window("step")
+        report(
+            {
+                "folder": os.path.dirname(gpu.state_path),
+                "clock": gpu.sm_clock(),
+                "work_s": time_s,
+                "work_j": energy_j,
+                "window_s": measured.time_s,
+                "window_j": measured.gpu_energy_j[0],
+            }
+        )
+
+    child = Child(body, uid=NOBODY, env=rank_env(node))
+    try:
+        got = child.next()
+        assert child.wait() == 0
+    finally:
+        child.close()
+    idle_w = view.preset.idle_w
+    assert got["folder"] == node.sim_dir and got["clock"] == 810
+    assert got["work_s"] == pytest.approx(view.predict(work, 810)[0])  # the work ran at 810 MHz
+    assert got["window_s"] >= got["work_s"]
+    expected_j = got["work_j"] + idle_w * (got["window_s"] - got["work_s"])
+    assert got["window_j"] == pytest.approx(expected_j, rel=1e-3)
+    busy_j = (view.energy_mj() - before_mj) / 1000 - idle_w * (view.clock.now() - began)
+    assert busy_j == pytest.approx(got["work_j"] - idle_w * got["work_s"], rel=1e-3)  # seen by root too
+    assert had_own or not os.path.exists(own)  # no simulated GPUs of its own were made
     wait_for(lambda: at_defaults(node.gpu(0)), "GPU 0 back at defaults")
 
 
@@ -222,10 +271,10 @@ def test_a_live_rank_gets_its_settings_back_from_a_restarted_agent(node, agent):
 
             def restored() -> bool:
                 state = watcher.status().gpus[0]
-                return state.holder is not None and state.holder.pid == pid and state.sm_clock_mhz == 615
+                held = state.holder is not None and state.holder.pid == pid
+                return held and state.sm_clock_mhz == 615 and state.power_limit_mw == 300_000
 
-            wait_for(restored, "the rank to take its lease back and re-apply its clock")
-            assert node.gpu(0).power_limit_mw() == 300_000
+            wait_for(restored, "the rank to take its lease back and re-apply its clock and power limit")
             child.kill_group()
             wait_for(lambda: at_defaults(node.gpu(0)), "GPU 0 reset after the rank's kill")
         finally:

@@ -77,29 +77,29 @@ def test_a_status_round_trips_with_its_holders():
 @pytest.mark.parametrize(
     ("doc", "code", "words"),
     [
-        ({"v": 1, "id": 1, "type": "hello", "client": "x"}, "bad_field", "missing field(s) pid"),
-        ({"v": 1, "id": 1, "type": "hello", "client": "x", "pid": 1, "extra": 2}, "bad_field", "unknown field"),
-        ({"v": 1, "id": 1, "type": "hello", "client": "x\n", "pid": 1}, "bad_field", "printable"),
-        ({"v": 1, "id": 1, "type": "hello", "client": "x", "pid": True}, "bad_field", "hello.pid"),
-        ({"v": 1, "id": 1, "type": "acquire", "uuids": []}, "bad_field", "acquire.uuids"),
-        ({"v": 1, "id": 1, "type": "acquire", "uuids": ["a", "a"]}, "bad_field", "lists a GPU twice"),
-        ({"v": 1, "id": 1, "type": "acquire", "uuids": "GPU-a"}, "bad_field", "acquire.uuids"),
-        ({"v": 1, "id": 1, "type": "write", "uuid": "a", "setting": "fan", "value": 1}, "bad_field", "one of"),
+        ({"v": 2, "id": 1, "type": "hello", "client": "x"}, "bad_field", "missing field(s) pid"),
+        ({"v": 2, "id": 1, "type": "hello", "client": "x", "pid": 1, "extra": 2}, "bad_field", "unknown field"),
+        ({"v": 2, "id": 1, "type": "hello", "client": "x\n", "pid": 1}, "bad_field", "printable"),
+        ({"v": 2, "id": 1, "type": "hello", "client": "x", "pid": True}, "bad_field", "hello.pid"),
+        ({"v": 2, "id": 1, "type": "acquire", "uuids": []}, "bad_field", "acquire.uuids"),
+        ({"v": 2, "id": 1, "type": "acquire", "uuids": ["a", "a"]}, "bad_field", "lists a GPU twice"),
+        ({"v": 2, "id": 1, "type": "acquire", "uuids": "GPU-a"}, "bad_field", "acquire.uuids"),
+        ({"v": 2, "id": 1, "type": "write", "uuid": "a", "setting": "fan", "value": 1}, "bad_field", "one of"),
         (
-            {"v": 1, "id": 1, "type": "write", "uuid": "a", "setting": "sm_clock", "value": 0},
+            {"v": 2, "id": 1, "type": "write", "uuid": "a", "setting": "sm_clock", "value": 0},
             "bad_field",
             "write.value",
         ),
-        ({"v": 1, "id": 1, "type": "write", "uuid": "a", "setting": "sm_clock", "value": 1.5}, "bad_field", "value"),
+        ({"v": 2, "id": 1, "type": "write", "uuid": "a", "setting": "sm_clock", "value": 1.5}, "bad_field", "value"),
         (
-            {"v": 1, "id": 1, "type": "write", "uuid": "a", "setting": "power_limit", "value": 2**40},
+            {"v": 2, "id": 1, "type": "write", "uuid": "a", "setting": "power_limit", "value": 2**40},
             "bad_field",
             "limit",
         ),
-        ({"v": 2, "id": 1, "type": "hello"}, "bad_version", "this agent speaks v1"),
-        ({"v": 1, "id": -1, "type": "hello"}, "bad_field", "id must be"),
-        ({"v": 1, "id": 1, "type": "pickle"}, "unknown_type", "known: hello"),
-        ({"v": 1, "id": 1}, "unknown_type", "unknown request type"),
+        ({"v": 3, "id": 1, "type": "hello"}, "bad_version", "this agent speaks v2"),
+        ({"v": 2, "id": -1, "type": "hello"}, "bad_field", "id must be"),
+        ({"v": 2, "id": 1, "type": "pickle"}, "unknown_type", "known: hello"),
+        ({"v": 2, "id": 1}, "unknown_type", "unknown request type"),
     ],
 )
 def test_bad_requests_are_named(doc, code, words):
@@ -146,8 +146,8 @@ def test_replies_must_answer_the_request_and_be_well_formed():
     with pytest.raises(AgentError, match="answered another request"):
         decode_reply(payload(encode_reply(4, Done())), 5, Done, "agent")
     with pytest.raises(AgentError, match="malformed reply"):
-        decode_reply(raw({"v": 1, "id": 1, "ok": True, "uuids": [1]}), 1, Granted, "agent")
-    with pytest.raises(AgentError, match="no protocol v1 reply"):
+        decode_reply(raw({"v": 2, "id": 1, "ok": True, "uuids": [1]}), 1, Granted, "agent")
+    with pytest.raises(AgentError, match="no protocol v2 reply"):
         decode_reply(raw({"id": 1, "ok": True}), 1, Done, "agent")
     # an error about the connection itself carries no id
     with pytest.raises(AgentError, match="busy"):
