@@ -29,7 +29,7 @@ from perseus.service.timelines import (
     Timeline,
     model_names,
 )
-from perseus.service.verification import FALLBACK, REPLANNING, PlanCheck, Verdict, grown_margin
+from perseus.service.verification import FALLBACK, REPLANNING, PlanCheck, Verdict, grown_margin, noise_floor
 from perseus.wire.calibration import CalibrationStatus, StageFitStatus
 from perseus.wire.spans import ReportSpans
 from perseus.wire.spec import JobSpec, RankInfo
@@ -137,14 +137,18 @@ class PipelineModels:
         """Check the pipelines' new plans against their targets from their start."""
         for k in changed:
             plan = plans[k]
-            time_s, baseline = self.targets(plan.models, pipelines_of(plan.models))
+            state = self.calibrations.get(plan.models)
+            pipelines = pipelines_of(plan.models)
+            measured_time, measured_compute = self.spans.baseline_s(pipelines)
+            if measured_time is not None and measured_compute is not None:  # kept for a restarted service
+                state.baseline_s = (measured_time, measured_compute)
+                state.noise = noise_floor(*self.spans.spread(pipelines))
+            time_s, baseline = self.targets(plan.models, pipelines)
             target = None
             if time_s is not None and baseline is not None:
-                self.calibrations.get(plan.models).baseline_s = (time_s, baseline)
                 scale = 1.0 if plan.deadline_s is None else plan.deadline_s / plan.baseline_iteration_time_s
                 target = baseline * max(1.0, scale)
-            fallback = self.calibrations.get(plan.models).fallback
-            self.checks[k].plan_started(plan.version, plan.start_iteration, target, fallback)
+            self.checks[k].plan_started(plan.version, plan.start_iteration, target, state.fallback, state.noise)
 
     def measured(self, completed: list[tuple[int, Measured]]) -> None:
         """Pipelines' measured iterations (compute time, slowest rank): verdicts for `take_verdicts`."""

@@ -181,6 +181,14 @@ class SpanBook:
         self.added[info.dp_index] += 1
         return info.dp_index
 
+    def spread(self, pipelines: list[int]) -> tuple[float, int]:
+        """(relative spread of the baseline compute times: 1.4826 MADs over the median, how many)."""
+        times = [tl.compute_s for k in pipelines for tl in self.timelines[k]]
+        if len(times) < 2:
+            return 0.0, len(times)
+        median = statistics.median(times)
+        return 1.4826 * statistics.median(abs(t - median) for t in times) / median, len(times)
+
     def baseline_s(self, pipelines: list[int]) -> tuple[float | None, float | None]:
         """(iteration time, compute time): medians over these pipelines' baseline timelines."""
         rows = [tl for k in pipelines for tl in self.timelines[k]]
@@ -211,6 +219,7 @@ class ModelState:
     fallback: bool = False  # verification gave up: maximum clocks
     history: list[str] = field(default_factory=list)  # the re-plans and fallback, why
     baseline_s: tuple[float, float] | None = None  # (iteration, compute time) measured, kept for restarts
+    noise: float = 0.0  # the excess the baseline's spread alone may show (perseus.service.verification)
 
     def to_record(self) -> dict[str, Any]:
         """What a restarted service needs: the fit the plans were made on and verification's state."""
@@ -240,6 +249,7 @@ class ModelState:
             fallback=bool(doc.get("fallback", False)),
             history=[str(h) for h in doc.get("history", [])][-8:],
             baseline_s=None if baseline is None else (float(baseline[0]), float(baseline[1])),
+            noise=float(doc.get("noise", 0.0)),
         )
 
 

@@ -4,8 +4,10 @@ A plan is a promise: the no-slowdown plan keeps the measured baseline iteration 
 straggler-aware plan keeps the straggler's pace (its deadline, at the baseline's scale). Each
 pipeline's measured iterations under its plan (from the plan's start, less the switch) are
 checked in windows of `WINDOW`: the median against the target. Past the job's tolerance in
-`PERSISTS` windows in a row (a busy host's passing stall is not the plan's doing), the service
-warns once and re-plans with a margin: every instruction the plan slows is modelled
+`PERSISTS` windows in a row (a busy host's passing stall is not the plan's doing) -- and past
+what the baseline's own spread lets two medians differ by by chance (`noise_floor`: on a quiet
+host the tolerance decides, on a loaded one the noise) -- the service warns once and re-plans
+with a margin: every instruction the plan slows is modelled
 that much slower (`margin`, grown by twice the excess each time), which tightens the plan by
 the excess it showed while keeping maximum clocks feasible. Margins only grow (hysteresis: no
 oscillation between plans) and at most `MAX_REPLANS` re-plans are made; if the plan still runs
@@ -16,6 +18,7 @@ Pure: the job feeds measured iterations and plan changes, and acts on the verdic
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -30,6 +33,8 @@ SKIP = 3
 MAX_REPLANS = 3
 #: Windows in a row over the tolerance before the plan is corrected.
 PERSISTS = 2
+#: Standard errors of the difference of two medians that an excess must reach to be the plan's.
+SIGNIFICANCE = 2.0
 
 VERIFYING = "verifying"
 HOLDS = "holds"
@@ -64,11 +69,14 @@ class PlanCheck:
         self.reason = ""
         self.warned_fallback = False
         self.over = 0  # windows in a row over the tolerance
+        self.noise = 0.0  # the excess the baseline's spread alone may show (see noise_floor)
 
-    def plan_started(self, version: int, start_iteration: int, target_s: float | None, fallback: bool) -> None:
+    def plan_started(
+        self, version: int, start_iteration: int, target_s: float | None, fallback: bool, noise: float = 0.0
+    ) -> None:
         """A new plan (version) runs from `start_iteration`; its iterations should take `target_s`
-        (None: unknown, nothing is checked)."""
-        self.version, self.start, self.target_s = version, start_iteration, target_s
+        (None: unknown, nothing is checked); `noise`: see `noise_floor`."""
+        self.version, self.start, self.target_s, self.noise = version, start_iteration, target_s, noise
         self.window = []
         self.over = 0
         if fallback:
@@ -99,7 +107,7 @@ class PlanCheck:
                     "itself slowed (throttled GPUs, contention), not its plan",
                 )
             return None
-        if self.excess <= self.tolerance:
+        if self.excess <= max(self.tolerance, self.noise):
             self.over = 0
             if self.state == HOLDS:
                 return None  # said once per plan
@@ -108,10 +116,11 @@ class PlanCheck:
         self.over += 1
         if self.over < PERSISTS:
             return None
+        noise = f", beyond the baseline's noise of {100 * self.noise:.1f}%" if self.noise > self.tolerance else ""
         what = (
             f"plan v{self.version} runs {100 * self.excess:+.1f}% over its target ({measured:.4f} s against "
             f"{self.target_s:.4f} s, median of {WINDOW} iterations, over the tolerance of "
-            f"{100 * self.tolerance:.1f}% {self.over} windows in a row)"
+            f"{100 * self.tolerance:.1f}%{noise} {self.over} windows in a row)"
         )
         if self.replans >= MAX_REPLANS:
             self.state = FALLBACK
@@ -128,3 +137,12 @@ def grown_margin(margin: float, excess: float, tolerance: float) -> float:
     """The margin after a window ran `excess` over its target: grown by twice the excess (at
     least the tolerance), so that a few re-plans converge."""
     return margin + 2.0 * max(excess, tolerance)
+
+
+def noise_floor(spread: float, baseline_iterations: int) -> float:
+    """The excess a window's median may show over the baseline's by chance alone, when single
+    iterations vary by `spread` (relative standard deviation) and the baseline median is of
+    `baseline_iterations`: SIGNIFICANCE standard errors of the difference of the two medians."""
+    if baseline_iterations < 1 or spread <= 0:
+        return 0.0
+    return SIGNIFICANCE * 1.2533 * spread * math.sqrt(1 / WINDOW + 1 / baseline_iterations)

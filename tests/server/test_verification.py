@@ -30,6 +30,7 @@ from perseus.service.verification import (
     WINDOW,
     PlanCheck,
     grown_margin,
+    noise_floor,
 )
 from perseus.wire.messages import ReportIteration
 from perseus.wire.spans import ReportSpans
@@ -256,3 +257,16 @@ def test_a_straggler_aware_plan_is_held_to_the_stragglers_pace_at_the_baseline_s
     slowed = dataclasses.replace(base, version=2, deadline_s=base.baseline_iteration_time_s * 1.2)
     job.model.plans_published({0: slowed}, [0], job.pipelines_of)
     assert job.model.checks[0].target_s == pytest.approx(baseline * 1.2)
+
+
+def test_on_a_noisy_host_only_an_excess_beyond_the_baselines_noise_is_the_plans():
+    assert noise_floor(0.0, 16) == 0.0 and noise_floor(0.04, 0) == 0.0
+    noise = noise_floor(0.04, 16)  # iterations varying by 4%: two medians differ by ~4% by chance
+    assert 0.03 < noise < 0.05
+    check = PlanCheck(tolerance=0.01)
+    check.plan_started(1, 0, 1.0, fallback=False, noise=noise)
+    (verdict,) = feed(check, SKIP, [1.03] * WINDOW * PERSISTS)
+    assert verdict.action == HOLDS  # within the noise: not the plan's doing
+    check.plan_started(2, 100, 1.0, fallback=False, noise=noise)
+    (verdict,) = feed(check, 100 + SKIP, [1.08] * WINDOW * PERSISTS)
+    assert verdict.action == REPLANNING and "beyond the baseline's noise" in verdict.reason
