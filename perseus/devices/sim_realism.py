@@ -50,7 +50,7 @@ REALISTIC_MODE = "realistic"
 MODES = (IDEAL_MODE, REALISTIC_MODE)
 #: What `sim_gpus`, `PERSEUS_GPU=sim:...`, the demo and the examples simulate unless
 #: $PERSEUS_SIM_MODE says otherwise. The one line to change to make realistic GPUs the default.
-DEFAULT_SIM_MODE = IDEAL_MODE
+DEFAULT_SIM_MODE = REALISTIC_MODE
 
 MODE_ENV = "PERSEUS_SIM_MODE"
 COUNTER_PERIOD_ENV = "PERSEUS_SIM_COUNTER_PERIOD_S"
