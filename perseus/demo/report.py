@@ -54,6 +54,7 @@ def summarize(iterations: list[Iteration], status: Any, phases: dict[str, list[I
     last = phases["planned"][-1] if phases["planned"] else None
     result["plan_frequencies"] = list(last.plans) if last is not None else None
     result["plan_applied"] = plan_applied(phases["planned"])
+    result["off_clock_instructions"] = getattr(status, "off_clock_instructions", None)
     return result
 
 
@@ -221,6 +222,11 @@ def format_report(result: dict) -> str:
         lines.append(f"host gap between instructions on a stage: {result['instruction_gap_s'] * 1e3:.1f} ms")
     if result.get("plan_applied") is not None:
         lines.append(f"planned clocks applied on time: {result['plan_applied']:.0%} of instructions")
+    if result.get("off_clock_instructions") is not None:
+        lines.append(
+            f"instructions at a clock other than planned (service status): "
+            f"{result['off_clock_instructions']:.1f} per iteration"
+        )
     if not result.get("profiled"):
         lines.append("profiling: skipped (the state directory held this job's profile)")
     lines.append(f"clocks reset at the end: {'yes' if result['clocks_reset'] else 'NO'}")

@@ -24,7 +24,7 @@ from perseus.wire.envelope import (
     encode_request,
 )
 from perseus.wire.limits import MAX_MESSAGE_BYTES
-from perseus.wire.messages import GetTable, RegisterJob, ReportIteration, Table, UploadProfile
+from perseus.wire.messages import GetTable, JobStatus, RegisterJob, ReportIteration, Table, UploadProfile
 from perseus.wire.phases import JobPhase
 from perseus.wire.profiles import profile_from_wire, profile_to_wire
 from perseus.wire.spec import JobSpec, RankInfo
@@ -258,6 +258,25 @@ def test_job_tallies_measured_iterations_and_predicts_per_replica():
     assert [p.plan_version for p in status.pipelines] == [1, 1] and status.pipelines[
         1
     ].measured_iteration_time_s == pytest.approx(1.3)
+
+
+def test_status_counts_instructions_off_their_planned_clock():
+    job = _job()
+    for s in (0, 1):
+        job.add_profile(s, s, stage_profile(s))
+    _solve_all(job, PlanResult(((1410,) * 8, (1410,) * 8), 1.0, 150.0, 140.0, 1.0, 200.0))
+    job.note_iteration(5)  # the ranks run on meanwhile: the plan starts a lead after
+    job.publish()
+    assert job.status().off_clock_instructions is None  # no rank told yet
+    start = job.plans[0].start_iteration
+    job.record(ReportIteration(job.job_id, 0, start - 1, 1.0, 100.0, off_clock=5))  # before the plan: not counted
+    for it in (start, start + 1):
+        job.record(ReportIteration(job.job_id, 0, it, 1.0, 100.0, off_clock=it - start))
+        job.record(ReportIteration(job.job_id, 1, it, 1.0, 100.0, off_clock=2))
+    status = job.status()
+    assert status.off_clock_instructions == pytest.approx(2.5)  # (0 + 2 + 1 + 2) over 2 iterations
+    assert JobStatus.from_wire(status.to_wire()).off_clock_instructions == pytest.approx(2.5)
+    assert "off_clock" not in ReportIteration(job.job_id, 0, 1, 1.0, 1.0).to_wire()  # as earlier releases send
 
 
 def test_job_record_round_trip():
