@@ -17,7 +17,7 @@ from perseus.service.planning import check_stage_profile, merge_profiles, stage_
 from perseus.service.ranks import Models, bad_field
 from perseus.service.sweep import design_steps
 from perseus.wire.parallelism import merge_tensor_parallel
-from perseus.wire.spec import JobSpec, RankInfo
+from perseus.wire.spec import JobSpec, RankInfo, check_sweep_size
 
 
 class Profiling:
@@ -44,6 +44,10 @@ class Profiling:
         """ServiceError (bad_field) unless `info`'s GPU supports every sweep frequency (the first
         rank's frequencies are the sweep if the spec names none)."""
         if self.sweep is None:
+            try:
+                check_sweep_size(len(info.frequencies), self.spec.iterations_per_frequency, "the sweep")
+            except ConfigError as e:
+                raise bad_field(f"rank {info.rank}'s clocks would be the sweep (the spec names none): {e}") from None
             self.sweep = info.frequencies
         missing = sorted(set(self.sweep) - set(info.frequencies), reverse=True)
         if missing:

@@ -22,7 +22,7 @@ from perseus.wire.fields import (
     check_str,
     set_fields,
 )
-from perseus.wire.limits import MAX_INSTRUCTIONS, MAX_RANKS
+from perseus.wire.limits import MAX_INSTRUCTIONS, MAX_RANKS, MAX_SWEEP_STEPS
 from perseus.wire.parallelism import RANK_MAPPINGS
 
 #: How much slower than its target a planned iteration may run, unless a job says otherwise.
@@ -109,6 +109,7 @@ class JobSpec(Message):
             )
         if self.sweep_frequencies is not None:
             set_fields(self, sweep_frequencies=check_frequencies(self.sweep_frequencies, f"{n}.sweep_frequencies"))
+            check_sweep_size(len(self.sweep_frequencies), self.iterations_per_frequency, f"{n}.sweep_frequencies")
         if self.blocking_power_w is not None:
             set_fields(
                 self, blocking_power_w=check_float(self.blocking_power_w, f"{n}.blocking_power_w", 0.0, 100_000.0)
@@ -165,6 +166,17 @@ class JobSpec(Message):
         if job_id is None:
             job_id = self.__dict__["_job_id"] = "job-" + hashlib.sha256(_canonical(self._fields())).hexdigest()[:16]
         return job_id
+
+
+def check_sweep_size(frequencies: int, iterations_per_frequency: int, name: str) -> None:
+    """ConfigError unless a sweep of `frequencies` clocks fits in a table (MAX_SWEEP_STEPS steps)."""
+    steps = frequencies * iterations_per_frequency
+    if steps > MAX_SWEEP_STEPS:
+        raise ConfigError(
+            f"{name}: {frequencies} clocks x {iterations_per_frequency} iterations_per_frequency is a sweep of "
+            f"{steps} steps, over {MAX_SWEEP_STEPS}; sweep fewer clocks (JobSpec.sweep_frequencies) or fewer "
+            "iterations per clock"
+        )
 
 
 def _stage_orders(value: Any, name: str, pp: int, microbatches: int, chunks: int) -> tuple:

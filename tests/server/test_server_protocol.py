@@ -54,6 +54,7 @@ def test_job_spec_round_trips_and_its_id_is_deterministic():
         ({"gpu_model": 5}, "gpu_model"),
         ({"sweep_frequencies": [1410, 1410]}, "twice"),
         ({"sweep_frequencies": [-5]}, "sweep_frequencies[0]"),
+        ({"sweep_frequencies": list(range(2000, 976, -1)), "iterations_per_frequency": 20}, "over 16384"),
         ({"blocking_power_w": math.nan}, "blocking_power_w"),
         ({"schedule_style": "zigzag"}, "schedule_style"),
         ({"stage_orders": [[("forward", 0, 0)]]}, "stage_orders"),
@@ -212,6 +213,9 @@ def test_the_service_designs_the_sweep_and_sends_it_while_a_stage_is_unprofiled(
     job.add_profile(0, 0, stage_profile(0))
     assert job.table(0, -1, 0).sweep_steps == () and "sweep_steps" not in job.table(0, -1, 0).to_wire()
     assert job.table(1, -1, 0).sweep_steps == steps  # stage 1 still profiles
+    long_sweep = Job(job_spec(iterations_per_frequency=20))
+    with pytest.raises(ServiceError, match="rank 0's clocks would be the sweep.*over 16384"):
+        long_sweep.add_rank(rank_info(0, frequencies=tuple(range(2000, 976, -1))))
 
 
 def test_job_rejects_inconsistent_ranks_and_profiles():
