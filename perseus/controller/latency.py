@@ -61,8 +61,3 @@ def _probed(gpu: GPU) -> SwitchLatency | None:
         return None
     worst = result.max_clock_switch_latency_s
     return lambda target: (None if target is None else result.switch_latency_to_s(target)) or worst
-
-
-def worst_latency(latency: SwitchLatency, frequencies: list[int]) -> float:
-    """The longest latency over changes to any of `frequencies` (and back to the default)."""
-    return max([latency(None), *(latency(f) for f in frequencies)])

@@ -94,10 +94,6 @@ class OnlineProfiler:
         self._fit: PowerFit | None = None
 
     @property
-    def measuring(self) -> bool:
-        return self._step is not None
-
-    @property
     def done(self) -> bool:
         return self.sweep.done
 

@@ -18,7 +18,7 @@ first). A rank never computes what a step runs; `Sweep` only chooses which step 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from perseus.exceptions import ConfigError
@@ -91,11 +91,6 @@ class Sweep:
     @property
     def done(self) -> bool:
         return self._done
-
-    @property
-    def main_over(self) -> bool:
-        """The main sweep (blocks in order, up to the early stop) has finished."""
-        return self._main_over
 
     @property
     def profiled_frequencies(self) -> list[int]:
@@ -179,8 +174,3 @@ class Sweep:
     def iteration_energy(self) -> dict[int, float]:
         """Per evaluated frequency, the stage's energy per iteration (J) at the latest fit of it."""
         return dict(self._energy)
-
-
-def kinds_in_order(kinds: Sequence[str], step: Mapping[str, int]) -> list[int]:
-    """The clock of each of `kinds` (one per instruction) in `step`."""
-    return [step[k] for k in kinds]
