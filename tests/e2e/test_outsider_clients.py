@@ -8,6 +8,8 @@ planned iterations (median of the 20 or more on the final plan) take at most 2% 
 baseline measured on the same run (median of the iterations at default clocks), for a measured
 energy saving of at least 5%. A plan made wrong on purpose (a GPU throttled after planning) is
 warned about and corrected; a script that emulates no GPU work gets no plan and a clear warning.
+The simulated GPUs are ideal (closed_loop's default): a realistic one takes 10-30 ms to change
+clocks, longer than these 6 ms instructions, so it would keep them all at their top clock.
 Slow by nature: one torchrun job per case (CI runs them).
 """
 
