@@ -162,7 +162,10 @@ def extract_tree(ref: str, into: Path) -> Path | None:
     archive = into / "tree.tar"
     archive.write_bytes(done.stdout)
     with tarfile.open(archive) as tar:
-        tar.extractall(into / "tree", filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python 3.10.12+ refuses unsafe members with it
+            tar.extractall(into / "tree", filter="data")
+        else:
+            tar.extractall(into / "tree")
     return into / "tree"
 
 
