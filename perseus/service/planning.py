@@ -97,12 +97,14 @@ def make_planner(schedule: Schedule, profile: Profile) -> Any:
 
 
 def plan_pipeline(planner: Any, deadline_s: float | None = None) -> tuple[PlanResult, dict[str, Any]]:
-    """Plan one pipeline: no slowdown (`deadline_s` None), else the least energy within
-    `deadline_s` (the planner stays at its minimum-energy time T* past it). The result and the
-    planner's plan document (`Plan.to_json()`); PlanError with the planner's reason if it cannot."""
+    """Plan one pipeline: no slowdown (`deadline_s` None), else the least energy of an iteration
+    that lasts `deadline_s`, a straggler's pace every GPU waits out (the padded objective: past
+    the minimum-energy time the plan uses the slack). The baseline is padded to the same pace, so
+    the predicted saving compares iterations of one length. The result and the planner's plan
+    document (`Plan.to_json()`); PlanError with the planner's reason if it cannot."""
     schedule = planner.schedule
     try:
-        plan = planner.plan() if deadline_s is None else planner.plan(deadline=deadline_s)
+        plan = planner.plan() if deadline_s is None else planner.plan(deadline=deadline_s, padded=True)
     except (ConfigError, ScheduleError) as e:
         raise PlanError(str(e)) from None
     stage_frequencies = []
@@ -119,9 +121,17 @@ def plan_pipeline(planner: Any, deadline_s: float | None = None) -> tuple[PlanRe
         energy_j=float(plan.energy_j),
         lower_bound_j=float(plan.lower_bound_j),
         baseline_iteration_time_s=float(planner.max_frequency_time_s),
-        baseline_energy_j=float(planner.max_frequency_energy_j),
+        baseline_energy_j=float(planner.max_frequency_energy_j) + _wait_energy(planner, deadline_s),
     )
     return result, plan.to_json()
+
+
+def _wait_energy(planner: Any, deadline_s: float | None) -> float:
+    """What every GPU of the pipeline at maximum clocks spends blocking until `deadline_s`."""
+    if deadline_s is None:
+        return 0.0
+    wait_s = max(0.0, deadline_s - planner.max_frequency_time_s)
+    return planner.problem.blocking_power_w * planner.problem.num_stages * wait_s
 
 
 def plan_choices(schedule: Schedule, profile: Profile) -> int:

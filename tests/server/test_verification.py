@@ -10,7 +10,7 @@ import json
 
 import pytest
 from server_helpers import FREQUENCIES, job_spec, rank_info, stage_profile
-from timeline_helpers import profile, timelines
+from timeline_helpers import BLOCKING_W, profile, timelines
 
 from perseus.planner import Planner
 from perseus.profiler.profile import Profile, ProfilePoint
@@ -270,3 +270,19 @@ def test_on_a_noisy_host_only_an_excess_beyond_the_baselines_noise_is_the_plans(
     check.plan_started(2, 100, 1.0, fallback=False, noise=noise)
     (verdict,) = feed(check, 100 + SKIP, [1.08] * WINDOW * PERSISTS)
     assert verdict.action == REPLANNING and "beyond the baseline's noise" in verdict.reason
+
+
+def test_a_straggler_pace_is_planned_padded_against_a_baseline_padded_to_it():
+    schedule = build_schedule("1f1b", STAGES, 4)
+    planner = Planner(schedule, profile(STAGES))
+    pace = 1.3 * planner.max_frequency_time_s
+    solved, doc = plan_pipeline(planner, pace)
+    assert doc["padded"] is True
+    wait_j = BLOCKING_W * STAGES * (pace - planner.max_frequency_time_s)
+    assert solved.baseline_energy_j == pytest.approx(planner.max_frequency_energy_j + wait_j)
+    unpadded = planner.plan(deadline=pace)
+    padded_unpadded_plan = unpadded.energy_j + BLOCKING_W * STAGES * (pace - unpadded.iteration_time_s)
+    assert solved.energy_j <= padded_unpadded_plan + 1e-9
+    assert solved.iteration_time_s <= pace + 1e-9
+    no_slowdown, doc = plan_pipeline(planner)
+    assert doc["padded"] is False and no_slowdown.baseline_energy_j == planner.max_frequency_energy_j
