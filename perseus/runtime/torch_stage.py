@@ -121,10 +121,13 @@ def instrument(
         `PlannerClient` instead when you give one.
     options: passed to `PerseusRank`, among them:
         tag, profiling: the job's tag and the online sweep's `ProfilingSettings`;
-        instruction_overhead_s, hop_latency_s: host work between a stage's instructions, and what
-            a stage-to-stage activation (gradient) hop takes beyond it, in seconds, as you
-            measured them; the planner counts them so a plan does not spend slack they use
-            (default 0);
+        emulate: on simulated GPUs, the GPU work each instruction stands for, e.g.
+            {"forward": Work(0.006), "backward": Work(0.012)} (perseus.runtime.emulation);
+        tolerance: how much slower than the measured baseline a planned iteration may run before
+            the service re-plans (default 0.01; perseus.service.verification);
+        instruction_overhead_s, hop_latency_s: optional overrides of what the service fits from
+            the ranks' own timelines (perseus.service.calibration): host work between a stage's
+            instructions, and what a stage-to-stage hop takes beyond it, in seconds;
         progress, wait_for_clock, handle_signals, watchdog, ...
     """
     stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
