@@ -1,6 +1,6 @@
 """`perseus reset` says what it did: each setting that really changed, `already at defaults` where
 nothing did, and a setting it could not reset as a failure (each error once, exit status 1) --
-directly, with a clock switch latency, and unprivileged; through an agent, see test_cli."""
+directly, with a clock switch latency, and unprivileged; through an agent, see test_agent_cli."""
 
 from __future__ import annotations
 
