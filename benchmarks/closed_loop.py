@@ -14,9 +14,9 @@ it), the saving the plan predicts, and the re-plans verification made. Exits 1 i
 planned iterations run over 2% slower than its baseline or save under 5% of its energy.
 
 Simulated GPUs are ideal here by default (`--sim-mode`): a realistic one takes 10-30 ms to
-change clocks, longer than these instructions, so its plans keep every instruction at its top
-clock (no slowdown, and no saving either). Wall-clock figures: a machine shared with other jobs
-stretches host work and makes them noisy.
+change clocks, longer than one instruction, so its plans change clocks only between runs of
+instructions that last that long (perseus.planner.switches). Wall-clock
+figures: a machine shared with other jobs stretches host work and makes them noisy.
 """
 
 from __future__ import annotations

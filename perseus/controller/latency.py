@@ -3,9 +3,9 @@
 A real GPU keeps running at its old clock for a while after a clock change call returns:
 Velicka et al. (arXiv 2502.20075) measure a latency that varies across GPUs and depends mostly
 on the target clock. The controller issues changes to a higher clock that much ahead of the
-instruction needing them, the profiler waits changes out, and the service plans no instruction
-shorter than that below its top clock (`Profile.at_top_clock_below`, from the latency a profile
-carries). Where the figure comes from, first found first:
+instruction needing them, the profiler waits changes out, and the service's plans hold no clock
+for less time than that (perseus.planner.switches, from the latency a profile carries). Where
+the figure comes from, first found first:
 
 1. an explicit `override` (PerseusRank(switch_latency_s=...), ProfilingSettings);
 2. what `perseus probe --allow-clock-changes` measured for this GPU model (perseus.probe's

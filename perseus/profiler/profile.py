@@ -230,27 +230,16 @@ class Profile:
             ]
         return Profile(points, self.blocking_power_w, dict(self.meta))
 
-    def switch_latency_s(self) -> float:
+    def switch_latency_s(self, stage: int | None = None) -> float:
         """How long a clock change took to come into force on the profiled GPU (meta
-        SWITCH_LATENCY_META, written by the online profiler; 0.0 when unknown)."""
+        SWITCH_LATENCY_META, written by the online profiler; 0.0 when unknown). With `stage`: that
+        stage's GPU's in a pipeline profile (meta SWITCH_LATENCY_META@stage), else the former."""
+        keys = ([] if stage is None else [f"{SWITCH_LATENCY_META}@{stage}"]) + [SWITCH_LATENCY_META]
         try:
-            value = float(self.meta.get(SWITCH_LATENCY_META, "0"))
+            value = float(next((self.meta[k] for k in keys if k in self.meta), "0"))
         except ValueError:
             return 0.0
         return value if math.isfinite(value) and value > 0 else 0.0
-
-    def at_top_clock_below(self, latency_s: float) -> Profile:
-        """A copy where every row whose fastest time is under `latency_s` keeps only its fastest
-        point. A clock change comes into force `latency_s` after it is asked for, as its
-        instruction starts; an instruction shorter than that would run its whole time at the
-        clock before it, so the planner must not plan it lower than that (at its top clock it is
-        never switched down to). Its neighbours' changes are unaffected."""
-        if not latency_s > 0:
-            return self
-        points = {
-            key: [pts[0]] if min(p.time for p in pts) < latency_s else list(pts) for key, pts in self.points.items()
-        }
-        return Profile(points, self.blocking_power_w, dict(self.meta))
 
 
 #: Profile meta: the longest clock switch latency (s) of the GPU the profile was measured on.

@@ -129,18 +129,23 @@ class Profiling:
 
     def pipeline_profile(self, schedule: Schedule, models: Models) -> Profile | None:
         """The profile a pipeline with these stage models is planned with: the stages' measured
-        rows, instructions shorter than a clock change takes on their GPU held at their top clock
-        (`Profile.at_top_clock_below`), plus the spec's host and hop overheads. None until complete."""
+        rows, each stage's GPU's clock switch latency in its meta (`Profile.switch_latency_s(stage)`,
+        which `plan_pipeline` keeps every planned clock for), plus the spec's host and hop
+        overheads. None until complete."""
         stages: dict[int, Profile] = {}
+        latencies: dict[int, float] = {}
         for s, model in enumerate(models):
             if model in self.cached:
                 rows = stage_rows(schedule, s, self.cached[model])
-                latency = self.cached[model].switch_latency_s()
+                latencies[s] = self.cached[model].switch_latency_s()
             else:
                 rows = self.merged.get(model, {}).get(s)
-                latency = rows.switch_latency_s() if rows is not None else 0.0
+                latencies[s] = rows.switch_latency_s() if rows is not None else 0.0
             if rows is None:
                 return None
-            stages[s] = rows.at_top_clock_below(latency)
+            stages[s] = rows
         merged = merge_profiles(stages, self._blocking_power())
+        for s, latency in latencies.items():
+            if latency:
+                merged.meta[f"{SWITCH_LATENCY_META}@{s}"] = f"{latency:.4g}"
         return merged.with_overheads(self.spec.instruction_overhead_s, self.spec.hop_latency_s)

@@ -1,14 +1,16 @@
 """The switch latency on the planning side: a stage's profile carries its GPU's latency, and the
-service plans instructions shorter than that at their top clock (they would never run at a
-lower one asked for as they start), leaving longer ones free."""
+service's plans hold no clock for less time than that (a shorter run of one clock would never
+be in force), while runs of short instructions at one clock stay free to slow down."""
 
 from __future__ import annotations
 
 from perseus.devices.sim_presets import PRESETS
 from perseus.devices.sim_work import Work, predict
 from perseus.planner import Planner
+from perseus.planner.switches import segments
 from perseus.profiler.profile import SWITCH_LATENCY_META, Profile, ProfilePoint
 from perseus.schedules import build_schedule
+from perseus.service.planning import plan_pipeline
 from perseus.service.profiles import Profiling
 from perseus.wire.spec import JobSpec
 
@@ -38,19 +40,32 @@ def plan_with(latency: float | None):
         profiling.take("a100", s, 0, profile, f"stage-{s}")
     profile = profiling.pipeline_profile(schedule, ("a100", "a100"))
     assert profile is not None
-    return profile, Planner(schedule, profile).plan(), schedule, profiling
+    planner = Planner(schedule, profile)
+    return profile, planner.plan(), plan_pipeline(planner)[0], schedule, profiling
 
 
-def test_instructions_shorter_than_a_switch_are_planned_at_their_top_clock():
-    free_profile, free, schedule, _ = plan_with(None)
-    held_profile, held, _, profiling = plan_with(0.01)
-    assert len(free_profile.points[(0, "forward")]) == len(FREQS)  # no latency known: every clock
-    assert [p.frequency for p in held_profile.points[(0, "forward")]] == [PRESET.max_mhz]
-    assert len(held_profile.points[(0, "backward")]) == len(FREQS)  # 20 ms: longer than the switch
-    forwards = [f for ins, f in zip(schedule.stages[0], free.stage_frequencies(0)) if ins.kind.value == "forward"]
-    assert min(forwards) < PRESET.max_mhz  # without the latency the planner slows the short forwards
-    held_forwards = [f for ins, f in zip(schedule.stages[0], held.stage_frequencies(0)) if ins.kind.value == "forward"]
-    assert set(held_forwards) == {PRESET.max_mhz}
-    assert min(held.stage_frequencies(0)) < PRESET.max_mhz  # its backwards still slow down
+def test_no_clock_is_held_for_less_than_a_switch():
+    free_profile, free, _, schedule, _ = plan_with(None)
+    held_profile, raw, held, _, profiling = plan_with(0.01)
+    assert held_profile.points == free_profile.points  # every clock stays a choice
+    assert held_profile.switch_latency_s(0) == held_profile.switch_latency_s(1) == 0.01
+    times = {key: {p.frequency: p.time for p in pts} for key, pts in held_profile.points.items()}
+
+    def short_runs(stage: int, clocks: tuple[int, ...] | list[int]) -> list[range]:
+        row = schedule.stages[stage]
+        return [
+            run
+            for run in segments(clocks)
+            if sum(times[(stage, row[i].kind.value)][clocks[i]] for i in run) < 0.01
+            and any(clocks[j] > clocks[run.start] for j in (run.start - 1, run.stop) if 0 <= j < len(row))
+        ]
+
+    assert short_runs(0, raw.stage_frequencies(0))  # the solver alone plans 4 ms forwards apart
+    for s in range(2):
+        assert not short_runs(s, held.stage_frequencies[s])
+        assert all(h >= r for h, r in zip(held.stage_frequencies[s], raw.stage_frequencies(s)))
+    assert min(held.stage_frequencies[0]) < PRESET.max_mhz  # still slowed where a switch has the time
+    assert held.iteration_time_s <= raw.iteration_time_s + 1e-12
+    assert plan_with(None)[2].stage_frequencies == tuple(tuple(free.stage_frequencies(s)) for s in range(2))
     cached = profiling.model_profile("a100")
     assert cached is not None and cached.switch_latency_s() == 0.01  # the signature cache keeps it
