@@ -318,7 +318,7 @@ def test_finding_5_huge_iterations_are_refused_and_do_not_poison_later_plans(ser
     served = serve()
     job_id = _register(served.endpoint)
     assert _code(request(served.endpoint, "get_table", job_id=job_id, rank=0, iteration=2**62)) == "bad_field"
-    _ok(request(served.endpoint, "get_table", job_id=job_id, rank=0, iteration=MAX_RANK_ITERATION))
+    _ok(request(served.endpoint, "get_table", job_id=job_id, rank=0, iteration=MAX_RANK_ITERATION, sweep_version=2))
     for stage in (0, 1):
         _ok(_upload(served.endpoint, job_id, stage))
     _planned(served.endpoint, job_id)
@@ -490,8 +490,8 @@ def test_a_rank_back_on_another_gpu_model_gets_no_plan_made_for_the_old_one(tmp_
     local.settle()
     local.profile(job_id)
     local.settle()
-    assert _ok(local.call("get_table", job_id=job_id, rank=1))["frequencies"]
+    assert _ok(local.call("get_table", job_id=job_id, rank=1, sweep_version=2))["frequencies"]
     other = rank_info(1, gpu_model="sim-a40", frequencies=(1740, *FREQUENCIES))
     _ok(local.call("register_rank", job_id=job_id, info=other.to_wire()))
-    table = _ok(local.call("get_table", job_id=job_id, rank=1))
+    table = _ok(local.call("get_table", job_id=job_id, rank=1, sweep_version=2))
     assert table["plan_version"] == 0 and table["frequencies"] is None
