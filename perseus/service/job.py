@@ -224,11 +224,13 @@ class Job:
         return self.model.add_spans(info, spans, len(self.schedule.stages[info.stage]))
 
     def calibration_tasks(self) -> list[tuple[Models, Profile, list]]:
-        """(models, measured profile, baseline timelines) of each set of pipeline models due a fit."""
+        """(models, measured profile, baseline timelines) of each set of pipeline models due a fit:
+        fitted on the first pipeline of those models, whose ranks profiled them (another may be a
+        straggler on the same GPU model)."""
         tasks = []
         for models in dict.fromkeys(self.models(k) for k in range(self.spec.dp)):
             profile = self.pipeline_profile(models)
-            pipelines = self.pipelines_of(models)
+            pipelines = self.pipelines_of(models)[:1]
             if profile is not None and self.model.due(models, pipelines):
                 timelines = self.model.timelines(pipelines)
                 self.model.calibrations.fitting(models, self.model.added(pipelines))

@@ -122,14 +122,14 @@ class PipelineModels:
 
     # ---- verification -------------------------------------------------------------------------
 
-    def targets(self, models: Models, pipelines: list[int]) -> tuple[float | None, float | None]:
-        """(baseline iteration, baseline compute time) measured for these pipelines of `models`
+    def targets(self, models: Models, pipeline: int) -> tuple[float | None, float | None]:
+        """(baseline iteration, baseline compute time) measured for pipeline `pipeline` of `models`
         (kept with their model once a plan was checked against it: a restarted service has no spans)."""
-        measured = self.spans.baseline_s(pipelines)
+        measured = self.spans.baseline_s([pipeline])
         if measured[0] is not None:
             return measured
-        kept = self.calibrations.get(models).baseline_s
-        return (None, None) if kept is None else kept
+        kept = self.calibrations.get(models).baselines.get(pipeline)
+        return (None, None) if kept is None else kept[:2]
 
     def plans_published(
         self, plans: dict[int, PublishedPlan], changed: list[int], pipelines_of: Callable[[Models], list[int]]
@@ -138,17 +138,16 @@ class PipelineModels:
         for k in changed:
             plan = plans[k]
             state = self.calibrations.get(plan.models)
-            pipelines = pipelines_of(plan.models)
-            measured_time, measured_compute = self.spans.baseline_s(pipelines)
+            measured_time, measured_compute = self.spans.baseline_s([k])
             if measured_time is not None and measured_compute is not None:  # kept for a restarted service
-                state.baseline_s = (measured_time, measured_compute)
-                state.noise = noise_floor(*self.spans.spread(pipelines))
-            time_s, baseline = self.targets(plan.models, pipelines)
+                state.baselines[k] = (measured_time, measured_compute, noise_floor(*self.spans.spread([k])))
+            time_s, baseline = self.targets(plan.models, k)
+            noise = state.baselines[k][2] if k in state.baselines else 0.0
             target = None
             if time_s is not None and baseline is not None:
                 scale = 1.0 if plan.deadline_s is None else plan.deadline_s / plan.baseline_iteration_time_s
                 target = baseline * max(1.0, scale)
-            self.checks[k].plan_started(plan.version, plan.start_iteration, target, state.fallback, state.noise)
+            self.checks[k].plan_started(plan.version, plan.start_iteration, target, state.fallback, noise)
 
     def measured(self, completed: list[tuple[int, Measured]]) -> None:
         """Pipelines' measured iterations (compute time, slowest rank): verdicts for `take_verdicts`."""
@@ -182,7 +181,7 @@ class PipelineModels:
             if m not in self.calibrations.states:
                 continue
             state = self.calibrations.get(m)
-            out.append(_calibration_status(m, state, self.targets(m, pipelines_of(m))[0]))
+            out.append(_calibration_status(m, state, self.targets(m, pipelines_of(m)[0])[0]))
         return tuple(out)
 
 

@@ -46,7 +46,7 @@ def job_status(job: Job) -> JobStatus:
                 measured_iteration_time_s=measurements.measured_time_s(k),
                 straggler=slow[2] if slow is not None else "",
                 straggler_factor=slow[1] if slow is not None else None,
-                baseline_iteration_time_s=job.model.targets(job.models(k), [k])[1],
+                baseline_iteration_time_s=job.model.targets(job.models(k), k)[1],
                 target_iteration_time_s=check.target_s,
                 verification=check.state,
                 verified_iteration_time_s=check.measured_s,

@@ -218,8 +218,9 @@ class ModelState:
     margin: float = 0.0  # verification's margin on slowed instructions (perseus.service.verification)
     fallback: bool = False  # verification gave up: maximum clocks
     history: list[str] = field(default_factory=list)  # the re-plans and fallback, why
-    baseline_s: tuple[float, float] | None = None  # (iteration, compute time) measured, kept for restarts
-    noise: float = 0.0  # the excess the baseline's spread alone may show (perseus.service.verification)
+    # Per pipeline: (iteration, compute time, noise) measured at the baseline, kept for restarts
+    # (noise: the excess the baseline's spread alone may show, see perseus.service.verification).
+    baselines: dict[int, tuple[float, float, float]] = field(default_factory=dict)
 
     def to_record(self) -> dict[str, Any]:
         """What a restarted service needs: the fit the plans were made on and verification's state."""
@@ -239,7 +240,6 @@ class ModelState:
             stages = tuple(StageFit(**s) for s in c.get("stages", ()))
             overheads = {(int(s), str(k)): float(v) for s, k, v in c.get("overheads", ())}
             calibration = Calibration(**{**c, "stages": stages, "overheads": overheads})
-        baseline = doc.get("baseline_s")
         state = str(doc.get("state", COLLECTING))
         return cls(
             state=COLLECTING if state == FITTING else state,  # a fit in flight is made again
@@ -248,8 +248,7 @@ class ModelState:
             margin=float(doc.get("margin", 0.0)),
             fallback=bool(doc.get("fallback", False)),
             history=[str(h) for h in doc.get("history", [])][-8:],
-            baseline_s=None if baseline is None else (float(baseline[0]), float(baseline[1])),
-            noise=float(doc.get("noise", 0.0)),
+            baselines={int(k): (float(t), float(c), float(n)) for k, (t, c, n) in doc.get("baselines", {}).items()},
         )
 
 
