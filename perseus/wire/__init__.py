@@ -6,6 +6,8 @@ of a job's ranks.
   fields       the field checks every message runs (Message, check_*)
   spec         JobSpec and RankInfo, what ranks register
   messages     requests, replies and statuses (REQUESTS: request type -> classes)
+  spans        ReportSpans: a rank's instruction timeline of one iteration (for calibration)
+  calibration  CalibrationStatus, StageFitStatus: how a job's model fits its measured baseline
   profiles     a stage profile's wire form
   envelope     framing: encode/decode of frames, ErrorCode, RequestRejected
   parallelism  Parallelism (a rank's place in a 3D job), rank mappings, tensor-parallel profile merging
