@@ -99,7 +99,7 @@ from service_support import PRESET, ServeProcess, stage_profile
 from perseus.devices.sim_presets import SimPreset, get_preset
 from perseus.wire import limits
 from perseus.wire.envelope import RequestRejected, decode_request
-from perseus.wire.limits import MAX_INSTRUCTIONS, MAX_ITERATION, MAX_RANKS
+from perseus.wire.limits import MAX_INSTRUCTIONS, MAX_ITERATION, MAX_RANKS, SWEEP_VERSION
 from perseus.wire.parallelism import rank_coordinates
 from perseus.wire.profiles import profile_to_wire
 from perseus.wire.spec import JobSpec
@@ -995,7 +995,13 @@ class StatefulFuzz:
         return Req(
             label,
             "get_table",
-            {"job_id": job.job_id, "rank": rank, "iteration": iteration, "plan_version": version},
+            {
+                "job_id": job.job_id,
+                "rank": rank,
+                "iteration": iteration,
+                "plan_version": version,
+                "sweep_version": SWEEP_VERSION,
+            },
             job,
             on_reply=self._table_check(job, rank, label),
         )
@@ -1024,7 +1030,14 @@ class StatefulFuzz:
                 ("no_rank", {"rank": None}),
             ]
         )
-        fields = {"job_id": job.job_id, "rank": 0, "iteration": 0, "plan_version": 0, **change}
+        fields = {
+            "job_id": job.job_id,
+            "rank": 0,
+            "iteration": 0,
+            "plan_version": 0,
+            "sweep_version": SWEEP_VERSION,
+            **change,
+        }
         return Req(
             f"get_table/{name}", "get_table", {k: v for k, v in fields.items() if v is not None}, job, nearly=True
         )
