@@ -30,6 +30,7 @@ from perseus.devices.gpu import GPU
 from perseus.measurement.monitor import Monitor
 from perseus.metrics.board import SnapshotBoard
 from perseus.metrics.service import LATENCY_BUCKETS_S, Histogram, JobFigures, ServiceSnapshot
+from perseus.wire.calibration import CalibrationStatus
 
 __all__ = ["CollectorRegistry", "GPUCollector", "ServiceCollector", "exported_metrics", "start_http_server"]
 
@@ -77,6 +78,13 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "gauge",
         "How much slower than planned the pipeline runs (1: not a straggler)",
     ),
+    # each pipeline model's calibration (a model per set of GPU models; stages: its pipelines' stages)
+    "perseus_model_iteration_seconds": (
+        "gauge",
+        "Baseline iteration time of the pipeline model: measured (median on the job's timeline) and its model",
+    ),
+    "perseus_model_fit_ratio": ("gauge", "Model / measured baseline iteration time - 1 (+: the model is slower)"),
+    "perseus_model_stage_fit_ratio": ("gauge", "Model / measured instruction window of one stage - 1"),
     # each stage of each pipeline
     "perseus_stage_energy_joules": ("counter", "GPU energy its ranks reported, summed over iterations"),
     "perseus_stage_iteration_reports": ("counter", "Iteration reports of its ranks"),
@@ -173,6 +181,11 @@ def _job_families(jobs: Sequence[JobFigures]) -> Iterator[Metric]:
     stage = {
         name: _family(name, ("job", "pipeline", "stage")) for name in FAMILIES if name.startswith("perseus_stage_")
     }
+    model = {
+        "perseus_model_iteration_seconds": _family("perseus_model_iteration_seconds", ("job", "model", "kind")),
+        "perseus_model_fit_ratio": _family("perseus_model_fit_ratio", ("job", "model")),
+        "perseus_model_stage_fit_ratio": _family("perseus_model_stage_fit_ratio", ("job", "model", "stage")),
+    }
     for figures in jobs:
         st = figures.status
         job = st.job_id
@@ -213,6 +226,8 @@ def _job_families(jobs: Sequence[JobFigures]) -> Iterator[Metric]:
                 pipeline["perseus_pipeline_deadline_seconds"].add_metric(labels, p.deadline_s)
             factor = p.straggler_factor if p.straggler_factor is not None else 1.0
             pipeline["perseus_pipeline_straggler_factor"].add_metric(labels, factor)
+        for c in st.calibrations:
+            _add_calibration(model, job, c)
         for (k, s), energy_j in sorted(figures.stage_energy_j.items()):
             labels = [job, str(k), str(s)]
             stage["perseus_stage_energy_joules"].add_metric(labels, energy_j)
@@ -220,6 +235,19 @@ def _job_families(jobs: Sequence[JobFigures]) -> Iterator[Metric]:
     yield from f.values()
     yield from pipeline.values()
     yield from stage.values()
+    yield from model.values()
+
+
+def _add_calibration(families: dict[str, Any], job: str, c: CalibrationStatus) -> None:
+    """One pipeline model's fit: its baseline times and errors, where measured and modelled."""
+    for kind, value in (("measured", c.measured_s), ("model", c.model_s)):
+        if value is not None:
+            families["perseus_model_iteration_seconds"].add_metric([job, c.models, kind], value)
+    if c.error is not None:
+        families["perseus_model_fit_ratio"].add_metric([job, c.models], c.error)
+    for s in c.stages:
+        if s.error is not None:
+            families["perseus_model_stage_fit_ratio"].add_metric([job, c.models, str(s.stage)], s.error)
 
 
 class GPUCollector(Collector):

@@ -20,6 +20,7 @@ from perseus.measurement import Monitor
 from perseus.metrics.board import SnapshotBoard
 from perseus.metrics.collectors import CollectorRegistry, GPUCollector, ServiceCollector
 from perseus.metrics.service import LATENCY_BUCKETS_S, Histogram, JobFigures, ServiceSnapshot
+from perseus.wire.calibration import CalibrationStatus, StageFitStatus
 from perseus.wire.messages import JobStatus, PipelineStatus
 
 README = Path(__file__).parents[2] / "README.md"
@@ -80,6 +81,11 @@ def full_snapshot() -> ServiceSnapshot:
         planned_iteration_time_s=0.25,
         planned_energy_j=52.0,
         pipelines=(pipeline,),
+        calibrations=(
+            CalibrationStatus(
+                "sim-a100", "fitted", 8, measured_s=0.24, model_s=0.246, stages=(StageFitStatus(0, 0.2, 0.19),)
+            ),
+        ),
     )
     latency = Histogram(tuple([0] * len(LATENCY_BUCKETS_S) + [1]), 0.5)
     job = JobFigures(status, 1, {(0, 0): 300.0, (0, 1): 310.0}, {(0, 0): 10, (0, 1): 10})
