@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
+from perseus.atomic import write_bytes_atomic
 from perseus.cli.service_args import add_service_arguments, check_job_id, fetch_status, service_client
+from perseus.exceptions import ConfigError
 from perseus.wire.calibration import CalibrationStatus
 from perseus.wire.limits import DEFAULT_ADDRESS
 from perseus.wire.messages import JobStatus, PipelineStatus
@@ -16,6 +20,7 @@ EPILOG = f"""examples:
   perseus status                       every job: phase, model fit, plans, measured saving
   perseus status --job job-1a2b3c4d5e6f7a8b
   perseus status --json                the same as JSON (the service's JobStatus fields)
+  perseus status --png plots/          also write plots/<job>-frontier.png per job (needs perseus-energy[plot])
 
 Address: --address (default {DEFAULT_ADDRESS}); a service run with --curve-keys needs --curve-keys.
 """
@@ -34,12 +39,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--job", default=None, metavar="ID", help="one job (job-<hex>); default: every job")
     parser.add_argument("--json", action="store_true", help='print JSON: {"jobs": [JobStatus fields, ...]}')
+    parser.add_argument(
+        "--png",
+        default=None,
+        metavar="DIR",
+        help="also write DIR/<job>-frontier.png per job: energy against iteration time of the baseline and the "
+        "plan, measured and predicted (needs matplotlib: pip install 'perseus-energy[plot]')",
+    )
     add_service_arguments(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     check_job_id(args.job)
+    if args.png is not None:
+        from perseus.planner.plot import pyplot  # lazy: matplotlib is an optional extra
+
+        pyplot()  # matplotlib missing: say so before asking the service
     with service_client(args) as client:
         status = fetch_status(client, args, args.job)
     if args.json:
@@ -48,7 +64,52 @@ def run(args: argparse.Namespace) -> int:
         print(f"no jobs on the service at {args.address}")
     else:
         print("\n\n".join(format_job(job) for job in status.jobs))
+    if args.png is not None:
+        for job in status.jobs:
+            path = write_frontier_png(job, args.png)
+            print(
+                f"wrote {path}" if path else f"{job.job_id}: nothing measured or predicted yet, no PNG", file=sys.stderr
+            )
     return 0
+
+
+def frontier_points(job: JobStatus) -> tuple[dict[str, list[tuple[float, float]]], dict[str, tuple[float, float]]]:
+    """(measured, predicted) (iteration time, energy) points of the baseline and the plan. The
+    predicted baseline's time is the calibrated model's at max clocks (its slowest pipeline model)."""
+    measured = {
+        name: [(t, e)]
+        for name, t, e in (
+            ("baseline", job.baseline_iteration_time_s, job.baseline_energy_j),
+            ("planned", job.planned_iteration_time_s, job.planned_energy_j),
+        )
+        if t is not None and e is not None
+    }
+    model_times = [c.model_s for c in job.calibrations if c.model_s is not None]
+    predicted = {
+        name: (t, e)
+        for name, t, e in (
+            ("baseline", max(model_times, default=None), job.predicted_baseline_energy_j),
+            ("plan", job.predicted_iteration_time_s, job.predicted_energy_j),
+        )
+        if t is not None and e is not None
+    }
+    return measured, predicted
+
+
+def write_frontier_png(job: JobStatus, out_dir: str) -> str | None:
+    """Write `<out_dir>/<job>-frontier.png` (atomically); its path, or None when the job has no point yet."""
+    from perseus.planner.plot import plot_measured  # lazy, as in run
+
+    measured, predicted = frontier_points(job)
+    if not measured and not predicted:
+        return None
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"{job.job_id}-frontier.png")
+        write_bytes_atomic(path, plot_measured(measured, predicted), fsync=False)
+    except OSError as e:
+        raise ConfigError(f"--png {out_dir}: cannot write there ({e.strerror}); give a writable directory") from None
+    return path
 
 
 def format_job(job: JobStatus) -> str:

@@ -4,10 +4,12 @@ tests/server/test_server_calibration.py.)"""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from perseus.cli.main import main
-from perseus.cli.status import format_job
+from perseus.cli.status import format_job, frontier_points
 from perseus.wire.calibration import CalibrationStatus, StageFitStatus
 from perseus.wire.messages import JobStatus, PipelineStatus
 
@@ -91,3 +93,17 @@ def test_an_absent_service_is_one_clear_error(capsys):
 def test_the_timeout_is_checked(capsys, timeout):
     assert main(["status", "--timeout", timeout]) == 1
     assert "--timeout is in seconds" in capsys.readouterr().err
+
+
+def test_the_png_points_are_the_status_figures():
+    measured, predicted = frontier_points(job_status())
+    assert measured == {"baseline": [(0.2810, 101.0)], "planned": [(0.2820, 93.0)]}
+    # The predicted baseline: the calibrated model's time at max clocks, the evaluator's energy there.
+    assert predicted == {"baseline": (0.2800, 100.0), "plan": (0.2800, 90.0)}
+
+
+def test_png_without_matplotlib_is_one_clear_error_before_any_connection(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the plot extra were not installed
+    assert main(["status", "--png", str(tmp_path), "--address", "tcp://127.0.0.1:9", "--timeout", "0.3"]) == 1
+    err = capsys.readouterr().err
+    assert "plotting needs matplotlib: pip install 'perseus-energy[plot]'" in err and "did not answer" not in err
