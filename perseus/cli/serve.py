@@ -31,7 +31,7 @@ EPILOG = f"""examples:
                                                       closed at their next message (without SIGHUP, from
                                                       about a second after the deletion)
 
-Start it beside torchrun; ranks reach it through perseus.instrument(..., address=...).
+Start it beside torchrun; ranks reach it through perseus.instrument(..., client="tcp://HOST:PORT") or $PERSEUS_PLANNER.
 """
 
 

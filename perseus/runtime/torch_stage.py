@@ -93,7 +93,8 @@ def instrument(
     **options: Any,
 ) -> Any:
     """Instrument a `PipelineStage` (or this rank's list of stages, for multi-chunk schedules)
-    and return it; `stage.perseus` is the `PerseusRank` (call `close()` when training ends).
+    and return it; `stage.perseus` is the `PerseusRank` (call `close()` when training ends; for a
+    list of stages, every stage's `.perseus` is that one rank, e.g. `stages[0].perseus`).
 
     schedule: the torch schedule object built on these stages (its exact order is used), a
         `perseus.schedules.Schedule`, or a schedule name (`perseus.schedules.SCHEDULES`) with
@@ -120,7 +121,8 @@ def instrument(
         --curve-keys; default from $PERSEUS_CURVE_KEYS, else plaintext. Pass it to your own
         `PlannerClient` instead when you give one.
     options: passed to `PerseusRank`, among them:
-        tag, profiling: the job's tag and the online sweep's `ProfilingSettings`;
+        tag: names the job beside its schedule and profile (a new tag starts a new job);
+        profiling: the online sweep's settings, a `perseus.runtime.ProfilingSettings`;
         emulate: on simulated GPUs, the GPU work each instruction stands for, e.g.
             {"forward": Work(0.006), "backward": Work(0.012)} (perseus.runtime.emulation);
         tolerance: how much slower than the measured baseline a planned iteration may run before
