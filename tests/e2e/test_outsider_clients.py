@@ -5,14 +5,15 @@ run through benchmarks/closed_loop.py's `run_job`, so the test checks what the b
 For each of torch's six pipeline schedules: the service calibrates its model on the job's own
 baseline timeline (it reproduces the measured baseline iteration within 1%), plans, verifies the
 plan on the measured iterations without falling back, and the planned iterations save energy
-against the baseline measured on the same run (at least half of what the plan predicts). Their
-time is a wall-clock figure on a machine running four ranks on whatever cores it has: the 2%
-target is benchmarks/closed_loop.py's (it prints each schedule's figure and MISSED/ok); the test
-only refuses a gross slowdown (over 10%, as the planned-vs-baseline slowdowns of 6-46% that
-issue 11 reported). A plan made wrong on purpose (a GPU throttled after planning) is warned about
+against the baseline measured on the same run (at least half of what the plan predicts), with
+planned iterations at most 2% slower than that baseline (benchmarks/closed_loop.py's target).
+A plan made wrong on purpose (a GPU throttled after planning) is warned about
 and corrected; a script that emulates no GPU work gets no plan and a clear warning. The simulated
 GPUs are ideal (closed_loop's default; `--sim-mode realistic` in the benchmark).
-Slow by nature: one torchrun job per case (CI runs them).
+Slow by nature: one torchrun job per case. The schedule and throttled-plan cases compare wall-clock
+iteration times, which four ranks sharing a loaded 2-core machine stretch by 3-25%: they are
+marked `closed_loop` and run on a quiet machine with `pytest -m closed_loop` (the default run,
+CI's, deselects them; the no-work case runs there).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ pytest.importorskip("torch")
 closed_loop = load_benchmark("closed_loop")
 
 MIN_PLANNED = 20
-GROSS_SLOWDOWN = 0.10
 
 
 @pytest.mark.slow
+@pytest.mark.closed_loop
 @pytest.mark.parametrize("schedule", closed_loop.SCHEDULES)
 def test_planned_iterations_keep_the_measured_baseline(tmp_path, schedule):
     run = closed_loop.run_job(tmp_path, schedule, "--planned", "30")  # verification decides after 23
@@ -41,7 +42,7 @@ def test_planned_iterations_keep_the_measured_baseline(tmp_path, schedule):
     base_time, base_energy, _ = run.baseline()
     time_s, energy_j, count = run.planned()
     assert count >= MIN_PLANNED, f"{count} planned iterations on the final plan"
-    assert time_s <= base_time * (1 + GROSS_SLOWDOWN), (
+    assert time_s <= base_time * (1 + closed_loop.MAX_SLOWDOWN), (
         f"{schedule}: planned {time_s:.4f} s against the baseline {base_time:.4f} s "
         f"({100 * (time_s / base_time - 1):+.1f}%)\n" + run.log[-3000:]
     )
@@ -56,6 +57,7 @@ def test_planned_iterations_keep_the_measured_baseline(tmp_path, schedule):
 
 
 @pytest.mark.slow
+@pytest.mark.closed_loop
 def test_a_plan_made_wrong_is_warned_about_and_corrected(tmp_path):
     """Rank 0's GPU throttled by 20% once the plan is checked (still lighter than the later
     stages at maximum clocks): the slack the plan slowed its instructions into is used up, so the
