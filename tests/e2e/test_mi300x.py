@@ -127,7 +127,7 @@ def test_demo_on_mi300x(env):
     """`PERSEUS_GPU=sim:mi300x:2 perseus demo` (2 stages, scaled down): profiles, plans below 2100 MHz
     on the MI300X's clocks, saves energy, and leaves every GPU at its defaults."""
     env = dict(env, PERSEUS_GPU="sim:mi300x:2")
-    args = ["--json", "--ranks", "2", "--microbatches", "4", "--iterations", "3", "--sweep-step", "8"]
+    args = ["--json", "--ranks", "2", "--microbatches", "4", "--iterations", "6", "--sweep-step", "8"]
     result = perseus(env, "demo", *args, "--time-scale", "0.05", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     demo = json.loads(result.stdout)
