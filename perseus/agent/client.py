@@ -194,7 +194,14 @@ class AgentClient:
     def _round_trip(self, request: Message, reply: type[M]) -> M:
         assert self._sock is not None
         request_id = next(self._ids)
-        self._sock.sendall(encode_request(request_id, request))
+        try:
+            self._sock.sendall(encode_request(request_id, request))
+        except (BrokenPipeError, ConnectionResetError):
+            # The agent may refuse a connection (too many) before reading it: its reason is waiting.
+            payload = recv_frame(self._sock, self._buffer)
+            if payload is None:
+                raise
+            return decode_reply(payload, request_id, reply, self.where)
         payload = recv_frame(self._sock, self._buffer)
         if payload is None:
             raise ConnectionResetError("the agent closed the connection")

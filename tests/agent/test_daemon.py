@@ -48,7 +48,10 @@ def raw_connect(path: str) -> socket.socket:
 
 
 def call(sock: socket.socket, request_id: int, message, reply_type, buffer: bytearray | None = None):
-    sock.sendall(encode_request(request_id, message))
+    try:
+        sock.sendall(encode_request(request_id, message))
+    except BrokenPipeError:
+        pass  # refused before the agent read it (too many connections): its reason is waiting
     payload = recv_frame(sock, bytearray() if buffer is None else buffer)
     assert payload is not None
     return decode_reply(payload, request_id, reply_type, "agent")
