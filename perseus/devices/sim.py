@@ -18,8 +18,8 @@ A simulated GPU behaves like a real one where Perseus can tell:
 - `synchronize` is a device sync: it waits until all work queued on the GPU has finished,
   whichever SimGPU object (or, on the real clock, process) issued it.
 - The locked SM clock, the power limit and a throttle factor (`slowdown`, a straggler whose
-  work takes that many times longer) persist in a small JSON file per GPU in a runtime
-  folder ($PERSEUS_SIM_DIR, default /tmp/perseus-sim-<uid>), shared by every process: a
+  work takes that many times longer) persist in a small record per GPU (perseus.devices.sim_record)
+  in a runtime folder ($PERSEUS_SIM_DIR, default /tmp/perseus-sim-<uid>), shared by every process: a
   lock left by a killed process stays visible until `perseus reset` clears it. The file
   exists only while the GPU is away from its defaults; a clock change in flight is a second
   file beside it (perseus.devices.sim_switch).
@@ -42,17 +42,15 @@ from __future__ import annotations
 
 import bisect
 import fcntl
-import json
 import math
 import os
 import threading
-import time
 import uuid as uuid_lib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from perseus.atomic import write_json_atomic
 from perseus.clock import REAL_CLOCK, Clock, RealClock
+from perseus.devices import sim_record
 from perseus.devices.gpu import GPU
 from perseus.devices.sim_activity import ActivityLog
 from perseus.devices.sim_presets import SimPreset, get_preset
@@ -384,8 +382,7 @@ class SimGPU(GPU):
 
     def _read_state(self) -> _State:
         try:
-            with open(self._path, encoding="utf-8") as f:
-                raw = json.load(f)
+            raw = sim_record.read(self._path)
             return _State(
                 sm_clock_mhz=raw.get("sm_clock_mhz"),
                 power_limit_mw=raw.get("power_limit_mw"),
@@ -461,12 +458,7 @@ class SimGPU(GPU):
 
     def _write_state(self, state: _State) -> None:
         doc = {"sm_clock_mhz": state.sm_clock_mhz, "power_limit_mw": state.power_limit_mw, "slowdown": state.slowdown}
-        write_json_atomic(self._path, doc, indent=None, fsync=False)  # runtime state, like hardware's: lost on reboot
-        # A fine-grained mtime makes the (mtime, inode, size) cache key change on every write,
-        # even when the file system's own timestamps are coarser than back-to-back writes (and
-        # an inode is reused); a reader that stats between the rename and this re-reads after it.
-        stamp = time.time_ns()
-        os.utime(self._path, ns=(stamp, stamp))
+        sim_record.write(self._path, doc)
 
 
 def _owner(path: str) -> int | str:

@@ -1,7 +1,7 @@
 """A simulated GPU's clock change in flight: asked for, not yet in force.
 
 A real GPU runs at its old clock for a while after a clock change call returns (see
-perseus.devices.sim_realism). The change in flight lives in a small JSON file beside the GPU's
+perseus.devices.sim_realism). The change in flight lives in a small record (perseus.devices.sim_record) beside the GPU's
 state file, so every process sees the same clock at the same instant; the state file keeps
 meaning "away from defaults" (a reset removes it at once even while the switch back is in flight).
 Times are on the clock of the SimGPU that asked: the system-wide monotonic clock, or a virtual
@@ -11,13 +11,11 @@ clock, which only that process's objects on that clock share; others ignore the 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import time
 from dataclasses import dataclass
 
-from perseus.atomic import write_json_atomic
 from perseus.clock import Clock, RealClock
+from perseus.devices import sim_record
 
 
 def clock_token(clock: Clock) -> str:
@@ -60,8 +58,7 @@ class SwitchFile:
         # A record that cannot be read is treated as no switch: the new clock is in force, and the
         # next change overwrites it.
         try:
-            with open(self.path, encoding="utf-8") as f:
-                raw = json.load(f)
+            raw = sim_record.read(self.path)
             switch = ClockSwitch(raw["from_mhz"], raw["to_mhz"], float(raw["at"]), str(raw["clock"]))
         except (OSError, ValueError, TypeError, KeyError):
             return None
@@ -69,9 +66,7 @@ class SwitchFile:
 
     def write(self, switch: ClockSwitch) -> None:
         doc = {"from_mhz": switch.from_mhz, "to_mhz": switch.to_mhz, "at": switch.at, "clock": switch.clock}
-        write_json_atomic(self.path, doc, indent=None, fsync=False)  # runtime state, lost on reboot like hardware's
-        stamp = time.time_ns()  # a fine-grained mtime: the stat cache key changes on every write
-        os.utime(self.path, ns=(stamp, stamp))
+        sim_record.write(self.path, doc)
         self._key = None
 
     def clear(self) -> None:
