@@ -1,6 +1,7 @@
 """`perseus status`: what a running planner service knows of every job (or one): phase, plans,
 how its model fits the measured timeline, predicted against measured time and energy, the
-measured saving, each plan's verification (re-plans, fallbacks and why) and stragglers."""
+measured saving (none claimed where every plan fell back to maximum clocks), each plan's
+verification (re-plans, fallbacks and why) and stragglers."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     with service_client(args) as client:
         status = fetch_status(client, args, args.job)
     if args.json:
-        print(json.dumps({"jobs": [job.to_wire() for job in status.jobs]}, indent=2))
+        print(json.dumps({"jobs": [job_json(job) for job in status.jobs]}, indent=2))
     elif not status.jobs:
         print(f"no jobs on the service at {args.address}")
     else:
@@ -71,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
                 f"wrote {path}" if path else f"{job.job_id}: nothing measured or predicted yet, no PNG", file=sys.stderr
             )
     return 0
+
+
+def job_json(job: JobStatus) -> dict:
+    """A job as --json prints it: the service's JobStatus fields, and the savings the text shows
+    (measured_saving null where none is claimed: `saving_withheld` says why)."""
+    return {**job.to_wire(), "measured_saving": job.measured_saving, "predicted_saving": job.predicted_saving}
 
 
 def frontier_points(job: JobStatus) -> tuple[dict[str, list[tuple[float, float]]], dict[str, tuple[float, float]]]:
@@ -123,6 +130,8 @@ def format_job(job: JobStatus) -> str:
         lines.append(f"  error: {job.error}")
     if job.warning:
         lines.append(f"  warning: {job.warning}")
+    if job.profile_dropped:
+        lines.append(f"  profiled again: {job.profile_dropped}")
     for calibration in job.calibrations:
         lines += _calibration(calibration)
     if job.pipelines:
@@ -179,6 +188,8 @@ def _iterations(job: JobStatus) -> str:
         f"planned {_num(job.planned_iteration_time_s)} s, {_num(job.planned_energy_j, digits=1)} J "
         f"({job.planned_iterations} iterations)"
     )
+    if job.saving_withheld:
+        return f"{baseline}; {planned}; no saving claimed: {job.saving_withheld}"
     saving = f"saving {_percent(job.measured_saving, signed=False)} measured"
     if job.predicted_saving is not None:
         saving += f" (predicted {_percent(job.predicted_saving, signed=False)})"

@@ -291,9 +291,15 @@ def fit(schedule: Schedule, profile: Profile, timelines: Sequence[Timeline]) -> 
     planner_end = m.makespan(m.max_time + overhead[m.row])
     planner_begin = planner_end - span  # a row's overhead comes before its span
     gpu_window = float(m.makespan(m.max_time).max())
+    # Each iteration's spans against the profile's times at the top clock, per stage: the median
+    # over its instructions (and over iterations), and its spread over iterations.
+    ratios = (data.ends - data.begins) / m.max_time
     stages = []
     for s in range(schedule.num_stages):
         first, last = m.firsts[s], m.lasts[s]
+        per_iteration = np.median(ratios[:, m.rank == s], axis=1)
+        ratio = float(np.median(per_iteration))
+        spread = 1.4826 * float(np.median(np.abs(per_iteration - ratio))) / ratio if ratio > 0 else 0.0
         stages.append(
             StageFit(
                 stage=s,
@@ -301,6 +307,8 @@ def fit(schedule: Schedule, profile: Profile, timelines: Sequence[Timeline]) -> 
                 model_s=float(planner_end[last] - planner_begin[first]),
                 busy_s=float((e - b)[m.rank == s].sum()),
                 host_gap_s=float(np.median(gap[[k for k, (r, _) in enumerate(m.kind_keys) if r == s]])),
+                span_ratio=ratio,
+                span_spread=spread,
             )
         )
     model_window = float(planner_end.max() - planner_begin[m.firsts[0]])

@@ -59,7 +59,14 @@ class Handlers:
         if job is not None:
             self.admission.touch(job.job_id)
             job.rerun()
-            log.info("job %s registered again (phase %s)", job.job_id, job.phase.value)
+            if job.model.calibrates:
+                self.workers.forget(job.job_id)  # its planners hold the earlier run's calibration
+            log.info(
+                "job %s registered again: a new run (phase %s%s)",
+                job.job_id,
+                job.phase.value,
+                "; its baseline is measured again before any plan applies" if job.model.calibrates else "",
+            )
         else:
             cost = self.admission.admit(spec)
             cached = self.keeper.state.load_cached_profile(spec.profile_key(), spec.signature())

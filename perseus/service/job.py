@@ -48,6 +48,9 @@ class Job:
         self.measurements = Measurements(spec)
         self.model = PipelineModels(spec)  # calibration on measured timelines, verification of plans
         self.error = ""
+        self.error_retryable = False  # the error came from what a run measured: a new run tries again
+        self.run = 0  # runs of the job's ranks this service saw start (see `rerun`)
+        self.profile_dropped = ""  # why its profile was last dropped and measured again ("": never)
         self.warning = ""  # the job runs, but something is degraded (its state could not be saved)
         self.last_iteration = -1  # the latest iteration any rank reached
         self._phase: JobPhase | None = None  # cached: tables are asked for many times a second
@@ -84,8 +87,12 @@ class Job:
         self.schedule = schedule
         self._changed()
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, *, retryable: bool = False) -> None:
+        """The job gets no plan, and its ranks run at maximum clocks; `retryable`: the failure came
+        from what its ranks measured (calibration, planning on the profile), so that a new run of
+        them tries again (see `rerun`). A failure of the spec itself (its schedule) is final."""
         self.error = clip(message)
+        self.error_retryable = retryable
         self._changed()
 
     def degrade(self, message: str) -> None:
@@ -111,11 +118,29 @@ class Job:
         self.last_iteration = max(self.last_iteration, iteration)
 
     def rerun(self) -> None:
-        """The job registered again (a restart starts from iteration 0): apply the plans at once."""
-        self.plan_book.restart()
+        """The job registered again: a new run of its ranks, from iteration 0.
+
+        A job calibrated on its ranks' timelines measures the new run's baseline before any plan
+        applies: its plans, calibrations and verification were made on an earlier run, whose
+        workload the same spec may no longer describe (a heavier model, a fixed script), so the
+        model is fitted again on this run's baseline, its profile checked against it (see
+        `set_calibration`), and every plan held to it. A job that failed on what a run measured
+        gets a fresh chance. A job whose ranks send no spans has nothing to measure its baseline
+        with: it applies its plans at once."""
+        self.run += 1
         self.last_iteration = -1
+        if self.error and self.error_retryable:
+            self.error, self.error_retryable = "", False
+        self.plan_book.drop_failures()
+        if self.model.calibrates:
+            self.plan_book.withdraw()
+            self.profiling.inherit()
+            self.model.new_run()
+        else:
+            self.plan_book.restart()
+            self.model.restart()
         self.measurements.restart(self.plans)
-        self.model.restart()
+        self._changed()
 
     # ---- what a rank runs --------------------------------------------------------------------------
 
@@ -192,6 +217,7 @@ class Job:
     def add_cached(self, model: str, profile: Profile) -> None:
         """A whole-pipeline profile of `model` from the signature cache: no profiling on it."""
         self.profiling.cached[model] = profile
+        self.profiling.inherited.add(model)
         self._changed()
 
     def model_profile(self, model: str) -> Profile | None:
@@ -237,12 +263,31 @@ class Job:
                 tasks.append((models, profile, timelines))
         return tasks
 
-    def set_calibration(self, models: Models, result: object) -> None:
-        """A fit from the worker (or what it raised); no plan at all if the model cannot be planned on."""
-        self.model.calibrations.fitted(self.job_id, models, result)  # type: ignore[arg-type]
+    def set_calibration(self, models: Models, result: object) -> set[str]:
+        """A fit from the worker (or what it raised); no plan at all if the model cannot be planned
+        on. A fit on profiles this run did not measure first checks them against its spans: the
+        GPU models whose profiles no longer fit the workload are dropped, with their plans, and
+        profiled again; returned (empty when none was)."""
+        inherited = self.profiling.inherited & set(models)
+        mismatch = self.model.take_fit(models, result, bool(inherited))  # type: ignore[arg-type]
+        if mismatch:
+            self.drop_profiles(inherited, mismatch)
+            return inherited
+        if not isinstance(result, BaseException):
+            self.profiling.inherited -= set(models)  # they fit this run's workload
         state = self.model.calibrations.get(models)
         if state.state == "failed" and not self.error:
-            self.fail(f"no plan: {state.reason}")
+            self.fail(f"no plan: {state.reason}", retryable=True)
+        self._changed()
+        return set()
+
+    def drop_profiles(self, gpu_models: set[str], why: str) -> None:
+        """Forget the profiles of these GPU models and every plan made on them: profiled again."""
+        self.profile_dropped = clip(f"{', '.join(sorted(gpu_models))}: {why}")
+        frequencies = self.ranks[min(self.ranks)].frequencies if self.ranks else None
+        self.profiling.forget_models(gpu_models, frequencies)
+        self.plan_book.forget_models(gpu_models)
+        self.model.profiles_dropped(gpu_models)
         self._changed()
 
     def correct(self, pipeline: int, verdict: Verdict) -> list[PlanKey]:
@@ -290,7 +335,7 @@ class Job:
         self.plan_book.add_result(key, result)
         self._changed()
         if isinstance(result, str) and key[1] is None:
-            self.fail(result)
+            self.fail(result, retryable=True)
 
     def publish(self) -> list[int]:
         """Publish, with one new version and one start iteration, the wanted plan of every pipeline

@@ -20,14 +20,18 @@ from perseus.service.plans import PublishedPlan
 from perseus.service.ranks import Models
 from perseus.service.tally import Measured
 from perseus.service.timelines import (
+    COLLECTING,
     FAILED,
     FITTED,
+    FITTING,
     UNCALIBRATED,
+    Calibration,
     Calibrations,
     ModelState,
     SpanBook,
     Timeline,
     model_names,
+    profile_mismatch,
 )
 from perseus.service.verification import FALLBACK, REPLANNING, PlanCheck, Verdict, grown_margin, noise_floor
 from perseus.wire.calibration import CalibrationStatus, StageFitStatus
@@ -67,6 +71,15 @@ class PipelineModels:
         """The ranks run again from iteration 0."""
         self.spans.restart()
         self.baseline_iterations.clear()
+
+    def new_run(self) -> None:
+        """A new run of the job's ranks (see Job.rerun): its baseline is measured anew, every model
+        fitted again on it and every plan checked against it, never an earlier run's."""
+        self.restart()
+        self.spans.new_run()
+        self.calibrations.new_run()
+        self.checks = [PlanCheck(self.spec.tolerance) for _ in range(self.spec.dp)]
+        self.verdicts = []
 
     def wants_spans(self, models: Models) -> bool:
         return self.calibrates and self.calibrations.wants_spans(models)
@@ -109,6 +122,32 @@ class PipelineModels:
     def added(self, pipelines: list[int]) -> int:
         """Baseline timelines these pipelines ever completed."""
         return sum(self.spans.added[k] for k in pipelines)
+
+    def take_fit(self, models: Models, result: Calibration | BaseException, inherited: bool) -> str:
+        """Take a fit from the worker (or what it raised). A fit on a profile an earlier run (or
+        the signature cache) measured, `inherited`, is first checked against this run's spans:
+        if the profile no longer fits the workload, the models collect again (to be fitted once
+        profiled anew) and the reason is returned; "" otherwise."""
+        state = self.calibrations.get(models)
+        if isinstance(result, Calibration):
+            mismatch = profile_mismatch(result, state.reference) if inherited else ""
+            if mismatch:
+                reason = f"{mismatch}; its profile and plans are dropped and the job is profiled again"
+                log.warning("job %s: %s: %s", self.job_id, model_names(models), reason)
+                self.calibrations.states[models] = ModelState(
+                    COLLECTING, reason=reason, history=(state.history + [reason])[-8:]
+                )
+                return mismatch
+            state.reference = tuple((fit.span_ratio, fit.span_spread) for fit in result.stages)
+        self.calibrations.fitted(self.job_id, models, result)
+        return ""
+
+    def profiles_dropped(self, gpu_models: set[str]) -> None:
+        """The profiles of these GPU models were dropped: every model set on them is fitted again
+        once they are profiled anew, with no verification margin or fallback of the old profile."""
+        for models, state in list(self.calibrations.states.items()):
+            if gpu_models & set(models) and state.state in (FITTED, FITTING, FAILED):
+                self.calibrations.states[models] = ModelState(COLLECTING, reason=state.reason, history=state.history)
 
     def planning_profile(self, models: Models, measured: Profile | None) -> Profile | None:
         """The profile plans for `models` are solved on; None until they may be."""

@@ -36,6 +36,9 @@ def to_record(job: Job) -> dict[str, Any]:
         "cached_models": sorted(m for m in profiling.cached if m != job.spec.gpu_model),
         "uploads": [[m, s, t, name] for (m, s, t), name in sorted(profiling.upload_names.items())],
         "error": job.error,
+        "error_retryable": job.error_retryable,
+        "inherited": sorted(profiling.inherited),
+        "profile_dropped": job.profile_dropped,
         "last_version": job.plan_book.last_version,
         "plans": {str(k): asdict(p) for k, p in sorted(job.plans.items())},
         "declared": {str(k): f for k, f in sorted(job.measurements.declared.items())},
@@ -94,5 +97,9 @@ def restore(job: Job, doc: dict[str, Any], stage_profiles: dict[str, Profile], c
     for models, state in doc.get("models", []):  # the calibrations plans were made on, and their checks
         job.model.calibrations.states[tuple(models)] = ModelState.from_record(state)
     job.error = clip(str(doc["error"])) if doc.get("error") else ""
+    job.error_retryable = bool(doc.get("error_retryable", False))
+    job.profile_dropped = clip(str(doc.get("profile_dropped", "")))
+    if "inherited" in doc:  # else (an earlier release) every cached profile is checked, as add_cached left it
+        profiling.inherited = {str(m) for m in doc["inherited"]}
     job.measurements.restart(job.plans)
     job.model.plans_published(job.plans, sorted(job.plans), job.pipelines_of)

@@ -173,6 +173,21 @@ class PlanBook:
         """The job runs again from iteration 0: every plan applies at once."""
         self.plans = {k: replace(plan, start_iteration=0) for k, plan in self.plans.items()}
 
+    def withdraw(self) -> None:
+        """Forget every plan, published or solved (a new run of the job plans on its own
+        baseline); versions go on counting, so no rank mistakes a new plan for one it holds."""
+        self.plans = {}
+        self.results = {}
+
+    def drop_failures(self) -> None:
+        """Forget why plans could not be solved: a new run of the job tries again."""
+        self.results = {k: r for k, r in self.results.items() if not isinstance(r, str)}
+
+    def forget_models(self, gpu_models: set[str]) -> None:
+        """Forget the plans, published or solved, of every pipeline on one of these GPU models."""
+        self.plans = {k: p for k, p in self.plans.items() if not gpu_models & set(p.models)}
+        self.results = {k: r for k, r in self.results.items() if not gpu_models & set(k[0])}
+
     def restore(self, pipeline: int, plan: PublishedPlan) -> None:
         """A plan published before a restart of the service (see perseus.service.persistence)."""
         self.plans[pipeline] = plan

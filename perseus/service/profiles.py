@@ -32,6 +32,9 @@ class Profiling:
         # The frequencies ranks sweep: () when cached, None until the spec or the first rank names them.
         self.sweep: tuple[int, ...] | None = () if cached_profile is not None else spec.sweep_frequencies
         self._steps: tuple[tuple[int, ...], ...] = ()  # design_steps of `sweep`, made once
+        # GPU models whose profile this run of the job's ranks did not measure (the signature
+        # cache's, or an earlier run's): checked against the run's spans before it is planned on.
+        self.inherited: set[str] = set(self.cached)
 
     def steps(self) -> tuple[tuple[int, ...], ...]:
         """The sweep's steps as `Table.sweep_steps` carries them (perseus.service.sweep); () before the
@@ -111,6 +114,25 @@ class Profiling:
         del self.upload_names[(model, stage, tp_index)]
         self.uploads.get((model, stage), {}).pop(tp_index, None)
         self.merged.get(model, {}).pop(stage, None)
+
+    def inherit(self) -> None:
+        """A new run of the job: every profile so far was measured by an earlier one."""
+        self.inherited = set(self.cached) | set(self.merged)
+
+    def forget_models(self, models: set[str], frequencies: tuple[int, ...] | None) -> None:
+        """Forget every profile of these GPU models (cached or uploaded): they are profiled again,
+        sweeping the spec's frequencies, or `frequencies` (a rank's) if it names none."""
+        for model in models:
+            self.cached.pop(model, None)
+            self.merged.pop(model, None)
+            self.inherited.discard(model)
+            for key in [k for k in self.uploads if k[0] == model]:
+                del self.uploads[key]
+            for name in [k for k in self.upload_names if k[0] == model]:
+                del self.upload_names[name]
+        if not self.sweep:
+            self.sweep = self.spec.sweep_frequencies or frequencies
+            self._steps = ()
 
     def model_profile(self, model: str) -> Profile | None:
         """Every stage's profile on `model` merged (what the signature cache keeps), if complete."""

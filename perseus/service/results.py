@@ -14,6 +14,7 @@ from perseus.service.job import Job
 from perseus.service.keeper import Keeper
 from perseus.service.planning import plan_choices
 from perseus.service.plans import PlanKey, document_name
+from perseus.service.ranks import Models
 from perseus.service.text import clip
 from perseus.service.verification import HOLDS
 from perseus.service.workers import Solved, Workers
@@ -49,13 +50,23 @@ class Results:
 
     def take_calibrations(self) -> None:
         """Take the models calibrated since the last call (and plan their jobs)."""
-        for job_id, models, result, seconds in self.workers.calibrated():
+        for job_id, models, result, seconds, run in self.workers.calibrated():
             job = self.jobs.get(job_id)
-            if job is None:
-                continue  # evicted meanwhile
+            if job is None or job.run != run:
+                continue  # evicted meanwhile, or fitted on an earlier run of the job
             log.debug("job %s: calibration fitted in %.2f s", job_id, seconds)
-            self.keeper.guard(job, "taking its calibration", job.set_calibration, models, result)
+            self.keeper.guard(job, "taking its calibration", self._take_calibration, job, models, result)
             self.plan(job)
+
+    def _take_calibration(self, job: Job, models: Models, result: object) -> None:
+        dropped = job.set_calibration(models, result)
+        if dropped:
+            # The profiles no longer fit the workload: neither the planners holding them nor the
+            # signature cache (a later job of the signature would plan on them) keep them.
+            self.workers.forget(job.job_id)
+            for model in sorted(dropped):
+                self._cache_saved.discard((job.job_id, model))
+                self.keeper.state.remove_cached_profile(job.spec.profile_key(model))
 
     def verify(self, job: Job) -> None:
         """Act on what checking the job's plans against measured time found."""
@@ -83,10 +94,13 @@ class Results:
 
     def take_plans(self) -> None:
         """Take the plans solved since the last call (and publish them)."""
-        for job_id, done in self.workers.solved():
+        for job_id, done, run in self.workers.solved():
             job = self.jobs.get(job_id)
             if job is None:
                 continue  # evicted meanwhile
+            if job.run != run:
+                self.plan(job)  # solved for an earlier run of the job: solve this run's instead
+                continue
             self.keeper.guard(job, "taking its solved plans", self._take_plans, job, done)
             self.plan(job)
 
@@ -117,7 +131,7 @@ class Results:
                 _describe_key((models, None)).split(",")[0],
                 len(timelines),
             )
-            self.workers.calibrate(job.job_id, models, job.schedule, profile, timelines)
+            self.workers.calibrate(job.job_id, models, job.schedule, profile, timelines, job.run)
         if job.job_id in self.workers.planning:
             return
         tasks = []
@@ -140,7 +154,7 @@ class Results:
                 tasks.append((key, profile))
         if tasks:
             log.info("job %s: planning %s", job.job_id, ", ".join(_describe_key(key) for key, _ in tasks))
-            self.workers.solve(job.job_id, job.schedule, tasks)
+            self.workers.solve(job.job_id, job.schedule, tasks, job.run)
 
     def _publish(self, job: Job) -> None:
         changed = job.publish()

@@ -132,6 +132,10 @@ class StateDir:
         meta = {**profile.meta, SIGNATURE_META: json.dumps(signature, sort_keys=True)}
         save_profile(Profile(profile.points, profile.blocking_power_w, meta), self.root / "profiles" / f"{key}.json")
 
+    def remove_cached_profile(self, key: str) -> None:
+        """Delete a cached profile (it no longer fits its signature's workload); OSError if it cannot."""
+        (self.root / "profiles" / f"{key}.json").unlink(missing_ok=True)
+
     def load_cached_profile(self, key: str, signature: dict[str, Any]) -> Profile | None:
         """The cached profile of `signature`, or None (absent, unreadable, or another signature)."""
         path = self.root / "profiles" / f"{key}.json"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from perseus.service.tally import Measured
+from perseus.service.verification import FALLBACK
 from perseus.wire.messages import JobStatus, PipelineStatus
 
 if TYPE_CHECKING:  # annotations only: job.py imports this module
@@ -77,4 +78,30 @@ def job_status(job: Job) -> JobStatus:
         calibrations=job.model.status(list(dict.fromkeys(job.models(k) for k in range(job.spec.dp))), job.pipelines_of),
         tolerance=job.spec.tolerance,
         off_clock_instructions=measurements.off_clock_instructions,
+        saving_withheld=saving_withheld(job),
+        profile_dropped=job.profile_dropped,
     )
+
+
+def saving_withheld(job: Job) -> str:
+    """Why the planned iterations' saving is not claimed: every pipeline's plan fell back to
+    maximum clocks ("" otherwise). Whatever they then measure against the baseline is noise or
+    the baseline's own drift, not a saving of Perseus' plans."""
+    planned = sorted(job.plans)
+    checks = [job.model.checks[k] for k in planned]
+    if not planned or any(check.state != FALLBACK for check in checks):
+        return ""
+    reasons = [
+        check.reason or _last(job.model.calibrations.get(job.plans[k].models).history)
+        for k, check in zip(planned, checks)
+    ]
+    why = next((r for r in reasons if r), "verification gave up on the plan")
+    which = "the pipeline" if job.spec.dp == 1 else f"every pipeline ({len(planned)})"
+    return (
+        f"{which} fell back to maximum clocks ({why}): the planned iterations run no plan of Perseus, so what "
+        "they measure against the baseline is no saving of it"
+    )
+
+
+def _last(history: list[str]) -> str:
+    return history[-1] if history else ""

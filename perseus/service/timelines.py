@@ -17,6 +17,7 @@ The fit itself (perseus.service.calibration) runs on a worker thread; nothing he
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -41,6 +42,14 @@ MAX_TIMELINES = 24
 PENDING_LIMIT = 16
 #: Fits tried on more iterations before giving up on a model that does not reproduce the baseline.
 MAX_ATTEMPTS = 3
+#: A profile from an earlier run (or the signature cache) no longer fits the job's workload when a
+#: stage's measured spans moved this much against the profile's times, compared with the fit of
+#: the run that measured it (at least; more where the spans' spread says it is noise) ...
+STALE_TOLERANCE = 0.1
+#: ... or, with no such fit to compare with, this much off the profile's times themselves.
+STALE_UNREFERENCED = 0.5
+#: Relative spreads of the two runs' spans an unreferenced change must exceed (see `profile_mismatch`).
+STALE_SIGNIFICANCE = 3.0
 
 _BASELINE = (Phase.WARMUP.value, Phase.PLANNING.value)
 
@@ -76,14 +85,18 @@ class Timeline:
 @dataclass(frozen=True)
 class StageFit:
     """One stage (rank): its measured instruction window (first begin to last end, median over
-    iterations) against the planner's calibrated model, its busy time, and the fitted host gap
-    between its instructions (median over kinds)."""
+    iterations) against the planner's calibrated model, its busy time, the fitted host gap
+    between its instructions (median over kinds), and its instructions' measured spans against
+    the profile's times at the top clock (`span_ratio`, median over instructions; `span_spread`:
+    its relative spread over iterations): what tells a profile that no longer fits the workload."""
 
     stage: int
     measured_s: float
     model_s: float
     busy_s: float
     host_gap_s: float
+    span_ratio: float = 1.0
+    span_spread: float = 0.0
 
     @property
     def error(self) -> float:
@@ -158,6 +171,13 @@ class SpanBook:
         """The ranks run again from iteration 0: iterations in flight are forgotten."""
         self.pending.clear()
 
+    def new_run(self) -> None:
+        """A new run of the job: its baseline is measured anew, an earlier run's is forgotten."""
+        self.restart()
+        for timelines in self.timelines:
+            timelines.clear()
+        self.added = [0] * self.spec.dp
+
     def add(self, info: RankInfo, spans: ReportSpans, instructions: int) -> int | None:
         """Take one rank's spans; the pipeline whose timelines gained an iteration, if any.
         ServiceError (bad_field) if the spans do not match the rank's schedule."""
@@ -218,6 +238,9 @@ class ModelState:
     margin: float = 0.0  # verification's margin on slowed instructions (perseus.service.verification)
     fallback: bool = False  # verification gave up: maximum clocks
     history: list[str] = field(default_factory=list)  # the re-plans and fallback, why
+    # Per stage: (span ratio, its spread) of the last fit whose profile fitted the workload: what
+    # a later run's spans are compared with (see `profile_mismatch`).
+    reference: tuple[tuple[float, float], ...] = ()
     # Per pipeline: (iteration, compute time, noise) measured at the baseline, kept for restarts
     # (noise: the excess the baseline's spread alone may show, see perseus.service.verification).
     baselines: dict[int, tuple[float, float, float]] = field(default_factory=dict)
@@ -248,6 +271,7 @@ class ModelState:
             margin=float(doc.get("margin", 0.0)),
             fallback=bool(doc.get("fallback", False)),
             history=[str(h) for h in doc.get("history", [])][-8:],
+            reference=tuple((float(r), float(n)) for r, n in doc.get("reference", ())),
             baselines={int(k): (float(t), float(c), float(n)) for k, (t, c, n) in doc.get("baselines", {}).items()},
         )
 
@@ -265,6 +289,13 @@ class Calibrations:
         if state is None:
             state = self.states[models] = ModelState(OVERRIDDEN if self.overridden else COLLECTING)
         return state
+
+    def new_run(self) -> None:
+        """A new run of the job: every model is fitted again on the new run's baseline (a model
+        that failed gets a fresh chance, verification starts over); only what the new run's spans
+        are compared with stays (see `profile_mismatch`)."""
+        for models, old in self.states.items():
+            self.states[models] = ModelState(OVERRIDDEN if self.overridden else COLLECTING, reference=old.reference)
 
     def ready(self, models: Models) -> bool:
         """Whether plans for these models may be solved now."""
@@ -313,6 +344,35 @@ class Calibrations:
         state.state, state.reason = FAILED, reason
         log.warning("job %s: no plan: %s", job_id, reason)
         return False
+
+
+def profile_mismatch(calibration: Calibration, reference: tuple[tuple[float, float], ...]) -> str:
+    """Why the profile a fit was made on no longer fits the workload its spans measured ("" when
+    it does): some stage's spans against the profile's times at the top clock moved past
+    STALE_TOLERANCE (and the two runs' spread) from `reference`, the fit of the run that
+    measured the profile; with no reference, past STALE_UNREFERENCED from the profile's times."""
+    worst = []
+    for fit in calibration.stages:
+        if len(reference) == len(calibration.stages):
+            expected, spread = reference[fit.stage]
+            tolerance = max(STALE_TOLERANCE, STALE_SIGNIFICANCE * (spread + fit.span_spread))
+            basis = f"{expected:.2f}x when the profile was measured"
+        else:
+            expected, tolerance, basis = 1.0, STALE_UNREFERENCED, "a profile of this workload: about 1x"
+        if expected > 0:
+            change = fit.span_ratio / expected - 1.0
+        else:  # spans of no length when the profile was measured
+            change = math.inf if fit.span_ratio > 0 else 0.0
+        if abs(change) > tolerance:
+            worst.append((abs(change), fit.stage, fit.span_ratio, basis))
+    if not worst:
+        return ""
+    _, stage, ratio, basis = max(worst)
+    return (
+        f"the measured timeline no longer matches the job's profile: stage {stage}'s instructions take "
+        f"{ratio:.2f}x the profile's time at the top clock ({basis}; {len(worst)} of {len(calibration.stages)} "
+        "stages moved): the workload changed under the same job signature"
+    )
 
 
 def model_names(models: Models) -> str:

@@ -29,8 +29,9 @@ MAX_PLANNERS = 16  # planners kept for re-planning (least recently used dropped)
 # One solved (or failed) plan: its key, the result and plan document or what was raised, seconds taken.
 Solved = tuple[PlanKey, tuple[PlanResult, dict] | BaseException, float]
 # One calibration: the job, the pipeline models, the fit (a perseus.service.calibration.Calibration)
-# or what was raised, seconds taken.
-Calibrated = tuple[str, Models, Any, float]
+# or what was raised, seconds taken, and the run of the job it was handed over in (see Job.run:
+# a result of an earlier run is stale).
+Calibrated = tuple[str, Models, Any, float, int]
 
 
 class Workers:
@@ -42,7 +43,7 @@ class Workers:
         self.building: set[str] = set()
         self.calibrating: set[str] = set()
         self.planning: set[str] = set()
-        self._to_calibrate: queue.SimpleQueue[tuple[str, Models, Schedule, Profile, list[Timeline]]] = (
+        self._to_calibrate: queue.SimpleQueue[tuple[str, Models, Schedule, Profile, list[Timeline], int]] = (
             queue.SimpleQueue()
         )
         self._calibrated: queue.SimpleQueue[Calibrated] = queue.SimpleQueue()
@@ -50,8 +51,8 @@ class Workers:
         self._to_build: queue.SimpleQueue[JobSpec] = queue.SimpleQueue()
         self._built: queue.SimpleQueue[tuple[JobSpec, Schedule | BaseException, float]] = queue.SimpleQueue()
         self._builder: threading.Thread | None = None
-        self._to_plan: queue.SimpleQueue[tuple[str, Schedule, list[tuple[PlanKey, Profile]]]] = queue.SimpleQueue()
-        self._solved: queue.SimpleQueue[tuple[str, list[Solved]]] = queue.SimpleQueue()
+        self._to_plan: queue.SimpleQueue[tuple[str, Schedule, list[tuple[PlanKey, Profile]], int]] = queue.SimpleQueue()
+        self._solved: queue.SimpleQueue[tuple[str, list[Solved], int]] = queue.SimpleQueue()
         self._planners_started = 0
         # (job, stage models) -> (Planner, its choices), reused for later deadlines (see _planner).
         self._planners: OrderedDict[tuple[str, Models], tuple[Any, int]] = OrderedDict()
@@ -67,7 +68,7 @@ class Workers:
         return job_id in self.building or job_id in self.calibrating or job_id in self.planning
 
     def forget(self, job_id: str) -> None:
-        """Drop the job's planners (it was evicted)."""
+        """Drop the job's planners (it was evicted, or the profiles they hold are)."""
         with self._planners_lock:
             for key in [k for k in self._planners if k[0] == job_id]:
                 del self._planners[key]
@@ -102,49 +103,49 @@ class Workers:
     # ---- calibrations --------------------------------------------------------------------------
 
     def calibrate(
-        self, job_id: str, models: Models, schedule: Schedule, profile: Profile, timelines: list[Timeline]
+        self, job_id: str, models: Models, schedule: Schedule, profile: Profile, timelines: list[Timeline], run: int
     ) -> None:
-        """Fit the pipeline models' calibration on the calibration thread."""
+        """Fit the pipeline models' calibration on the calibration thread (for the job's `run`)."""
         if self._calibrator is None:
             self._calibrator = threading.Thread(target=self._calibrate_worker, name="calibrate-models", daemon=True)
             self._calibrator.start()
         self.calibrating.add(job_id)
-        self._to_calibrate.put((job_id, models, schedule, profile, timelines))
+        self._to_calibrate.put((job_id, models, schedule, profile, timelines, run))
 
     def _calibrate_worker(self) -> None:
         # Imported here, as the planner is: numpy and the DAG only load once a job calibrates.
         from perseus.service.calibration import fit
 
         while True:
-            job_id, models, schedule, profile, timelines = self._to_calibrate.get()
+            job_id, models, schedule, profile, timelines, run = self._to_calibrate.get()
             start = time.perf_counter()
             try:
                 result: Any = fit(schedule, profile, timelines)
             except BaseException as e:
                 result = e
-            self._calibrated.put((job_id, models, result, time.perf_counter() - start))
+            self._calibrated.put((job_id, models, result, time.perf_counter() - start, run))
 
     def calibrated(self) -> list[Calibrated]:
         """The calibrations fitted since the last call."""
         done = _drain(self._calibrated)
-        for job_id, _, _, _ in done:
+        for job_id, *_ in done:
             self.calibrating.discard(job_id)
         return done
 
     # ---- plans ---------------------------------------------------------------------------------
 
-    def solve(self, job_id: str, schedule: Schedule, tasks: list[tuple[PlanKey, Profile]]) -> None:
-        """Solve one job's plans (key, profile) on the pool, in order."""
+    def solve(self, job_id: str, schedule: Schedule, tasks: list[tuple[PlanKey, Profile]], run: int) -> None:
+        """Solve one job's plans (key, profile) on the pool, in order (for the job's `run`)."""
         self.planning.add(job_id)
         while self._planners_started < min(self.budget.planning_workers, len(self.planning)):
             self._planners_started += 1
             threading.Thread(target=self._plan_worker, name=f"planner-{self._planners_started}", daemon=True).start()
-        self._to_plan.put((job_id, schedule, tasks))
+        self._to_plan.put((job_id, schedule, tasks, run))
 
     def _plan_worker(self) -> None:
         """One of `budget.planning_workers` threads: solves one job's plans at a time."""
         while True:
-            job_id, schedule, tasks = self._to_plan.get()
+            job_id, schedule, tasks, run = self._to_plan.get()
             done: list[Solved] = []
             for key, profile in tasks:
                 start = time.perf_counter()
@@ -154,7 +155,7 @@ class Workers:
                 except BaseException as e:
                     result = e
                 done.append((key, result, time.perf_counter() - start))
-            self._solved.put((job_id, done))
+            self._solved.put((job_id, done, run))
 
     def _planner(self, job_id: str, models: Models, schedule: Schedule, profile: Profile) -> Any:
         """The pipeline's planner: kept for later deadlines while the kept ones' problems add up
@@ -174,10 +175,10 @@ class Workers:
                 self._planners.popitem(last=False)
         return planner
 
-    def solved(self) -> list[tuple[str, list[Solved]]]:
-        """The jobs whose plans were solved since the last call, with their plans."""
+    def solved(self) -> list[tuple[str, list[Solved], int]]:
+        """The jobs whose plans were solved since the last call, with their plans and run."""
         done = _drain(self._solved)
-        for job_id, _ in done:
+        for job_id, _, _ in done:
             self.planning.discard(job_id)
         return done
 

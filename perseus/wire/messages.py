@@ -383,6 +383,11 @@ class JobStatus(Message):
     (max clocks, no profiling, after the first), `planned_*` the iterations run with the current
     plan. `calibrations`: how each pipeline model fits the measured timeline (see
     perseus.wire.calibration); `tolerance`: how much slower than its target a plan may run.
+    `saving_withheld`: why no saving is claimed for the planned iterations although they were
+    measured (every plan fell back to maximum clocks: what they save against the baseline is
+    noise, not Perseus'); `measured_saving` is then None. `profile_dropped`: why the service last
+    dropped the job's profile and measured it again (its ranks' spans showed the workload changed
+    under the same spec, see perseus.service.timelines.profile_mismatch); "" if it never did.
     """
 
     job_id: str
@@ -409,6 +414,8 @@ class JobStatus(Message):
     # Per planned iteration, summed over the ranks that can tell: instructions that ran at a clock
     # other than planned (see perseus.controller.controller; None: no rank can tell).
     off_clock_instructions: float | None = None
+    saving_withheld: str = ""
+    profile_dropped: str = ""
 
     def __post_init__(self) -> None:
         check_job_id(self.job_id, "job.job_id")
@@ -420,6 +427,8 @@ class JobStatus(Message):
         check_int(self.last_iteration, "job.last_iteration", -1, MAX_ITERATION)
         check_str(self.error, "job.error", 4096, printable=False)
         check_str(self.warning, "job.warning", 4096, printable=False)
+        check_str(self.saving_withheld, "job.saving_withheld", 4096, printable=False)
+        check_str(self.profile_dropped, "job.profile_dropped", 4096, printable=False)
         check_int(self.baseline_iterations, "job.baseline_iterations", 0, MAX_ITERATION)
         check_int(self.planned_iterations, "job.planned_iterations", 0, MAX_ITERATION)
         for name in (
@@ -458,6 +467,9 @@ class JobStatus(Message):
             del doc["warning"]  # what earlier releases send and accept
         if self.off_clock_instructions is None:
             del doc["off_clock_instructions"]  # likewise
+        for name in ("saving_withheld", "profile_dropped"):
+            if not doc[name]:
+                del doc[name]  # likewise
         return doc
 
     @property
@@ -468,7 +480,9 @@ class JobStatus(Message):
 
     @property
     def measured_saving(self) -> float | None:
-        if self.planned_energy_j is None or not self.baseline_energy_j:
+        """The planned iterations' energy saved against the baseline's (None: not measured, or
+        not the plan's doing: see `saving_withheld`)."""
+        if self.planned_energy_j is None or not self.baseline_energy_j or self.saving_withheld:
             return None
         return 1.0 - self.planned_energy_j / self.baseline_energy_j
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from server_helpers import rank_info, wait_until
-from timeline_helpers import STAGES, profile, timelines
+from timeline_helpers import STAGES, profile, spans, timelines
 
 from perseus.client.planner_client import PlannerClient
 from perseus.profiler.profile import Profile
@@ -18,21 +18,7 @@ from perseus.schedules import build_schedule
 from perseus.service.timelines import MIN_ITERATIONS
 from perseus.service.verification import PERSISTS, SKIP, WINDOW
 from perseus.wire.phases import Phase
-from perseus.wire.spans import ReportSpans
 from perseus.wire.spec import JobSpec
-
-
-def spans(job_id: str, rank: int, iteration: int, timeline) -> ReportSpans:
-    return ReportSpans(
-        job_id,
-        rank,
-        iteration,
-        "planning",
-        None,
-        round(timeline.steps[rank] * 1e6),
-        tuple(round(t * 1e6) for t in timeline.begins[rank]),
-        tuple(round(t * 1e6) for t in timeline.ends[rank]),
-    )
 
 
 def status_cli(endpoint: str, *args: str) -> str:

@@ -193,9 +193,66 @@ def test_after_the_cap_the_pipeline_falls_back_to_maximum_clocks():
         for k, verdict in job.model.take_verdicts():
             job.correct(k, verdict)
         solve(job)
-    pipeline = job.status().pipelines[0]
+    status = job.status()
+    pipeline = status.pipelines[0]
     assert pipeline.verification == "fallback" and "falling back to maximum clocks" in pipeline.reason
     assert set(job.plans[0].stage_frequencies[0]) == {FREQUENCIES[0]}
+    assert "fell back to maximum clocks" in status.saving_withheld and status.measured_saving is None
+
+
+def baseline_of(job: Job, prof: Profile, seed: int = 0) -> None:
+    """A run's MIN_ITERATIONS baseline iterations of a workload whose GPU work `prof` holds, fitted."""
+    for i, timeline in enumerate(timelines(job.schedule, prof, count=MIN_ITERATIONS, seed=seed), start=1):
+        for spans in spans_of(job, i, timeline):
+            job.add_spans(spans)
+
+
+def fit_due(job: Job) -> set[str]:
+    """Fit what is due, as the service's calibration worker would; the GPU models dropped."""
+    ((models, measured, fitted_on),) = job.calibration_tasks()
+    return job.set_calibration(models, fit(job.schedule, measured, fitted_on))
+
+
+@pytest.mark.parametrize("work_s", [0.006, 0.018])
+def test_a_new_run_is_fitted_on_its_own_baseline_and_a_profile_it_outgrew_is_measured_again(work_s):
+    job = calibrated_job()
+    solve(job)
+    old_target = job.status().pipelines[0].target_iteration_time_s
+    job.rerun()  # the same spec registered again: a new run of the ranks
+    assert not job.plans and job.table(0, 0, 0).spans and job.table(0, 0, 0).frequencies is None
+    assert job.status().pipelines[0].baseline_iteration_time_s is None  # the earlier run's is not this run's
+    workload = profile(STAGES, work_s)
+    baseline_of(job, workload, seed=1)
+    record = json.loads(json.dumps(job.to_record()))
+    assert record["inherited"] == ["sim-a100"] and Job.from_record(record, {}, {}).profiling.inherited == {"sim-a100"}
+    if work_s == 0.006:  # the same workload: its profile still fits, planned again on this run's fit
+        assert fit_due(job) == set() and not job.profiling.inherited
+    else:  # three times the GPU work: dropped with its plans, profiled again
+        assert fit_due(job) == {"sim-a100"} and job.phase.value == "profiling" and not job.profiled_stages
+        (calibration,) = job.status().calibrations
+        assert calibration.state == "collecting" and "no longer matches" in calibration.reason
+        assert job.table(0, 0, 0).sweep_steps  # its ranks sweep again
+        for s in range(STAGES):
+            job.add_profile(s, s, Profile({k: v for k, v in workload.points.items() if k[0] == s}, 83.64))
+        assert fit_due(job) == set()  # measured in this run: not checked against itself
+    solve(job)
+    status = job.status()
+    assert status.phase == "planned" and status.calibrations[0].state == "fitted"
+    target = status.pipelines[0].target_iteration_time_s
+    assert target == pytest.approx(old_target, rel=0.02) if work_s == 0.006 else target > 2.5 * old_target
+
+
+def test_a_job_that_failed_on_what_a_run_measured_gets_a_fresh_chance_but_not_an_invalid_spec():
+    job = calibrated_job(work_s=0.0)
+    assert job.phase.value == "failed" and job.error_retryable
+    job.rerun()
+    assert job.phase.value == "planning" and not job.error and job.table(0, 0, 0).spans
+    baseline_of(job, profile(STAGES))  # the script fixed: GPU work emulated
+    assert fit_due(job) == {"sim-a100"} and job.phase.value == "profiling"
+    invalid = Job(job_spec())
+    invalid.fail("invalid job: a deadlock")
+    invalid.rerun()
+    assert invalid.phase.value == "failed"
 
 
 def test_no_gpu_work_no_plan_and_the_reason_in_status():

@@ -12,6 +12,7 @@ from perseus.planner.dag import build_dag
 from perseus.profiler.profile import Profile, ProfilePoint
 from perseus.schedules import Schedule
 from perseus.service.timelines import Timeline
+from perseus.wire.spans import ReportSpans
 
 BLOCKING_W = 83.64
 GAP_S = 0.0006  # host work between a stage's instructions
@@ -71,3 +72,17 @@ def timelines(schedule: Schedule, prof: Profile, count: int = 8, seed: int = 0) 
             steps.append(ends[-1][-1] + 0.0005)
         out.append(Timeline(tuple(begins), tuple(ends), tuple(steps)))
     return out
+
+
+def spans(job_id: str, rank: int, iteration: int, timeline: Timeline) -> ReportSpans:
+    """Rank `rank`'s report of one baseline iteration (default clocks, phase planning)."""
+    return ReportSpans(
+        job_id,
+        rank,
+        iteration,
+        "planning",
+        None,
+        round(timeline.steps[rank] * 1e6),
+        tuple(round(t * 1e6) for t in timeline.begins[rank]),
+        tuple(round(t * 1e6) for t in timeline.ends[rank]),
+    )
