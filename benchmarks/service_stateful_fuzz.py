@@ -20,9 +20,16 @@ sockets send at once, then every reply is collected), drawn from
                      energies of 1e9 J per row; nearly valid: wrong stage, rows missing, a zero
                      time, an energy over the limit, a repeated frequency, ...
   report_iteration   in order and out of order, times and energies from 5e-324 to the limits
+  report_spans       one rank's instruction spans: valid (a baseline iteration, or one the
+                     service ignores: iteration 0, profiling at a clock); nearly valid (one
+                     instruction more or fewer than the rank's stage runs); hostile (overlapping,
+                     unordered, past the step, negative, floats, begins and ends of different
+                     lengths, over MAX_INSTRUCTIONS, zero step, an unknown phase or job)
   a training step    every rank of a job reports one iteration (so tallies complete and the
                      straggler detector decides), one pipeline at its own pace for a few
-                     iterations (slower, 5e-324 s, the maximum time); then `status` of every job
+                     iterations (slower, 5e-324 s, the maximum time), half of the time with every
+                     rank's spans of it (so timelines complete and the service calibrates on
+                     them, ranks registering `timeline`); then `status` of every job
   declare_straggler  factors 1-10 and None; nearly valid: no such pipeline, factor out of range
   status / ping      every job, one job, an unknown job
 Beside the chaos traffic a "sentinel" job (2 stages) is driven from its own socket with valid
@@ -49,7 +56,9 @@ Invariants, checked as the run goes (each violation is printed with the seed and
                      still there, and every stage whose profile uploads (every tensor-parallel
                      share, on the job's GPU model) were acknowledged is still listed as profiled
                      or the job has a plan -- unless a file of that job (or its cached profile)
-                     was deliberately corrupted after the acknowledgement. Acknowledgements
+                     was deliberately corrupted after the acknowledgement, or the service dropped
+                     the job's profile on purpose (its status says why: `profile_dropped`, the
+                     spans sent showed another workload than the profile's). Acknowledgements
                      given while the disk refused writes are NOT exempt: the service must answer
                      an error rather than acknowledge what it could not save.
   (d) isolation      `status` of every job always succeeds; the sentinel's status and tables
@@ -97,6 +106,7 @@ from service_fuzz import Fuzzer, pack
 from service_support import PRESET, ServeProcess, stage_profile
 
 from perseus.devices.sim_presets import SimPreset, get_preset
+from perseus.schedules import build_schedule
 from perseus.wire import limits
 from perseus.wire.envelope import RequestRejected, decode_request
 from perseus.wire.limits import MAX_INSTRUCTIONS, MAX_ITERATION, MAX_RANKS, SWEEP_VERSION
@@ -116,6 +126,7 @@ PRESETS: tuple[SimPreset, ...] = (PRESET, get_preset("a40"))
 INITIAL_JOBS = 10  # the chaos job pool; "new job" actions grow it up to MAX_JOBS
 MAX_JOBS = 40
 TINY = 5e-324  # the smallest positive double: valid for every "> 0" field of the protocol
+TRAIN_STRETCH = 9  # iterations of a training stretch: a calibration's 8 baseline iterations after the first
 STRAGGLER_FACTORS = (None, 1.0, 1.1, 1.25, 2.0, 10.0)  # few distinct deadlines: re-plans stay bounded
 WRITES = frozenset({"register_job", "register_rank", "upload_profile", "report_iteration", "declare_straggler"})
 STRICT_ALLOWED = {  # error codes a request the protocol accepts may get from the service's state
@@ -124,6 +135,7 @@ STRICT_ALLOWED = {  # error codes a request the protocol accepts may get from th
     "get_table": frozenset({"unknown_job", "unknown_rank"}),
     "report_iteration": frozenset({"unknown_job", "unknown_rank"}),
     "declare_straggler": frozenset({"unknown_job"}),
+    "report_spans": frozenset({"unknown_job", "unknown_rank"}),
     "register_job": frozenset(),
     # Valid on the wire, but other clients' registrations may conflict with them (coordinates
     # taken, sweep frequencies set by another GPU model, a tensor-parallel share that differs).
@@ -210,6 +222,28 @@ def random_spec(rng: random.Random, tag: str) -> tuple[JobSpec, SimPreset]:
         tag=tag,
     )
     return spec, preset
+
+
+_INSTRUCTIONS: dict[str, tuple[int, ...]] = {}
+
+
+def instructions(spec: JobSpec, stage: int) -> int:
+    """How many instructions `stage` of the job runs per iteration (what valid spans hold)."""
+    if spec.job_id() not in _INSTRUCTIONS:
+        schedule = build_schedule(spec.schedule_name, spec.pp, spec.num_microbatches, spec.num_chunks)
+        _INSTRUCTIONS[spec.job_id()] = tuple(len(row) for row in schedule.stages)
+    return _INSTRUCTIONS[spec.job_id()][stage]
+
+
+def spans_wire(rng: random.Random, count: int, scale_us: int) -> tuple[int, list[int], list[int]]:
+    """(step, begins, ends) in whole microseconds: `count` instructions in order, with gaps."""
+    begins, ends, now = [], [], rng.randint(0, scale_us)
+    for _ in range(count):
+        now += rng.randint(0, scale_us // 4)
+        begins.append(now)
+        now += rng.randint(1, scale_us)
+        ends.append(now)
+    return now + rng.randint(1, scale_us), begins, ends
 
 
 def info_wire(spec: JobSpec, rank: int, preset: SimPreset, /, **over: Any) -> dict[str, Any]:
@@ -832,36 +866,45 @@ class StatefulFuzz:
                 "status_all",
                 "status_one",
                 "ping",
+                "spans",
+                "spans_bad",
             ],
-            [4, 0.3, 2, 10, 4, 14, 2, 14, 10, 2, 5, 2, 1, 3, 3, 1],
+            [4, 0.3, 2, 10, 4, 14, 2, 14, 10, 2, 5, 2, 1, 3, 3, 1, 5, 3],
         )[0]
         return getattr(self, f"_a_{action}")(rng, job)
 
     def _a_train(self, rng: random.Random, job: JobModel) -> list[Req]:
-        """One training iteration: every rank reports it (the job's tallies complete, the straggler
-        detector is fed); one pipeline runs at another pace: slower, or a time of 5e-324 s or the maximum,
-        for a few iterations in a row (the detector decides on medians of the last 8)."""
-        job.iteration += 1
-        if job.pace is None or rng.random() < 0.15:
-            job.pace = (
-                rng.randrange(job.spec.dp),
-                *rng.choices([("even", 1.0), ("slow", 1.3), ("tiny", 0.0), ("huge", math.inf)], [4, 3, 2, 1])[0],
-            )
-        slow, name, pace = job.pace
-        base = rng.uniform(0.4, 0.5)
+        """One training iteration, or now and then a stretch of TRAIN_STRETCH: every rank reports
+        each (the job's tallies complete, the straggler detector is fed), half of the time with
+        every rank's spans of it (a stretch of them completes the timelines a calibration needs);
+        one pipeline runs at another pace: slower, or a time of 5e-324 s or the maximum, for a
+        few iterations in a row (the detector decides on medians of the last 8)."""
         reqs = []
-        for rank in range(job.spec.world_size):
-            time_s = base
-            if coordinates(job.spec, rank)[1] == slow:
-                time_s = TINY if pace == 0.0 else MAX_TIME_S if pace == math.inf else base * pace
-            fields = {
-                "job_id": job.job_id,
-                "rank": rank,
-                "iteration": job.iteration,
-                "time_s": time_s,
-                "energy_j": 100.0 * time_s,
-            }
-            reqs.append(Req(f"report_iteration/train_{name}", "report_iteration", fields, job))
+        with_spans = rng.random() < 0.5
+        for _ in range(TRAIN_STRETCH if rng.random() < 0.3 else 1):
+            job.iteration += 1
+            if job.pace is None or rng.random() < 0.15:
+                job.pace = (
+                    rng.randrange(job.spec.dp),
+                    *rng.choices([("even", 1.0), ("slow", 1.3), ("tiny", 0.0), ("huge", math.inf)], [4, 3, 2, 1])[0],
+                )
+            slow, name, pace = job.pace
+            base = rng.uniform(0.4, 0.5)
+            for rank in range(job.spec.world_size):
+                time_s = base
+                if coordinates(job.spec, rank)[1] == slow:
+                    time_s = TINY if pace == 0.0 else MAX_TIME_S if pace == math.inf else base * pace
+                fields = {
+                    "job_id": job.job_id,
+                    "rank": rank,
+                    "iteration": job.iteration,
+                    "time_s": time_s,
+                    "energy_j": 100.0 * time_s,
+                }
+                reqs.append(Req(f"report_iteration/train_{name}", "report_iteration", fields, job))
+                if with_spans:
+                    spans = self._spans_fields(rng, job, rank, job.iteration)
+                    reqs.append(Req("report_spans/train", "report_spans", spans, job))
         return reqs + [Req("status/all", "status", {})]  # right after the detector decided
 
     def _ack_register_job(self, job: JobModel) -> Callable:
@@ -933,7 +976,7 @@ class StatefulFuzz:
 
     def _a_register_rank(self, rng: random.Random, job: JobModel) -> Req:
         rank = rng.randrange(job.spec.world_size)
-        info = info_wire(job.spec, rank, job.preset)
+        info = info_wire(job.spec, rank, job.preset, timeline=rng.random() < 0.95)  # an earlier release now and then
         coords = (info["stage"], info["dp_index"], info["tp_index"])
         return Req(
             "register_rank/valid",
@@ -1161,6 +1204,101 @@ class StatefulFuzz:
     def _a_ping(self, rng: random.Random, job: JobModel) -> Req:
         return Req("ping/chaos", "ping", {})
 
+    def _spans_fields(self, rng: random.Random, job: JobModel, rank: int, iteration: int) -> dict[str, Any]:
+        """A valid report_spans of `rank` in a baseline iteration (default clocks)."""
+        count = instructions(job.spec, coordinates(job.spec, rank)[0])
+        step, begins, ends = spans_wire(rng, count, rng.choice([1000, 6000, 50_000]))
+        return {
+            "job_id": job.job_id,
+            "rank": rank,
+            "iteration": iteration,
+            "phase": rng.choice(["planning", "planning", "warmup"]),
+            "frequency": None,
+            "step_us": step,
+            "begins_us": begins,
+            "ends_us": ends,
+        }
+
+    def _a_spans(self, rng: random.Random, job: JobModel) -> Req:
+        """Valid spans: a baseline iteration, or one the service takes and ignores."""
+        rank = rng.randrange(job.spec.world_size)
+        fields = self._spans_fields(rng, job, rank, self._iteration(rng, job))
+        name = rng.choices(["baseline", "iteration_0", "profiling", "planned", "huge_step"], [6, 1, 1, 1, 1])[0]
+        if name == "iteration_0":
+            fields["iteration"] = 0
+        elif name == "profiling":
+            fields["phase"], fields["frequency"] = "profiling", rng.choice(job.preset.frequencies)
+        elif name == "planned":
+            fields["phase"] = "planned"
+        elif name == "huge_step":  # the longest step the protocol takes, its spans at its very end
+            last = round(MAX_TIME_S * 1e6)
+            count = len(fields["begins_us"])
+            fields["step_us"], fields["begins_us"], fields["ends_us"] = last, [last] * count, [last] * count
+        return Req(f"report_spans/{name}", "report_spans", fields, job)
+
+    def _a_spans_bad(self, rng: random.Random, job: JobModel) -> Req:
+        """Nearly valid spans (the wrong count of instructions: the job refuses them) and hostile
+        ones (the protocol refuses them)."""
+        rank = rng.randrange(job.spec.world_size)
+        fields = self._spans_fields(rng, job, rank, job.iteration)
+        begins, ends = fields["begins_us"], fields["ends_us"]
+        name = rng.choice(
+            [
+                "one_more",
+                "one_fewer",
+                "overlap",
+                "end_before_begin",
+                "past_step",
+                "negative",
+                "floats",
+                "lengths_differ",
+                "over_max_instructions",
+                "zero_step",
+                "bad_phase",
+                "frequency_0",
+                "unknown_job",
+                "empty",
+            ]
+        )
+        allow: frozenset = frozenset()
+        if name == "one_more":
+            begins.append(ends[-1])
+            ends.append(ends[-1])
+            fields["step_us"] = max(fields["step_us"], ends[-1])
+            allow = frozenset({"bad_field"})  # valid on the wire, not the rank's stage
+        elif name == "one_fewer":
+            if len(begins) > 1:
+                begins.pop()
+                ends.pop()
+            allow = frozenset({"bad_field"})
+        elif name == "overlap" and len(begins) > 1:
+            begins[1] = max(0, ends[0] - 1) if ends[0] > begins[0] else begins[0]
+            ends[0] = begins[1] + 1
+        elif name == "end_before_begin":
+            ends[0] = begins[0] - 1
+        elif name == "past_step":
+            ends[-1] = fields["step_us"] + 1
+        elif name == "negative":
+            begins[0] = -1
+        elif name == "floats":
+            fields["begins_us"] = [b + 0.5 for b in begins]
+        elif name == "lengths_differ":
+            ends.append(fields["step_us"])
+        elif name == "over_max_instructions":
+            fields["begins_us"] = [0] * (MAX_INSTRUCTIONS + 1)
+            fields["ends_us"] = [0] * (MAX_INSTRUCTIONS + 1)
+        elif name == "zero_step":
+            fields["step_us"] = 0
+        elif name == "bad_phase":
+            fields["phase"] = "sideways"
+        elif name == "frequency_0":
+            fields["frequency"] = 0
+        elif name == "unknown_job":
+            fields["job_id"] = "job-" + "0" * 16
+        elif name == "empty":
+            fields["begins_us"], fields["ends_us"] = [], []
+        return Req(f"report_spans/{name}", "report_spans", fields, job, nearly=True, allow=allow)
+
     # ---- the sentinel ---------------------------------------------------------------------------------
 
     def sentinel_tick(self) -> None:
@@ -1379,6 +1517,9 @@ class StatefulFuzz:
                 job.ranks.clear()
                 continue
             if got["plan_version"] > 0:
+                continue
+            if got.get("profile_dropped"):  # the service dropped its profile on purpose: the spans sent
+                job.shares.clear()  # showed another workload (it says why); its stages are profiled again
                 continue
             for stage in range(job.spec.pp):
                 acks = [job.shares.get((stage, t)) for t in range(job.spec.tp)]

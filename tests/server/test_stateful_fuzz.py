@@ -66,4 +66,5 @@ def test_the_request_stream_depends_on_the_seed_only(tmp_path):
         "declare_straggler",
         "status",
         "ping",
+        "report_spans",
     }
