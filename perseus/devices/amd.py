@@ -83,6 +83,7 @@ from perseus.devices.amd_counter_check import CounterCheck
 from perseus.devices.amd_smi import SIMULATE_HINT, as_str, binding, call
 from perseus.devices.amd_visibility import gpu_uuids, hip_order, narrow, visibility_variables
 from perseus.devices.gpu import GPU, torch_synchronize
+from perseus.devices.instruction_timer import DeviceTimer, InstructionTimer
 from perseus.exceptions import ConfigError, DeviceError, DeviceNotFoundError, DeviceNotSupportedError
 
 logger = logging.getLogger(__name__)
@@ -374,3 +375,7 @@ class AMDGPU(GPU):
     def synchronize(self) -> None:
         """Wait for this GPU's queued work (see torch_synchronize)."""
         torch_synchronize(self.index)
+
+    def instruction_timer(self) -> InstructionTimer:
+        """Timing events on torch's current stream once torch drives this GPU (see DeviceTimer)."""
+        return DeviceTimer(self)

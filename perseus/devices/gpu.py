@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import abc
-import sys
 
 from perseus.clock import REAL_CLOCK, Clock
+from perseus.devices.instruction_timer import HostTimer, InstructionTimer, torch_cuda
 from perseus.exceptions import ConfigError
 
 
@@ -84,6 +84,12 @@ class GPU(abc.ABC):
         Not abstract: the default, for a GPU with nothing queued behind its counters, returns at once."""
         return None
 
+    def instruction_timer(self) -> InstructionTimer:
+        """How a rank times this GPU's instructions (perseus.devices.instruction_timer). The
+        default synchronises and reads `clock` per mark: exact for a GPU whose work runs on that
+        clock (a simulated one); GPUs that torch may drive return a `DeviceTimer`."""
+        return HostTimer(self)
+
     def max_frequency(self) -> int:
         return self.supported_frequencies()[0]
 
@@ -103,18 +109,8 @@ class GPU(abc.ABC):
 
 def torch_synchronize(index: int) -> None:
     """Wait for GPU `index`'s queued work when torch drives it: Perseus' one device sync, for
-    NVIDIA (CUDA) and AMD (ROCm's torch, which exposes HIP as `torch.cuda`) alike.
-
-    Looks only at an already-imported torch (a program launching GPU work has imported it;
-    importing torch to find out costs seconds) that has initialised its GPUs (else nothing is
-    queued). A broken GPU setup has nothing to wait for.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return
-    try:
-        driven = torch.cuda.is_initialized() and index < torch.cuda.device_count()
-    except Exception:  # torch's GPU runtime could not be asked (no driver, broken install): nothing queued
-        return
-    if driven:
-        torch.cuda.synchronize(index)
+    NVIDIA (CUDA) and AMD (ROCm's torch, which exposes HIP as `torch.cuda`) alike. Without an
+    imported torch that drives it (see `torch_cuda`), nothing is queued."""
+    cuda = torch_cuda(index)
+    if cuda is not None:
+        cuda.synchronize(index)

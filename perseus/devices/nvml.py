@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from perseus.devices.gpu import GPU, torch_synchronize
+from perseus.devices.instruction_timer import DeviceTimer, InstructionTimer
 from perseus.exceptions import (
     ConfigError,
     DeviceError,
@@ -322,3 +323,7 @@ class NVMLGPU(GPU):
     def synchronize(self) -> None:
         """Wait for this GPU's queued work (see torch_synchronize)."""
         torch_synchronize(self.index)
+
+    def instruction_timer(self) -> InstructionTimer:
+        """Timing events on torch's current stream once torch drives this GPU (see DeviceTimer)."""
+        return DeviceTimer(self)

@@ -5,10 +5,13 @@ steps (every 100 ms on NVIDIA parts), so around a 5-60 ms instruction it reads z
 whole step, and a clock change takes 10-30 ms to come into force, the old clock running
 meanwhile (perseus.devices.sim_realism has the sources). So time and energy are measured apart:
 
-- Time: synchronised per instruction (the GPU is idle when it starts, and drained when it ends),
-  and a profile point's time is the median over the instructions that ran wholly at that clock.
-  Before each instruction the controller's clock change is waited out (the change call plus the
-  GPU's switch latency), so during profiling every instruction runs at its step's clock.
+- Time: each instruction's span as the GPU ran it, from the rank's instruction timer
+  (perseus.devices.instruction_timer: timing events on a real GPU, resolved into host-clock
+  instants once per iteration, so the host keeps issuing ahead; a synchronisation per
+  instruction on a simulated one, exact there). A profile point's time is the median over the
+  instructions that ran wholly at that clock. Before each instruction the controller's clock
+  change is waited out (the change call plus the GPU's switch latency), so during profiling
+  every instruction runs at its step's clock.
 - Energy: a `CounterSampler` polls the counter every couple of milliseconds during profiling
   iterations and records when it advanced; each advance is the exact energy between two known
   instants. The `Timeline` says what ran in between, at which clock, and where the GPU was
@@ -38,7 +41,7 @@ import logging
 import math
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from perseus.devices.gpu import GPU
 from perseus.exceptions import ConfigError, DeviceError
@@ -66,7 +69,8 @@ class OnlineProfiler:
     that change, (in force from, MHz), or None when the controller changes nothing (the rank
     then cannot profile). `latency`: the switch latency per target clock, recorded in the
     profile's meta for the planner. The rank calls `before_instruction` after asking the controller for
-    the instruction's clock, and `after_instruction` once it was issued.
+    the instruction's clock, and `end_iteration` with the iteration's instruction spans, timed by
+    the GPU's instruction timer (perseus.devices.instruction_timer).
     """
 
     def __init__(
@@ -80,16 +84,11 @@ class OnlineProfiler:
         self.sweep = sweep
         self._settle = settle
         self._latency = latency
-        self._clock = gpu.clock
         self.sampler = CounterSampler(gpu)
         self.timeline = Timeline()
         self._step: int | None = None
-        self._begin: float | None = None
-        self._first: float | None = None  # this iteration's first instruction start
-        self._last_end: float | None = None
         self._previous_end: float | None = None  # the last instruction's end of the previous iteration, if profiled
         self._counts: Counter[Key] = Counter()  # instructions per key in the latest measured iteration
-        self._iteration_counts: Counter[Key] = Counter()
         self._last_change: ClockChange | None = None
         self._fit: PowerFit | None = None
 
@@ -106,8 +105,6 @@ class OnlineProfiler:
             self.sampler.stop()
             return None
         self.sampler.start()
-        self._first = self._last_end = None
-        self._iteration_counts = Counter()
         return plan.steps[self._step]
 
     @property
@@ -116,41 +113,33 @@ class OnlineProfiler:
         return self._step
 
     def before_instruction(self) -> None:
+        """The instruction's clock was asked for: wait until it is in force (so during profiling
+        every instruction runs at its step's clock) and note when it came into force."""
         if self._step is None:
             return
-        self.gpu.synchronize()
         change = self._settle()
         if change is None:
             raise DeviceError(f"{self.gpu!r}: the controller cannot set clocks; nothing to profile")
         if change != self._last_change:
             self._last_change = change
             self.timeline.clock_change(*change)
-        self._begin = self._clock.now()
-        if self._first is None:
-            self._first = self._begin
-            if self._previous_end is not None:
-                self.timeline.between(self._previous_end, self._first)
 
-    def after_instruction(self, kind: str, stage: int) -> None:
-        if self._step is None or self._begin is None:
-            return
-        self.gpu.synchronize()
-        end = self._clock.now()
-        key = (int(stage), str(kind))
-        self.timeline.span(key, self._begin, end)
-        self._iteration_counts[key] += 1
-        self._begin = None
-        self._last_end = end
-
-    def end_iteration(self) -> bool:
-        """Finish a profiling iteration. True when this finished the sweep (time to upload `profile()`)."""
+    def end_iteration(self, spans: Sequence[Span]) -> bool:
+        """Finish a profiling iteration whose instructions ran over `spans` (host-clock times, in
+        the order they ran: the rank's instruction timer). True when this finished the sweep (time
+        to upload `profile()`)."""
         step, self._step = self._step, None
         if step is None:
             return False
-        if self._first is not None and self._last_end is not None:
-            self.timeline.watched(self._first, self._last_end)
-            self._counts = self._iteration_counts
-        self._previous_end = self._last_end
+        for span in spans:
+            self.timeline.span(span.key, span.start, span.end)
+        if spans:
+            first = spans[0].start
+            if self._previous_end is not None:
+                self.timeline.between(self._previous_end, first)
+            self.timeline.watched(first, spans[-1].end)
+            self._counts = Counter(span.key for span in spans)
+        self._previous_end = spans[-1].end if spans else None
         block = self.sweep.step_done(step)
         if block is not None:
             fit = self.fit()

@@ -99,6 +99,15 @@ class Sweep:
             return []
         return [f for f in self.plan.frequencies if f in self._energy]
 
+    @property
+    def frequency_count(self) -> tuple[int, bool]:
+        """How many frequencies the sweep profiles, and whether that is known: the plan's count
+        (an upper bound: the main sweep may stop early) until the main sweep is over, then the
+        frequencies it profiled."""
+        if self._main_over:
+            return len(self._energy), True
+        return (len(self.plan.frequencies) if self.plan is not None else 0), False
+
     def follow(self, plan: SweepPlan) -> None:
         """Take the service's plan (the same one every iteration; a new one restarts the walk)."""
         if plan != self.plan:

@@ -1,9 +1,10 @@
 """What one GPU ran during profiling, and at which clock: the regression's other half.
 
-The profiler records each instruction's span (synchronised timing), each clock change with the
-instant it came into force (the change call plus the GPU's switch latency: until then the old
-clock runs), and the ranges of time it watched whole (from an iteration's first instruction to
-its last, and on to the next one's first when that is profiled too). Within a range, time no
+The profiler records each instruction's span (as the GPU ran it, in host-clock time: see
+perseus.devices.instruction_timer), each clock change with the instant it came into force (the
+change call plus the GPU's switch latency: until then the old clock runs), and the ranges of
+time it watched whole (from an iteration's first instruction to its last, and on to the next
+one's first when that is profiled too). Within a range, time no
 instruction covers is blocking time, except between two iterations: there the framework's own
 GPU work (an optimizer step) adds one unknown energy per gap (the BETWEEN column). `segments()` cuts the
 spans where the clock changed, so a span that straddles a change counts partly at each clock;

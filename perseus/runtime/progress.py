@@ -27,14 +27,17 @@ class Progress:
         done: int | None = None,
         total: int | None = None,
         plan_version: int = 0,
+        at_most: bool = False,
     ) -> None:
-        """`done`/`total`: progress through the profiling sweep (frequencies finished / planned).
-        `plan_version`: the plan this iteration runs (phase planned)."""
+        """`done`/`total`: progress through the profiling sweep (frequencies profiled / to
+        profile); `at_most`: `total` is an upper bound (the sweep may stop early, once lower
+        clocks only cost more). `plan_version`: the plan this iteration runs (phase planned)."""
         if phase == Phase.PLANNED and plan_version:
             clock = f"plan v{plan_version}'s clocks"
         else:
             clock = "default clocks" if frequency is None else f"{frequency} MHz"
-        sweep = f" [{done}/{total}]" if done is not None and total else ""
+        bound = "at most " if at_most else ""
+        sweep = f" [{done} of {bound}{total} clocks]" if done is not None and total else ""
         if self._tty:
             bar = ""
             if done is not None and total:

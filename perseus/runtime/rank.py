@@ -9,11 +9,14 @@ stage costs) and the frequency controller (running it). A framework calls its fo
 
 Each iteration is reported to the planner with two times: `time_s`, from on_step_begin to
 on_step_end (everything the step does, the optimizer step and the data-parallel gradient
-synchronization included), and `compute_time_s`, from on_step_begin to the end of the rank's
-last instruction of the iteration (one device synchronization per iteration, right after
-that instruction). The gradient synchronization makes every data-parallel pipeline's
-`time_s` that of the slowest one, so the planner tells a straggler pipeline by
-`compute_time_s`. It only excludes the synchronization when the framework runs it after the
+synchronization included), and `compute_time_s`, from on_step_begin to when the GPU finished
+the rank's last instruction of the iteration. The GPU's instruction timer tells that, and each
+instruction's span in iterations that are profiled or whose spans the service asks for
+(perseus.devices.instruction_timer): timing events on a GPU torch drives, resolved at the end
+of the iteration, where the rank synchronises once, so the host keeps issuing work ahead; a
+synchronisation per mark on a simulated GPU. The gradient synchronization makes every
+data-parallel pipeline's `time_s` that of the slowest one, so the planner tells a straggler
+pipeline by `compute_time_s`. It only excludes the synchronization when the framework runs it after the
 last instruction (an all-reduce after the pipeline schedule's step, as Megatron-LM's
 finalize_model_grads does without overlap_grad_reduce); a synchronization overlapped with the
 last backward counts as compute.
@@ -34,16 +37,18 @@ from typing import Any
 from perseus.controller import FrequencyController
 from perseus.controller.latency import switch_latency
 from perseus.devices.gpu import GPU
+from perseus.devices.instruction_timer import Mark
 from perseus.devices.sim import SimGPU
 from perseus.exceptions import ConfigError, PlanError
 from perseus.profiler.online import OnlineProfiler
 from perseus.profiler.sweep import Sweep
+from perseus.profiler.timeline import Span
 from perseus.runtime import registration
 from perseus.runtime.emulation import InstructionWork, WorkSpec
 from perseus.runtime.port import PlannerPort, PortAssignment
 from perseus.runtime.progress import Progress
 from perseus.runtime.records import IterationRecord, ProfilingSettings
-from perseus.runtime.spans import MAX_SPAN_REPORTS, SpanRecorder, WorkCheck
+from perseus.runtime.spans import MAX_SPAN_REPORTS, SpanRecorder, WorkCheck, offsets_us
 from perseus.schedules.instruction import Schedule
 from perseus.wire.parallelism import Parallelism
 from perseus.wire.phases import Phase
@@ -162,9 +167,10 @@ class PerseusRank:
         self._frequency: int | None = None
         self._step_start: tuple[float, float] = (0.0, 0.0)
         self._done = 0  # instructions ended in this iteration
-        self._compute_end: float | None = None  # when the iteration's last instruction ended
+        self._timer = gpu.instruction_timer()  # spans, the profiler's and the compute part's end
+        self._compute_mark: Mark | None = None  # the timer's mark of the iteration's last instruction's end
         self._record_spans = False  # the planner asked for this iteration's instruction spans
-        self._spans: SpanRecorder | None = None
+        self._spans: SpanRecorder | None = None  # this iteration's instructions, when profiled or asked for
         self._span_reports = 0
         self._work_check = WorkCheck(gpu.preset.idle_w) if isinstance(gpu, SimGPU) else None
         self._warned: set[str] = set()
@@ -224,9 +230,10 @@ class PerseusRank:
             if self.iteration == 0 and self._client is not None:
                 self._await_planner()
             self._begin_iteration()
-            self._done, self._compute_end = 0, None
+            self._done, self._compute_mark = 0, None
             self._step_start = (self.gpu.clock.now(), self.gpu.energy_mj())
-            self._spans = SpanRecorder(self._step_start[0], len(self.order)) if self._record_spans else None
+            timed = self._record_spans or self._profiling
+            self._spans = SpanRecorder(len(self.order)) if timed else None
         except Exception as e:
             self._warn_once(
                 "step_begin", f"Perseus failed at the start of iteration {self.iteration}: {e!r}; training continues"
@@ -245,7 +252,7 @@ class PerseusRank:
                 self.controller.wait_applied()
             if self._profiling:
                 self.profiler.before_instruction()
-            self._mark_begin()
+            self._mark_begin(str(kind), chunk)
             if self._emulated is not None:
                 self._emulated.begin(str(kind), microbatch, chunk)
         except Exception as e:
@@ -263,14 +270,11 @@ class PerseusRank:
         try:
             if self._emulated is not None:
                 self._emulated.end()
-            self._mark_end()
-            if self._profiling:
-                self.profiler.after_instruction(str(kind), self._virtual.get(chunk, self.stage))
+            mark = self._mark_end()
             self.controller.after_instruction()
             self._done += 1
             if self._done == len(self.order):  # the last one: the compute part of the iteration ends
-                self.gpu.synchronize()
-                self._compute_end = self.gpu.clock.now()
+                self._compute_mark = mark if mark is not None else self._timer.mark()
         except Exception as e:
             self._warn_once("instruction_end", f"Perseus failed after {kind} {microbatch}: {e!r}; training continues")
 
@@ -356,9 +360,12 @@ class PerseusRank:
             and self._span_reports < MAX_SPAN_REPORTS
         )
         if self._progress is not None:
-            plan = self.sweep.plan
-            total = len(plan.frequencies) if plan is not None else None
-            done = len(self.sweep.profiled_frequencies) if self._profiling else None
+            # The sweep's count: the frequencies profiled so far, of those it will profile (at
+            # most the service's plan until the main sweep stops, early or at its last frequency),
+            # and once over, what it profiled while the job still profiles or plans.
+            swept = self.sweep.done and phase in (Phase.PROFILING, Phase.PLANNING)
+            done = len(self.sweep.profiled_frequencies) if self._profiling or swept else None
+            total, known = self.sweep.frequency_count
             self._progress.update(
                 self.iteration,
                 phase,
@@ -366,6 +373,7 @@ class PerseusRank:
                 done,
                 total if done is not None else None,
                 plan_version=self.plan_version if self._holds_plan else 0,
+                at_most=not known,
             )
 
     def _emulate_closed(self, begins: bool, kind: str, microbatch: int, chunk: int) -> None:
@@ -381,16 +389,18 @@ class PerseusRank:
         except Exception as e:
             self._warn_once("emulate", f"emulating {kind} {microbatch}'s GPU work failed: {e!r}; training continues")
 
-    def _mark_begin(self) -> None:
-        """An instruction begins: its span starts, in iterations the planner wants spans of."""
+    def _mark_begin(self, kind: str, chunk: int) -> None:
+        """An instruction begins: its span starts, in iterations profiled or the planner wants spans of."""
         if self._spans is not None:
-            self.gpu.synchronize()
-            self._spans.begin(self.gpu.clock.now())
+            self._spans.begin((self._virtual.get(chunk, self.stage), kind), self._timer.mark())
 
-    def _mark_end(self) -> None:
-        if self._spans is not None:
-            self.gpu.synchronize()
-            self._spans.end(self.gpu.clock.now())
+    def _mark_end(self) -> Mark | None:
+        """An instruction ends: the timer's mark of its end, if this iteration's instructions are timed."""
+        if self._spans is None:
+            return None
+        mark = self._timer.mark()
+        self._spans.end(mark)
+        return mark
 
     def _check_gpu_work(self, record: IterationRecord) -> None:
         """On a simulated GPU, warn once if this rank's first iterations ran no simulated work."""
@@ -410,14 +420,13 @@ class PerseusRank:
         elif self._work_check.done:
             self._work_check = None
 
-    def _send_spans(self, job_iteration: int | None, step_s: float) -> None:
+    def _send_spans(self, recorded: SpanRecorder, spans: list[Span], job_iteration: int | None, step_s: float) -> None:
         """Send the iteration's instruction spans, if the planner asked for them and all were seen."""
-        spans, self._spans = self._spans, None
-        if spans is None or not spans.complete or self._client is None or self._job_id is None:
+        if not self._record_spans or not recorded.complete or self._client is None or self._job_id is None:
             return
         if job_iteration is None or self._span_reports >= MAX_SPAN_REPORTS:
             return
-        begins, ends = spans.offsets_us()
+        begins, ends = offsets_us(spans, self._step_start[0])
         step_us = max(round(step_s * 1e6), ends[-1], 1)
         self._span_reports += 1
         self._client.report_spans(
@@ -446,8 +455,12 @@ class PerseusRank:
         self.gpu.synchronize()
         t1, e1 = self.gpu.clock.now(), self.gpu.energy_mj()
         t0, e0 = self._step_start
+        times = self._timer.resolve()  # the GPU is drained: the marks' times are known
+        recorded, self._spans = self._spans, None
+        spans = recorded.spans(times) if recorded is not None else []
         # Only an iteration that ran exactly this rank's instructions has a compute part.
-        compute = self._compute_end - t0 if self._compute_end is not None and self._done == len(self.order) else None
+        last = self._compute_mark
+        compute = times[last] - t0 if last is not None and self._done == len(self.order) else None
         record = IterationRecord(
             self.iteration,
             self.phase,
@@ -461,11 +474,12 @@ class PerseusRank:
         )
         self.last_iteration = record
         self._check_gpu_work(record)
-        if self._profiling and self.profiler.end_iteration():
+        if self._profiling and self.profiler.end_iteration(spans):
             self._upload_profile()
         self._profiling = False
         job_iteration = self.job_iteration
-        self._send_spans(job_iteration, t1 - t0)
+        if recorded is not None:
+            self._send_spans(recorded, spans, job_iteration, t1 - t0)
         if self._client is not None and self._job_id is not None and job_iteration is not None:
             self._client.report_iteration(
                 self._job_id,

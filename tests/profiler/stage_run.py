@@ -12,7 +12,7 @@ from perseus.devices.sim_realism import SimRealism
 from perseus.devices.sim_work import Work
 from perseus.profiler.profile import KINDS, Profile
 from perseus.profiler.sweep import SweepPlan
-from perseus.runtime import IterationRecord, PerseusRank, ProfilingSettings
+from perseus.runtime import IterationRecord, PerseusRank, ProfilingSettings, Progress
 from perseus.schedules import build_schedule
 from perseus.service.sweep import design_steps
 from perseus.wire.phases import Phase
@@ -73,13 +73,17 @@ def profile_stage(
     steps_per_frequency: int = 3,
     seed: int = 0,
     max_iterations: int = 400,
+    gpu_class: type[SimGPU] = SimGPU,
+    progress: Progress | None = None,
+    after: int = 0,
 ) -> tuple[Profile, SimGPU, list[IterationRecord]]:
     """Train one rank of a pipeline until its stage's profile is uploaded. Each instruction runs
     `works[kind]` (or `works(kind, chunk)`) on the GPU; between instructions it waits on its
     peers (`gaps`: 0.5-20 ms, seeded), and between iterations an optimizer step's host time
-    passes (30 ms)."""
+    passes (30 ms). `gpu_class`: a SimGPU subclass (one timed by events, say). `progress`:
+    rank 0's display; `after`: iterations to run once the profile is in."""
     clock = VirtualClock(1000.0)
-    gpu = SimGPU("a100-sxm", 0, clock=clock, state_dir=state_dir, realism=realism)
+    gpu = gpu_class("a100-sxm", 0, clock=clock, state_dir=state_dir, realism=realism)
     schedule = build_schedule(schedule_name, stages, microbatches, chunks)
     work = works if callable(works) else lambda kind, chunk: works[kind]
     port = SweepPort(gpu.supported_frequencies()[::sweep_step], steps_per_frequency)
@@ -90,7 +94,7 @@ def profile_stage(
         stage,
         client=port,
         profiling=ProfilingSettings(warmup_iterations=1, iterations_per_frequency=steps_per_frequency),
-        progress=False,
+        progress=progress or False,
         handle_signals=False,
         watchdog=False,
         startup_wait_s=30.0,
@@ -110,7 +114,9 @@ def profile_stage(
             rank.on_step_end()
             clock.advance(0.03)
             if port.profile is not None:
-                break
+                if after == 0:
+                    break
+                after -= 1
     finally:
         rank.close()
     assert port.profile is not None, "the sweep never finished"

@@ -4,6 +4,7 @@ nothing to measure. One rank through `PerseusRank` on a virtual clock (see stage
 
 from __future__ import annotations
 
+import io
 import logging
 
 import pytest
@@ -19,6 +20,7 @@ from perseus.exceptions import ConfigError, DeviceError
 from perseus.profiler.online import OnlineProfiler
 from perseus.profiler.profile import KINDS
 from perseus.profiler.sweep import Sweep, SweepPlan
+from perseus.runtime import Progress
 
 PRESET = PRESETS["a100-sxm"]
 STEPPING = SimRealism(counter_period_s=0.1, switch_latency_s=0.01)
@@ -83,8 +85,12 @@ def _profiler_without_data(gpu):
     controller.set_uniform(step["forward"])
     controller.before_instruction("forward", 0)
     profiler.before_instruction()
+    timer = gpu.instruction_timer()
+    begin = timer.mark()
     gpu.execute(Work(0.01))
-    profiler.after_instruction("forward", 0)
+    end = timer.mark()
+    times = timer.resolve()
+    profiler.timeline.span((0, "forward"), times[begin], times[end])  # the iteration never ended
     controller.close()
     return profiler
 
@@ -102,3 +108,17 @@ def test_nothing_measured_is_said_clearly_and_only_a_device_error_is_swallowed(t
     profiler = _profiler_without_data(bug)
     with pytest.raises(AttributeError, match="a bug"):  # a bug is not hidden as "no power reading"
         profiler._blocking_power(profiler.fit())
+
+
+def test_the_progress_line_counts_the_clocks_the_sweep_profiles(tmp_path):
+    """Of the service's plan (every 4th A100 clock: 21), the sweep stops once lower clocks only
+    cost more: rank 0's line says 'at most' until then, and the count it profiled after."""
+    out = io.StringIO()
+    works = {"forward": Work(0.005), "backward": Work(0.01)}
+    profile, _, _ = profile_stage(works, IDEAL, str(tmp_path), sweep_step=4, progress=Progress(out, tty=False), after=1)
+    profiled = len(profile.meta["frequencies"].split(","))
+    lines = [line for line in out.getvalue().splitlines() if "clocks]" in line]
+    assert profiled < 21
+    assert lines[0].endswith("profiling at 1410 MHz [0 of at most 21 clocks]"), lines
+    assert all("at most 21 clocks]" in line for line in lines[:-1])
+    assert lines[-1].endswith(f"at default clocks [{profiled} of {profiled} clocks]"), lines

@@ -60,6 +60,19 @@ def test_blocks_run_in_order_and_stop_after_three_rises():
     assert sweep.iteration_energy()[1200] == 8.0
 
 
+def test_the_count_of_frequencies_is_a_bound_until_the_main_sweep_stops():
+    sweep = Sweep(0, early_stop_rises=3)
+    assert sweep.frequency_count == (0, False)
+    sweep.follow(plan(FREQS + (450, 300), 2))
+    assert sweep.frequency_count == (7, False)  # the service's plan: at most 7
+    walk(sweep, {1410: 10.0, 1200: 8.0, 990: 9.0, 810: 9.5, 630: 10.0}.get)
+    assert sweep.frequency_count == (5, True)  # stopped early: the 5 it profiled
+    whole = Sweep(0)
+    whole.follow(plan(FREQS, 1))
+    walk(whole, lambda f: f / 1000)
+    assert whole.frequency_count == (5, True)
+
+
 def test_a_dip_resets_the_rise_count():
     sweep = Sweep(0, early_stop_rises=2)
     sweep.follow(plan((1410, 1320, 1230, 1140), 1))

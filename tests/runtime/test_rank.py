@@ -164,14 +164,16 @@ def test_progress_log_lines_only_on_change():
     p = Progress(out, tty=False)
     p.update(0, "warmup")
     p.update(1, "warmup")
-    p.update(2, "profiling", 1410, 0, 3)
-    p.update(3, "profiling", 1410, 0, 3)
-    p.update(4, "profiling", 1320, 1, 3)
+    p.update(2, "profiling", 1410, 0, 3, at_most=True)
+    p.update(3, "profiling", 1410, 0, 3, at_most=True)
+    p.update(4, "profiling", 1320, 1, 3, at_most=True)
+    p.update(5, "planning", None, 2, 2)
     lines = out.getvalue().splitlines()
     assert lines == [
         "[perseus] iteration 0: warmup at default clocks",
-        "[perseus] iteration 2: profiling at 1410 MHz [0/3]",
-        "[perseus] iteration 4: profiling at 1320 MHz [1/3]",
+        "[perseus] iteration 2: profiling at 1410 MHz [0 of at most 3 clocks]",
+        "[perseus] iteration 4: profiling at 1320 MHz [1 of at most 3 clocks]",
+        "[perseus] iteration 5: planning at default clocks [2 of 2 clocks]",
     ]
 
 
