@@ -196,11 +196,17 @@ class OnlineProfiler:
         return total
 
     def _errors(self, fit: PowerFit) -> dict[int, float]:
-        """Per profiled clock, the largest relative error over the stage's keys."""
+        """Per profiled clock, the largest relative error over the stage's keys; infinite where a
+        key has no point yet (its spans all straddled a clock change, or the fit could not tell
+        its power): the sweep profiles that clock again first."""
+        points = self._points(fit)
         worst: dict[int, float] = {}
-        for per_clock in self._points(fit).values():
+        for per_clock in points.values():
             for f, (_, _, err) in per_clock.items():
                 worst[f] = max(worst.get(f, 0.0), err)
+        for f in self.sweep.profiled_frequencies:
+            if any(f not in points.get(key, {}) for key in self._counts):
+                worst[f] = math.inf
         return worst
 
     # Results
@@ -217,6 +223,22 @@ class OnlineProfiler:
                 "longer than the counter's update period?)"
             )
         swept = set(self.sweep.profiled_frequencies)
+        missing = [key for key in self._counts if key not in points]
+        if missing:
+            raise ConfigError(
+                f"stage {self.sweep.stage}: {', '.join(f'{kind} of virtual stage {stage}' for stage, kind in missing)} "
+                "measured at no clock (their spans all straddled a clock change, or the energy fit could not tell "
+                "their power); profile longer (ProfilingSettings)"
+            )
+        imputed = _impute(points, swept)
+        if imputed:
+            logger.warning(
+                "stage %d: %d profile points not measured (%s) are scaled from the same instruction's other clocks "
+                "by the stage's other instructions",
+                self.sweep.stage,
+                len(imputed),
+                ", ".join(f"{kind}@{f}" for (_, kind), f in imputed[:6]) + (", ..." if len(imputed) > 6 else ""),
+            )
         common = set.intersection(*(set(per_clock) for per_clock in points.values())) & swept
         if not common:
             raise ConfigError(
@@ -238,6 +260,8 @@ class OnlineProfiler:
         if self._latency is not None:  # the planner keeps instructions shorter than this at one clock
             meta[SWITCH_LATENCY_META] = f"{max(self._latency(f) for f in [*common, None]):.4g}"
         meta.update(_error_meta(points, common))
+        if imputed:
+            meta["imputed"] = ",".join(f"{stage}:{kind}@{f}" for (stage, kind), f in imputed)
         blocking = self._blocking_power(fit)
         meta["blocking_rel_error"] = f"{fit.relative_error(IDLE):.3g}"
         return Profile(points=rows, blocking_power_w=blocking, meta=meta)
@@ -284,3 +308,25 @@ def _error_meta(points: Mapping[Key, Mapping[int, tuple[float, float, float]]], 
 
 
 __all__ = ["ClockChange", "OnlineProfiler", "Span", "Sweep", "SweepPlan"]
+
+
+def _impute(points: dict[Key, dict[int, tuple[float, float, float]]], clocks: set[int]) -> list[tuple[Key, int]]:
+    """Fill, in place, a key's point at a swept clock where it has none but the stage's other keys
+    have one: the key's point at its nearest measured clock, scaled in time and energy by the
+    median ratio of the other keys' points between the two clocks (a clock slows every kind of
+    instruction of one stage much alike); its error is the sum of its sources'. The filled
+    (key, clock) pairs, in order."""
+    measured = {key: dict(per_clock) for key, per_clock in points.items()}
+    filled: list[tuple[Key, int]] = []
+    for key, own in sorted(measured.items()):
+        for f in sorted(clocks - set(own), reverse=True):
+            ref = min(own, key=lambda g: (abs(g - f), -g))
+            others = [p for k, p in measured.items() if k != key and f in p and ref in p]
+            if not others:
+                continue
+            time_ratio = statistics.median(p[f][0] / p[ref][0] for p in others)
+            energy_ratio = statistics.median(p[f][1] / p[ref][1] for p in others)
+            t, e, err = own[ref]
+            points[key][f] = (t * time_ratio, e * energy_ratio, err + max(p[f][2] + p[ref][2] for p in others))
+            filled.append((key, f))
+    return filled
