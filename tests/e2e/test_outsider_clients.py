@@ -8,8 +8,9 @@ plan on the measured iterations without falling back, and the planned iterations
 against the baseline measured on the same run (at least half of what the plan predicts), with
 planned iterations at most 2% slower than that baseline (benchmarks/closed_loop.py's target).
 A plan made wrong on purpose (a GPU throttled after planning) is warned about
-and corrected; a script that emulates no GPU work gets no plan and a clear warning. The simulated
-GPUs are ideal (closed_loop's default; `--sim-mode realistic` in the benchmark).
+and corrected; a script that emulates no GPU work gets no plan and a clear warning. Each schedule
+runs on ideal simulated GPUs and on realistic ones (an energy counter that steps every 100 ms,
+averaged power, clock changes that take 10-30 ms: perseus.devices.sim_realism).
 Slow by nature: one torchrun job per case. The schedule and throttled-plan cases compare wall-clock
 iteration times, which four ranks sharing a loaded 2-core machine stretch by 3-25%: they are
 marked `closed_loop` and run on a quiet machine with `pytest -m closed_loop` (the default run,
@@ -32,9 +33,10 @@ MIN_PLANNED = 20
 
 @pytest.mark.slow
 @pytest.mark.closed_loop
+@pytest.mark.parametrize("sim_mode", ["ideal", "realistic"])
 @pytest.mark.parametrize("schedule", closed_loop.SCHEDULES)
-def test_planned_iterations_keep_the_measured_baseline(tmp_path, schedule):
-    run = closed_loop.run_job(tmp_path, schedule, "--planned", "30")  # verification decides after 23
+def test_planned_iterations_keep_the_measured_baseline(tmp_path, schedule, sim_mode):
+    run = closed_loop.run_job(tmp_path, schedule, "--planned", "30", sim_mode=sim_mode)  # decided after 23
     calibration = run.calibration
     assert calibration["state"] == "fitted", calibration
     assert abs(calibration["model_s"] / calibration["measured_s"] - 1) <= 0.01, calibration
