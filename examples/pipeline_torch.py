@@ -10,9 +10,13 @@ No GPU? Simulate them (the job then trains on CPU with gloo):
     PERSEUS_GPU=sim:a100-sxm:4 torchrun --nproc-per-node 4 examples/pipeline_torch.py
 
 Perseus profiles every stage's forward and backward during the first iterations, the service
-plans each instruction's SM clock, and every later iteration runs that plan. Training never
-waits for the planner: with no service it runs at default clocks. `perseus demo` shows the
-same on simulated GPUs that also emulate the GPU work, so the saving is measurable.
+calibrates its model on the job's own baseline iterations, plans each instruction's SM clock,
+and every later iteration runs that plan while the service verifies it on measured time.
+Training never waits for the planner: with no service it runs at default clocks. On simulated
+GPUs this script gives them no work, so the service finds the GPU profile explains almost none
+of the iteration and makes no plan (a WARNING, and `perseus status`, say why);
+examples/pipeline_emulated.py and `perseus demo` emulate the model's GPU work, so the saving is
+measurable.
 """
 
 from __future__ import annotations

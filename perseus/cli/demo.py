@@ -12,14 +12,18 @@ from perseus.demo.report import format_report
 DESCRIPTION = """Run Perseus end to end: start a planner service (`perseus serve` on loopback) and a torchrun
 job (gloo, CPU) that trains a small transformer split into pipeline stages with torch's Schedule1F1B,
 each rank on a simulated GPU (an A100-SXM unless --preset or PERSEUS_GPU=sim:PRESET names another).
-The job runs baseline iterations at maximum clocks, then Perseus profiles the stages online, plans
-every instruction's SM clock and applies the plan. Prints iteration time and energy per phase and the
-predicted against the measured saving. Exits 1 if it fails,
+The job runs baseline iterations at maximum clocks, then Perseus attaches as it would to any job: it
+profiles the stages online, the service calibrates its model on the job's own baseline timeline, plans
+every instruction's SM clock, and verifies the plan on measured time while the job runs it (re-planning
+if it runs slow) until verification has decided. Prints iteration time and energy per phase, the
+predicted against the measured saving, the model's fit and verification's verdict. Exits 1 if it fails,
 a simulated GPU left off its default clocks included."""
 
 EPILOG = """examples:
-  perseus demo                         4 ranks, 8 microbatches: baseline, profiling, planning, planned
-  perseus demo --json                  one JSON object (baseline, planned, predicted/measured saving, ...)
+  perseus demo                         4 ranks, 8 microbatches: baseline, profiling, calibration, planned
+                                       until verified (2-5 minutes)
+  perseus demo --json                  one JSON object (baseline, planned, predicted/measured saving,
+                                       calibration, verification, ...)
   perseus demo --plot out/             also write out/timeline.png: one baseline and one planned iteration
   perseus demo --state-dir ./state     keep the profile: a second run skips profiling
   perseus demo --dp 2 --straggler 1.2  2 data-parallel pipelines x 2 stages, the second on GPUs 20% slower:
@@ -76,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=4,
         metavar="N",
-        help="measured iterations per phase, baseline and planned; each phase runs one more, unmeasured (default 4)",
+        help="measured baseline iterations, and at least as many planned ones (the plan runs until the service "
+        "has verified it); each phase runs one more, unmeasured (default 4)",
     )
     parser.add_argument(
         "--sweep-step", type=int, default=5, metavar="N", help="profile every N-th supported clock (default 5)"

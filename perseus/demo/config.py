@@ -35,8 +35,9 @@ class DemoConfig:
     time_scale: float = DEFAULT_TIME_SCALE
     model: ModelConfig = field(default_factory=ModelConfig)
     # Iterations: baseline ones at maximum clocks without Perseus (the first warms up), then
-    # under Perseus: warm-up, profiling and planning, then `planned_iterations` planned ones
-    # (after the switch); `max_iterations` under Perseus stops the job even if no plan arrives.
+    # under Perseus: warm-up, profiling, the planning ones (the service calibrates its model on
+    # them), then `planned_iterations` planned ones (after the switch), or more until the plan
+    # is verified; `max_iterations` under Perseus stops the job even if no plan arrives.
     # With a straggler, the planned iterations count from the straggler-aware re-plan, and
     # `replan_wait_iterations` planned iterations without one stop the job.
     baseline_iterations: int = 3
@@ -49,6 +50,12 @@ class DemoConfig:
     iterations_per_frequency: int = 2
     sweep_frequencies: list[int] | None = None
     tag: str = "perseus-demo"
+    # Run the plan until the service's verification has decided on it, as the launcher tells the
+    # ranks (perseus.demo.watch); a job started without the launcher leaves it off.
+    await_verification: bool = False
+    # Iterations at maximum clocks after Perseus closed (phase "after", the first warms up): the
+    # baseline again, on the other side of the planned iterations.
+    after_iterations: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "dp", "num_microbatches", "microbatch_size", "planned_iterations", "max_iterations"):

@@ -7,15 +7,18 @@ The launcher starts a `perseus agent` for the job's simulated GPUs (the ranks ch
 through it; it resets each GPU as its rank's lease ends), `perseus serve` on a free loopback
 port, throttles the straggler's simulated GPUs if asked, then torchrun with one
 `perseus.demo.worker` per rank (gloo on CPU, every rank on its own simulated GPU whose state
-lives in a private folder), follows rank 0's
-progress, and afterwards joins the ranks' measurements, takes the prediction from the service
-(its status, and with a straggler its saved plans) and checks that every simulated GPU is back
-at its default clocks. The processes are in perseus.demo.processes, the report (figures, text,
-timeline) in perseus.demo.report.
+lives in a private folder). It follows rank 0's progress and the service's status of the job:
+its calibration and its verification of the plan (perseus.demo.watch); the ranks run the plan
+until it is verified, then close Perseus and measure the baseline again. Afterwards it joins the
+ranks' measurements, takes the prediction, the model's fit and verification's verdict from the
+service (its status, and with a straggler its saved plans) and checks that every simulated GPU
+is back at its default clocks. The processes are in perseus.demo.processes, the report
+(figures, text, timeline) in perseus.demo.report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -23,22 +26,29 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from perseus.agent.process import AgentProcess
 from perseus.atomic import write_json_atomic
-from perseus.client.planner_client import PlannerClient
 from perseus.demo.config import DemoConfig
 from perseus.demo.processes import PRESET, ServiceProcess, log_tail, sim_gpus_at_default, start_job, stop_job, throttle
 from perseus.demo.report import job_record, summarize, summarize_straggler, write_frontier, write_timeline
-from perseus.demo.results import gloo_latency, load_iterations, median_iteration, read_rank_record, split_phases
+from perseus.demo.results import load_iterations, median_iteration, read_rank_record, split_phases
+from perseus.demo.watch import ServiceWatch
 from perseus.demo.workload import default_time_scale
 from perseus.devices.select import ENV_VAR, parse_gpu_spec
 from perseus.devices.sim import SIM_DIR_ENV
 from perseus.devices.sim_presets import get_preset
 from perseus.exceptions import ConfigError, PerseusError
+from perseus.service.timelines import MAX_ATTEMPTS, MIN_ITERATIONS
+from perseus.service.verification import MAX_REPLANS, PERSISTS, SKIP, WINDOW
 
 MAX_PROCESSES = 8  # torchrun ranks in all
+#: Iterations at default clocks the service may take to calibrate its model after profiling
+#: (a fit on MIN_ITERATIONS of them, tried again on more up to MAX_ATTEMPTS times).
+CALIBRATION_ITERATIONS = MIN_ITERATIONS * MAX_ATTEMPTS
+#: Planned iterations the service's verification may take to decide: a plan checked over its
+#: windows, re-planned up to MAX_REPLANS times, each re-plan after PERSISTS windows over its target.
+VERIFICATION_ITERATIONS = SKIP + WINDOW + MAX_REPLANS * (SKIP + PERSISTS * WINDOW)
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,7 @@ class DemoOptions:
     dp: int = 1  # data-parallel pipelines
     straggler: float = 1.0  # the last pipeline's GPUs take this many times longer (> 1 needs dp >= 2)
     microbatches: int = 8
-    iterations: int = 4  # measured baseline and planned iterations (each phase runs one more)
+    iterations: int = 4  # measured baseline iterations, and at least as many planned (each phase runs one more)
     sweep_step: int = 5  # profile every n-th supported clock, from the highest
     iterations_per_frequency: int = 3  # the first is dropped: medians over two iterations
     state_dir: str | None = None  # default: a temporary one
@@ -100,15 +110,6 @@ def default_preset(environ: dict[str, str] | None = None) -> str:
     return PRESET
 
 
-def fetch_status(address: str, job_id: str | None) -> Any:
-    """The service's status of `job_id` (a `perseus.wire.protocol.JobStatus`), or None."""
-    if job_id is None:
-        return None
-    with PlannerClient(address, timeout_s=5.0) as client:
-        status = client.status(job_id)
-    return status.jobs[0] if status is not None and status.jobs else None
-
-
 def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None) -> dict:
     """Run the whole demo; returns the result document (`perseus demo --json` prints it)."""
     say = progress or (lambda _: None)
@@ -145,8 +146,15 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             agent.stop()
             raise
         say(f"planner service listening on {address} (state in {state_dir})")
+        watch = ServiceWatch(address, out_dir, say)
         try:
-            config = demo_config(options, out_dir, address)
+            # The plan runs until verified; then Perseus closes and the baseline is measured again,
+            # on the other side of the planned iterations (a changing load tilts neither way).
+            config = dataclasses.replace(
+                demo_config(options, out_dir, address),
+                await_verification=True,
+                after_iterations=options.iterations + 1,
+            )
             config_path = os.path.join(work, "config.json")
             write_json_atomic(config_path, config.to_json())
             pipelines = f"{options.dp} data-parallel pipelines x " if options.dp > 1 else ""
@@ -163,17 +171,18 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
                 )
             try:
                 rc = _run_job(
-                    options, world, config_path, sim_dir, os.path.join(work, "torchrun.log"), out_dir, say, agent
+                    options, world, config_path, sim_dir, os.path.join(work, "torchrun.log"), say, agent, watch
                 )
             finally:
                 if slow_ranks is not None:
                     throttle(slow_ranks, 1.0, sim_dir, options.preset)
             job_id = _job_id(out_dir) if rc == 0 else None
-            status = fetch_status(address, job_id)
+            status = watch.fetch(job_id) if job_id is not None else None
             # The ranks' leases end with them, and the agent resets their GPUs: wait for it, then check.
             clocks_reset = agent.wait_until_free() and sim_gpus_at_default(world, sim_dir, options.preset)
             say(f"perseus agent: the ranks' leases ended; GPUs at defaults: {'yes' if clocks_reset else 'NO'}")
         finally:
+            watch.close()
             service.stop()
             agent.stop()
         if rc != 0:
@@ -187,8 +196,9 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
 
         iterations = load_iterations(out_dir, world)
         if not any(set(it.phases) == {"planned"} for it in iterations):
+            why = f" ({status.error})" if status is not None and status.error else ""
             raise PerseusError(
-                "the demo job ran no planned iteration: the planner service published no plan; its log:\n"
+                f"the demo job ran no planned iteration: the planner service published no plan{why}; its log:\n"
                 + log_tail(os.path.join(work, "service.log"))
             )
         if slow_ranks is None:
@@ -197,7 +207,6 @@ def run_demo(options: DemoOptions, progress: Callable[[str], None] | None = None
             result = summarize_straggler(
                 iterations, status, options.ranks, options.dp, options.straggler, job_record(state_dir, job_id)
             )
-        result["gloo_latency_s"] = gloo_latency(out_dir, world)
         result.update(
             ranks=world,
             stages=options.ranks,
@@ -241,13 +250,13 @@ def demo_config(options: DemoOptions, out_dir: str, address: str | None) -> Demo
         time_scale=time_scale,
         baseline_iterations=options.iterations + 1,
         planned_iterations=options.iterations,
-        # A generous cap under Perseus: warm-up, the whole sweep, planning, (waiting for the
-        # straggler-aware re-plan,) then the planned ones.
+        # A generous cap under Perseus: warm-up, the whole sweep, calibration and planning,
+        # (waiting for the straggler-aware re-plan,) then the planned ones until verified.
         max_iterations=1
         + len(sweep) * options.iterations_per_frequency
+        + CALIBRATION_ITERATIONS
         + 20
-        + options.iterations
-        + 1
+        + max(options.iterations + 1, VERIFICATION_ITERATIONS)
         + (DemoConfig.replan_wait_iterations if options.straggler > 1.0 else 0),
         server=address,
         iterations_per_frequency=options.iterations_per_frequency,
@@ -261,12 +270,12 @@ def _run_job(
     config_path: str,
     sim_dir: str,
     log_path: str,
-    out_dir: str,
     say: Callable[[str], None],
     agent: AgentProcess,
+    watch: ServiceWatch,
 ) -> int:
     """Run torchrun to completion, its ranks changing clocks through `agent`, reporting rank 0's
-    finished iterations as they land."""
+    finished iterations as they land and what the service says of the job (`watch`)."""
     proc = start_job(world, config_path, sim_dir, log_path, preset=options.preset, agent_socket=agent.socket_path)
     deadline = time.monotonic() + options.timeout_s
     seen = 0
@@ -277,15 +286,17 @@ def _run_job(
                     f"the demo job did not finish within {options.timeout_s:g} s; its log:\n{log_tail(log_path)}"
                 )
             time.sleep(0.25)
-            seen = _report_progress(out_dir, seen, say)
-        _report_progress(out_dir, seen, say)
+            doc = read_rank_record(watch.out_dir, 0)
+            seen = _report_progress(doc, seen, say)
+            watch.poll(doc.get("job_id") if doc else None)
+        _report_progress(read_rank_record(watch.out_dir, 0), seen, say)
         return proc.returncode
     finally:
         stop_job(proc)
 
 
-def _report_progress(out_dir: str, seen: int, say: Callable[[str], None]) -> int:
-    doc = read_rank_record(out_dir, 0)
+def _report_progress(doc: dict | None, seen: int, say: Callable[[str], None]) -> int:
+    """Say rank 0's iterations its record (`doc`) holds beyond the first `seen`; how many it holds."""
     if doc is None:
         return seen
     records = doc["iterations"]

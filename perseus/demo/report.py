@@ -11,20 +11,17 @@ import statistics
 from typing import Any
 
 from perseus.atomic import write_bytes_atomic, write_json_atomic
-from perseus.demo.results import (
-    Iteration,
-    instruction_gaps,
-    phase_stats,
-    pipeline_hops,
-    split_phases,
-)
+from perseus.demo.results import Iteration, phase_stats, split_phases
+from perseus.demo.watch import describe_calibration, describe_verification
 from perseus.schedules.instruction import KIND_LETTERS
 
 
 def summarize(iterations: list[Iteration], status: Any, phases: dict[str, list[Iteration]] | None = None) -> dict:
     """Per-phase figures, the service's prediction (`status`: its JobStatus, or None) against
-    the measured saving, and whether the planned clocks ran as assigned. `phases`: the
-    iterations split by `split_phases` (default: split here)."""
+    the measured saving, how its calibrated model fits the baseline it measured and what its
+    verification decided of the plan, what its own measurements say (as `perseus status`
+    shows them), and whether the planned clocks ran as assigned. `phases`: the iterations
+    split by `split_phases` (default: split here)."""
     phases = split_phases(iterations) if phases is None else phases
     stats = {name: phase_stats(its) for name, its in phases.items()}
     baseline, planned = stats["baseline"], stats["planned"]
@@ -44,13 +41,10 @@ def summarize(iterations: list[Iteration], status: Any, phases: dict[str, list[I
             "baseline_energy_j": status.predicted_baseline_energy_j,
             "plan_version": status.plan_version,
         }
-    # How far the measured baseline runs over the planner's model of it (a no-slowdown plan takes
-    # the max-clock time): pipeline hops and host scheduling the model does not include.
-    predicted_time = status.predicted_iteration_time_s if status is not None else None
-    result["model_time_gap"] = baseline.iteration_time_s / predicted_time - 1.0 if baseline and predicted_time else None
-    hops, gaps = pipeline_hops(phases["baseline"]), instruction_gaps(phases["baseline"])
-    result["hop_latency_s"] = statistics.median(hops) if hops else None
-    result["instruction_gap_s"] = statistics.median(gaps) if gaps else None
+    # What the service fitted on the job's own baseline timeline, and its check of the plan.
+    result["calibration"] = [c.to_wire() for c in status.calibrations] if status is not None else []
+    result["verification"] = [p.to_wire() for p in status.pipelines if p.plan_version] if status is not None else []
+    result["service"] = _service_view(status)
     last = phases["planned"][-1] if phases["planned"] else None
     result["plan_frequencies"] = list(last.plans) if last is not None else None
     result["plan_applied"] = plan_applied(phases["planned"])
@@ -168,6 +162,23 @@ def job_record(state_dir: str, job_id: str | None) -> dict | None:
     return record
 
 
+def _service_view(status: Any) -> dict | None:
+    """The service's own measurements of the job (means over the iterations every rank reported:
+    its baseline iterations at default clocks, and those of the current plan), as `perseus
+    status` shows them; None without a status."""
+    if status is None:
+        return None
+    return {
+        "baseline_iterations": status.baseline_iterations,
+        "baseline_iteration_time_s": status.baseline_iteration_time_s,
+        "baseline_energy_j": status.baseline_energy_j,
+        "planned_iterations": status.planned_iterations,
+        "planned_iteration_time_s": status.planned_iteration_time_s,
+        "planned_energy_j": status.planned_energy_j,
+        "measured_saving": status.measured_saving,
+    }
+
+
 def _saving(baseline: Any, planned: Any) -> float | None:
     return (1.0 - planned.energy_j / baseline.energy_j) if baseline and planned else None
 
@@ -197,6 +208,12 @@ def format_report(result: dict) -> str:
             lines.append(f"{name:<10} {s['iterations']:>10} {s['iteration_time_s']:>13.3f} s {s['energy_j']:>14.1f} J")
         else:
             lines.append(f"{name:<10} {'-':>10}")
+    before, after = result.get("before"), result.get("after")
+    if before and after:
+        lines.append(
+            f"  the baseline on both sides: before Perseus {before['iteration_time_s']:.3f} s "
+            f"{before['energy_j']:.1f} J, after it closed {after['iteration_time_s']:.3f} s {after['energy_j']:.1f} J"
+        )
     scope = f" of {result['saving_scope']}" if result.get("saving_scope") else ""
     predicted, measured = result.get("predicted_saving"), result.get("measured_saving")
     if predicted is not None and measured is not None:
@@ -208,18 +225,7 @@ def format_report(result: dict) -> str:
         lines.append("energy saving: not measured (a phase has no measured iterations)")
     if result.get("iteration_time_change") is not None:
         lines.append(f"iteration time: {result['iteration_time_change']:+.1%} planned against baseline")
-    if result.get("model_time_gap") is not None:
-        lines.append(
-            f"baseline against the planner's model: {result['model_time_gap']:+.1%} (what host work and hops take "
-            "beyond the overheads below, which it counts)"
-        )
-    if result.get("hop_latency_s") is not None:
-        gloo = (
-            f" (of which gloo's send: {result['gloo_latency_s'] * 1e3:.2f} ms)" if result.get("gloo_latency_s") else ""
-        )
-        lines.append(f"pipeline hop, stage to stage: {result['hop_latency_s'] * 1e3:.1f} ms{gloo}")
-    if result.get("instruction_gap_s") is not None:
-        lines.append(f"host gap between instructions on a stage: {result['instruction_gap_s'] * 1e3:.1f} ms")
+    lines += _service_report(result)
     if result.get("plan_applied") is not None:
         lines.append(f"planned clocks applied on time: {result['plan_applied']:.0%} of instructions")
     if result.get("off_clock_instructions") is not None:
@@ -234,6 +240,41 @@ def format_report(result: dict) -> str:
         lines.append(f"written: {path}")
     lines.append(f"wall time: {result['wall_time_s']:.0f} s")
     return "\n".join(lines)
+
+
+def _service_report(result: dict) -> list[str]:
+    """The service's side: its model's fit on the job's baseline (per stage), its verification of
+    each pipeline's plan, and its own measurements of the job."""
+    lines = []
+    for c in result.get("calibration") or []:
+        lines.append(f"calibration ({c['models']}): {describe_calibration(c, reason=False)}")
+        if c.get("reason"):
+            lines.append(f"  {c['reason']}")
+        stages = [
+            f"{s['stage']}: {s['model_s']:.4f}/{s['measured_s']:.4f} s ({s['model_s'] / s['measured_s'] - 1:+.2%})"
+            for s in c.get("stages") or []
+            if s.get("model_s") is not None and s.get("measured_s")
+        ]
+        if stages:
+            lines.append(f"  per stage, model/measured instruction window: {'; '.join(stages)}")
+    for p in result.get("verification") or []:
+        lines.append(f"verification: {describe_verification(p, reason=False)}")
+        if p.get("reason"):
+            lines.append(f"  last re-plan: {p['reason']}")
+    service = result.get("service")
+    if service and service.get("baseline_iteration_time_s") is not None:
+        line = (
+            "the service's measurements (perseus status, means): "
+            f"baseline {service['baseline_iteration_time_s']:.3f} s {service['baseline_energy_j']:.1f} J "
+            f"({service['baseline_iterations']} iterations)"
+        )
+        if service.get("planned_iteration_time_s") is not None:
+            line += (
+                f", plan {service['planned_iteration_time_s']:.3f} s {service['planned_energy_j']:.1f} J "
+                f"({service['planned_iterations']} iterations), saving {service['measured_saving']:.1%}"
+            )
+        lines.append(line)
+    return lines
 
 
 def _straggler_report(result: dict) -> list[str]:

@@ -63,32 +63,60 @@ class Iteration:
 
 
 def rank_record_path(out_dir: str, rank: int) -> str:
-    """Where rank `rank` of the demo job writes its record (see perseus.demo.worker)."""
-    return os.path.join(out_dir, f"rank{rank}.json")
+    """Where rank `rank` of the demo job writes its record (see perseus.demo.worker): JSON lines,
+    the rank's details (a line with "rank"; a later one updates them) and one line per iteration,
+    appended as it ends -- rewriting the whole record every iteration would cost more host time
+    in every iteration than in the one before, tilting later phases against earlier ones."""
+    return os.path.join(out_dir, f"rank{rank}.jsonl")
+
+
+def verdicts_path(out_dir: str) -> str:
+    """Where the launcher writes, per pipeline, the plan version the service's verification has
+    decided on (see perseus.demo.watch); the ranks read it to know when to stop."""
+    return os.path.join(out_dir, "verified.json")
+
+
+def read_verdicts(out_dir: str) -> dict[int, int]:
+    """{pipeline: plan version verified (held, or fallen back to maximum clocks)}; empty until written."""
+    try:
+        with open(verdicts_path(out_dir), encoding="utf-8") as f:
+            return {int(k): int(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def read_rank_record(out_dir: str, rank: int) -> dict | None:
-    """Rank `rank`'s record as it stands (the rank rewrites it every iteration), or None if it
-    has written none yet."""
+    """Rank `rank`'s record as it stands: its details and `iterations`, the iterations it has
+    finished (a line it is still writing left out); None if it has written none yet."""
     try:
         with open(rank_record_path(out_dir, rank), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
+            lines = f.read().split("\n")
+    except OSError:
         return None
+    doc: dict | None = None
+    iterations = []
+    for line in lines[:-1]:  # the last is "" or a line being written
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            return None
+        if "rank" in entry:
+            doc = {**(doc or {}), **entry}
+        else:
+            iterations.append(entry)
+    return None if doc is None else {**doc, "iterations": iterations}
 
 
 def load_iterations(out_dir: str, world_size: int) -> list[Iteration]:
-    """Join the ranks' records (rank<R>.json in `out_dir`) iteration by iteration."""
+    """Join the ranks' records (see `rank_record_path`) iteration by iteration."""
     docs = []
     for rank in range(world_size):
-        path = rank_record_path(out_dir, rank)
-        try:
-            with open(path, encoding="utf-8") as f:
-                docs.append(json.load(f))
-        except (OSError, ValueError) as e:
+        doc = read_rank_record(out_dir, rank)
+        if doc is None:
             raise MeasurementError(
-                f"demo rank {rank} left no readable results in {path} ({e}); see its log above"
-            ) from e
+                f"demo rank {rank} left no readable results in {rank_record_path(out_dir, rank)}; see its log above"
+            )
+        docs.append(doc)
     count = min(len(d["iterations"]) for d in docs)
     iterations = []
     for i in range(count):
@@ -112,93 +140,34 @@ def load_iterations(out_dir: str, world_size: int) -> list[Iteration]:
     return iterations
 
 
-def pipeline_hops(iterations: list[Iteration]) -> list[float]:
-    """Every measured pipeline hop that nothing else delayed: from the end of a stage's forward
-    (backward) GPU work to the start of the next (previous) stage's work on the same microbatch,
-    where the receiving stage sat idle waiting for it. It holds what the planner's model leaves
-    out between dependent instructions: the send, the receive, and both ranks' host work."""
-    hops = []
-    for it in iterations:
-        for sender, receiver, kind in [(s, s + 1, "forward") for s in range(len(it.spans) - 1)] + [
-            (s + 1, s, "backward") for s in range(len(it.spans) - 1)
-        ]:
-            sent = {x["microbatch"]: x for x in it.spans[sender] if x["kind"] == kind}
-            row = it.spans[receiver]
-            for i, x in enumerate(row):
-                before = sent.get(x["microbatch"])
-                if x["kind"] == kind and before is not None and (i == 0 or row[i - 1]["end"] <= before["end"]):
-                    hops.append(x["start"] - before["end"])
-    return hops
-
-
-def instruction_gaps(iterations: list[Iteration]) -> list[float]:
-    """Every gap between consecutive instructions on a stage where the next one waited for no
-    other stage (its input was in before the previous one ended): host work -- sends, receives,
-    the loss, the schedule's bookkeeping -- that the planner's model also leaves out."""
-    gaps = []
-    for it in iterations:
-        last = len(it.spans) - 1
-        ends = [{(x["kind"], x["microbatch"]): x["end"] for x in row} for row in it.spans]
-        for s, row in enumerate(it.spans):
-            for prev, x in zip(row, row[1:]):
-                source = s - 1 if x["kind"] == "forward" else s + 1  # the stage its input comes from
-                if 0 <= source <= last:
-                    ready = ends[source].get((x["kind"], x["microbatch"]))
-                    if ready is None or ready > prev["end"]:
-                        continue
-                gaps.append(x["start"] - prev["end"])
-    return gaps
-
-
-def model_overheads(iterations: list[Iteration], num_stages: int) -> tuple[float, float]:
-    """(host gap between a stage's instructions, what a hop takes beyond it), in seconds, from
-    the medians of `instruction_gaps` and `pipeline_hops` over the baseline iterations of every
-    pipeline (ranks `num_stages * k` onwards); 0.0 where none was measured. What the demo tells
-    the planner: a measured hop already holds both ranks' host work, and the sender's
-    instruction carries the host gap, so the receiver's adds only the rest."""
-    baseline = split_phases(iterations)["baseline"]
-    gaps: list[float] = []
-    hops: list[float] = []
-    pipelines = len(baseline[0].phases) // num_stages if baseline else 0
-    for k in range(pipelines):
-        ranks = list(range(k * num_stages, (k + 1) * num_stages))
-        own = [it.of_ranks(ranks) for it in baseline]
-        gaps += instruction_gaps(own)
-        hops += pipeline_hops(own)
-    gap = statistics.median(gaps) if gaps else 0.0
-    return gap, (max(0.0, statistics.median(hops) - gap) if hops else 0.0)
-
-
-def gloo_latency(out_dir: str, world_size: int) -> float | None:
-    """The median over ranks of the measured one-way gloo latency to the next stage (see
-    perseus.demo.worker.gloo_latency), or None if no rank measured one."""
-    docs = (read_rank_record(out_dir, rank) for rank in range(world_size))
-    values = [doc["gloo_latency_s"] for doc in docs if doc and doc.get("gloo_latency_s") is not None]
-    return statistics.median(values) if values else None
-
-
 def split_phases(iterations: list[Iteration], straggler_ranks: list[int] | None = None) -> dict[str, list[Iteration]]:
     """The measured iterations of each phase.
 
-    baseline: before Perseus, at maximum clocks, without the first iteration (it warms up the
-    pipeline). profiling: any rank sweeping clocks. planned: every rank running the plan,
-    without the first such iteration (the switch). With a straggler pipeline (its ranks
-    `straggler_ranks`), planned iterations split in two, each without its switch: `intrinsic`,
-    every rank on the first plan (no slowdown), and `planned`, every other rank on a later plan
-    (the straggler-aware one).
+    baseline: without Perseus, at maximum clocks: `before` it attached and `after` it closed,
+    each without its first iteration (it warms up the pipeline, or the clocks' reset lands in
+    it); either side alone would let a machine's changing load tilt the comparison. profiling:
+    any rank sweeping clocks. planned: every rank running the last plan (a plan the service's
+    verification replaced is not what the job runs), without the first such iteration (the
+    switch). With a straggler pipeline (its ranks `straggler_ranks`), planned iterations split
+    in two, each without its switch: `intrinsic`, every rank on the first plan (no slowdown),
+    and `planned`, every other rank on a later plan (the straggler-aware one).
     """
     out: dict[str, list[Iteration]] = {"baseline": [], "profiling": [], "planned": []}
     planned = []
+    sides: dict[str, list[Iteration]] = {"baseline": [], "after": []}
     for it in iterations:
         phases = set(it.phases)
-        if phases == {"baseline"} and it.index > 0:
-            out["baseline"].append(it)
+        if len(phases) == 1 and phases <= sides.keys():
+            sides[it.phases[0]].append(it)
         elif "profiling" in phases:
             out["profiling"].append(it)
         elif phases == {"planned"}:
             planned.append(it)
+    out["before"], out["after"] = sides["baseline"][1:], sides["after"][1:]
+    out["baseline"] = out["before"] + out["after"]
     if straggler_ranks is None:
-        out["planned"] = planned[1:]
+        last = planned[-1].versions if planned else ()
+        out["planned"] = [it for it in planned if it.versions == last][1:]
         return out
     first = min((v for it in planned for v in it.versions if v is not None), default=None)
     others = [r for r in range(len(iterations[0].phases)) if r not in straggler_ranks] if iterations else []

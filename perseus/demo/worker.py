@@ -3,18 +3,16 @@
 Trains its stage of the demo transformer with torch's Schedule1F1B on gloo (with several
 data-parallel pipelines: in its pipeline's group, its gradients averaged over the stage's
 replicas), every instruction emulated on this rank's simulated GPU, and writes what it measured per
-iteration (window, energy, instruction spans, Perseus phase) to `<out_dir>/rank<R>.json`. Before
-Perseus attaches, the ranks agree on the host gap and pipeline hop their baseline measured, which
-the planner adds to the profile.
+iteration (window, energy, instruction spans, Perseus phase) to `<out_dir>/rank<R>.jsonl`. Perseus
+attaches as it would to any job: no overheads are given, the service calibrates its model on the
+ranks' own baseline timeline and verifies the plan while it runs.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-import time
 from dataclasses import asdict
 
 import torch
@@ -22,19 +20,16 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import perseus
-from perseus.atomic import write_json_atomic
 from perseus.client.planner_client import PlannerClient
 from perseus.demo.config import DemoConfig
 from perseus.demo.emulation import EmulatedStage, GPUEmulator
 from perseus.demo.model import build_stage, lm_loss, make_batch
-from perseus.demo.results import load_iterations, model_overheads, rank_record_path
+from perseus.demo.results import rank_record_path, read_verdicts
 from perseus.demo.workload import stage_works
 from perseus.devices import get_gpus
 from perseus.exceptions import ConfigError
 from perseus.runtime import PerseusRank, ProfilingSettings
 
-#: Ping-pong round trips per pair of adjacent stages when measuring gloo's latency.
-HOP_ROUNDS = 20
 #: Iterations at default clocks after profiling (no plan: the service failed to plan) before the demo stops.
 UNPLANNED_AFTER_PROFILING = 3
 
@@ -67,19 +62,18 @@ def run_rank(config: DemoConfig) -> None:
         )
         schedule = Schedule1F1B(stage, config.num_microbatches, loss_fn=lm_loss)
         trainer = _Trainer(config, rank, stage_index, pipeline, schedule, model, emulator, replica_group)
-        trainer.gloo_latency_s = gloo_latency(config, stage_index, rank)
         trainer.run(config.baseline_iterations)  # the baseline: no Perseus, maximum clocks
         if config.server is not None:
-            overheads = measured_overheads(config, rank)
             client = PlannerClient(config.server)
             try:
-                perseus_rank = _instrument(stage, schedule, gpu, client, config, rank, pipeline, overheads)
+                perseus_rank = _instrument(stage, schedule, gpu, client, config, rank, pipeline)
                 try:
                     trainer.run(config.max_iterations, perseus_rank, client)
                 finally:
-                    perseus_rank.close()
+                    perseus_rank.close()  # maximum clocks again
             finally:
                 client.close()
+            trainer.run(config.after_iterations, label="after")
     finally:
         dist.destroy_process_group()
 
@@ -96,50 +90,10 @@ def _groups(config: DemoConfig, stage: int, pipeline: int):
     return pipelines[pipeline], replicas[stage]
 
 
-def gloo_latency(config: DemoConfig, stage: int, rank: int) -> float | None:
-    """The median one-way time (s) of sending one microbatch's activations to the next stage
-    over gloo, by ping-pong with it (the planner's model has no such cost); None on the last
-    stage. Adjacent stage pairs take turns, in every pipeline at once."""
-    x = torch.zeros(config.microbatch_size, config.model.seq_len, config.model.d_model)
-    latency = None
-    for first in (stage - 1, stage):  # the pair with the previous stage, then with the next
-        if not 0 <= first < config.num_stages - 1:
-            continue
-        sender = first == stage
-        peer = rank + 1 if sender else rank - 1
-        times = []
-        for _ in range(HOP_ROUNDS):
-            began = time.perf_counter()
-            if sender:
-                dist.send(x, peer)
-                dist.recv(x, peer)
-                times.append((time.perf_counter() - began) / 2)
-            else:
-                dist.recv(x, peer)
-                dist.send(x, peer)
-        if sender:
-            latency = statistics.median(times)
-    return latency
-
-
-def measured_overheads(config: DemoConfig, rank: int) -> tuple[float, float]:
-    """(host gap between instructions, pipeline hop) in seconds, as the baseline measured them
-    (`perseus.demo.results.model_overheads`): rank 0 reads every rank's records once all are
-    written, and broadcasts its figures, so every rank's job spec carries the same numbers."""
-    dist.barrier()  # every rank's baseline records are on disk
-    values = torch.zeros(2, dtype=torch.float64)
-    if rank == 0:
-        values[:] = torch.tensor(model_overheads(load_iterations(config.out_dir, config.world_size), config.num_stages))
-    dist.broadcast(values, 0)
-    return float(values[0]), float(values[1])
-
-
-def _instrument(
-    stage, schedule, gpu, client, config: DemoConfig, rank: int, pipeline: int, overheads: tuple[float, float]
-) -> PerseusRank:
-    """Perseus on this rank's stage, talking to the planner through `client`; the planner counts
-    the measured host gap and hop (`overheads`) the GPU-only profile leaves out. Returns the
-    stage's `PerseusRank` (`stage.perseus`)."""
+def _instrument(stage, schedule, gpu, client, config: DemoConfig, rank: int, pipeline: int) -> PerseusRank:
+    """Perseus on this rank's stage, talking to the planner through `client`, as any job would
+    attach it (what the GPU-only profile leaves out, the service fits on the ranks' timeline).
+    Returns the stage's `PerseusRank` (`stage.perseus`)."""
     settings = ProfilingSettings(
         warmup_iterations=config.warmup_iterations,
         iterations_per_frequency=config.iterations_per_frequency,
@@ -155,8 +109,6 @@ def _instrument(
         rank=rank,
         dp=config.dp,
         dp_index=pipeline,
-        instruction_overhead_s=overheads[0],
-        hop_latency_s=overheads[1],
     )
     return instrumented.perseus
 
@@ -185,18 +137,21 @@ class _Trainer:
         batch = config.num_microbatches * config.microbatch_size
         self.tokens, self.targets = make_batch(config.model, batch, config.seed + 7919 * pipeline)  # its own data
         self.path = rank_record_path(config.out_dir, rank)
-        self.records: list[dict] = []
+        self.iterations = 0  # recorded so far
         self.job_id: str | None = None
-        self.gloo_latency_s: float | None = None
+        self.write_details()
 
-    def run(self, max_iterations: int, perseus_rank=None, client=None) -> None:
+    def run(self, max_iterations: int, perseus_rank=None, client=None, label: str = "baseline") -> None:
         """Train `max_iterations`, or with Perseus until `planned_iterations` iterations (after
         the switch) ran the plan on every rank -- with a straggler, the straggler-aware plan
-        on every other pipeline --, or until `UNPLANNED_AFTER_PROFILING` iterations ran
-        unplanned after profiling (the service could not plan: see its log), or until
-        `replan_wait_iterations` planned iterations passed without a straggler-aware plan."""
+        on every other pipeline -- and, with `await_verification`, the service's verification
+        has decided on the plan every rank runs (the launcher says so: `read_verdicts`), or
+        until `UNPLANNED_AFTER_PROFILING` iterations ran unplanned after profiling (the service
+        could not plan: see its log), or until `replan_wait_iterations` planned iterations
+        passed without a straggler-aware plan. Without Perseus, each iteration's phase is `label`."""
         if perseus_rank is not None:
             self.job_id = perseus_rank.job_spec().job_id()
+            self._append(self.details())
         straggler = self.config.straggler_pipeline
         planned = replanned = given_up = 0
         profiled = False
@@ -205,7 +160,7 @@ class _Trainer:
         start, energy_start = self.gpu.clock.now(), self.gpu.energy_mj()
         for _ in range(max_iterations):
             self.step()
-            phase = "baseline" if perseus_rank is None else str(perseus_rank.phase)
+            phase = label if perseus_rank is None else str(perseus_rank.phase)
             version = perseus_rank.plan_version if phase == "planned" else None
             profiled = profiled or phase == "profiling"
             if phase == "planned":  # the clocks this rank was told to run (the client's cached table)
@@ -216,13 +171,19 @@ class _Trainer:
             holds_final = phase == "planned" and (
                 straggler is None or self.pipeline == straggler or version != first_version
             )
-            # One all-reduce ends the iteration: MIN of (all planned, all at the final plan, not given up).
-            flags = torch.tensor([int(phase == "planned"), int(holds_final), -int(profiled and phase == "unplanned")])
+            checked = not self.config.await_verification or (
+                phase == "planned" and read_verdicts(self.config.out_dir).get(self.pipeline) == version
+            )
+            # One all-reduce ends the iteration: MIN of (all planned, all at the final plan, not
+            # given up, every rank's plan verified).
+            flags = torch.tensor(
+                [int(phase == "planned"), int(holds_final), -int(profiled and phase == "unplanned"), int(checked)]
+            )
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
             end, energy_end = self.gpu.clock.now(), self.gpu.energy_mj()
-            self.records.append(
+            self._append(
                 {
-                    "iteration": len(self.records),
+                    "iteration": self.iterations,
                     "phase": phase,
                     "plan_version": version,
                     "start": start,
@@ -232,12 +193,13 @@ class _Trainer:
                     "spans": [asdict(s) for s in self.emulator.take_spans()],
                 }
             )
-            self.save()
+            self.iterations += 1
             start, energy_start = end, energy_end
             planned += int(flags[0].item())
             replanned += int(flags[1].item())
             given_up += -int(flags[2].item())
-            if replanned > self.config.planned_iterations or given_up >= UNPLANNED_AFTER_PROFILING:
+            checked_all = bool(flags[3].item())
+            if (replanned > self.config.planned_iterations and checked_all) or given_up >= UNPLANNED_AFTER_PROFILING:
                 return
             if straggler is not None and not replanned and planned >= self.config.replan_wait_iterations:
                 return  # no straggler-aware plan came: the result says so
@@ -266,8 +228,12 @@ class _Trainer:
             p.grad = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
 
-    def save(self) -> None:
-        doc = {
+    def write_details(self) -> None:
+        """(Re)start this rank's record with its details: a restarted attempt starts afresh."""
+        self._append(self.details(), mode="w")
+
+    def details(self) -> dict:
+        return {
             "rank": self.rank,
             "stage": self.stage,
             "pipeline": self.pipeline,
@@ -275,10 +241,12 @@ class _Trainer:
             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # torchrun's group restarts
             "world_size": self.config.world_size,
             "job_id": self.job_id,
-            "gloo_latency_s": self.gloo_latency_s,
-            "iterations": self.records,
         }
-        write_json_atomic(self.path, doc, indent=None, fsync=False)  # a progress record, rewritten every iteration
+
+    def _append(self, entry: dict, mode: str = "a") -> None:
+        """One line of the record (perseus.demo.results.rank_record_path), in one write."""
+        with open(self.path, mode, encoding="utf-8") as f:
+            f.write(json.dumps(entry, separators=(",", ":")) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,14 @@ def test_the_demo_changes_clocks_through_its_agent(monkeypatch):
         launcher, "demo_config", lambda *a, **k: dataclasses.replace(demo_config(*a, **k), max_iterations=600)
     )
     options = DemoOptions(
-        ranks=RANKS, microbatches=4, iterations=2, sweep_step=8, time_scale=0.05, timeout_s=600, keep_dir=True
+        # GPU work long enough for the service's calibration to fit on a loaded machine (see test_demo.py).
+        ranks=RANKS,
+        microbatches=4,
+        iterations=2,
+        sweep_step=8,
+        time_scale=0.15,
+        timeout_s=600,
+        keep_dir=True,
     )
     said: list[str] = []
     result = run_demo(options, said.append)

@@ -16,14 +16,16 @@ from perseus.demo.emulation import EmulatedStage, GPUEmulator
 from perseus.demo.launcher import DemoOptions
 from perseus.demo.model import build_stage, lm_loss, make_batch
 from perseus.demo.processes import stop_job, wait_for_job
-from perseus.demo.report import plan_applied, predict_at_pace, summarize
-from perseus.demo.results import Iteration, model_overheads, read_rank_record, split_phases
+from perseus.demo.report import format_report, plan_applied, predict_at_pace, summarize
+from perseus.demo.results import Iteration, read_rank_record, read_verdicts, split_phases
+from perseus.demo.watch import ServiceWatch
 from perseus.demo.workload import DEFAULT_TIME_SCALE, GPT3_A100_STAGES, default_time_scale, stage_works
 from perseus.devices.sim import SimGPU
 from perseus.devices.sim_work import predict
 from perseus.exceptions import ConfigError, PerseusError
 from perseus.schedules.instruction import Kind
-from perseus.wire.messages import JobStatus
+from perseus.wire.calibration import CalibrationStatus, StageFitStatus
+from perseus.wire.messages import JobStatus, PipelineStatus, Status
 
 
 def test_stage_works_merge_the_measured_stages_and_keep_the_last_heaviest():
@@ -217,39 +219,141 @@ def test_straggler_phases_split_intrinsic_from_straggler_aware_and_predict_at_it
     assert predict_at_pace(None, 2, 1) == {}
 
 
-def _hop_it(index, phase, hop):
-    """Two pipelines x 2 stages, one microbatch; pipeline k's hops take `hop * (k + 1)`, and
-    stage 1 waits 1 ms between its forward and its backward (host work)."""
+def _versions_it(index, versions):
+    """One pipeline of 2 stages, planned at plan version `versions` per rank."""
+    return Iteration(index, ("planned",) * 2, 1.0, 100.0, ((), ()), 0.0, (None, None), tuple(versions))
 
-    def span(kind, start, end):
-        return {"kind": kind, "microbatch": 0, "start": start, "end": end, "frequency": 1410}
 
-    spans = []
-    for k in (1, 2):
-        h = hop * k
-        spans += [
-            (span("forward", 0.0, 1.0), span("backward", 3.0 + 2 * h, 4.0)),
-            (span("forward", 1.0 + h, 2.0), span("backward", 2.001, 3.0 + h)),
-        ]
-    windows = ((4.0, 1.0),) * 4
-    return Iteration(
-        index, (phase,) * 4, 4.0, 4.0, tuple(tuple(r) for r in spans), 0.0, (None,) * 4, (None,) * 4, windows
+def test_the_planned_phase_is_the_plan_the_job_ran_last():
+    # Verification replaced plan v1 by v2: v2's iterations after its switch are what the job runs.
+    its = [_versions_it(i, v) for i, v in enumerate([(1, 1), (1, 1), (1, 1), (2, 2), (2, 2), (2, 2)])]
+    assert [i.index for i in split_phases(its)["planned"]] == [4, 5]
+
+
+FITTED = CalibrationStatus(
+    models="NVIDIA A100-SXM4-40GB (simulated)",
+    state="fitted",
+    iterations=8,
+    measured_s=1.5,
+    model_s=1.503,
+    gpu_only_s=1.45,
+    explained=0.967,
+    host_gap_s=0.0004,
+    hop_s=0.0007,
+    stages=(StageFitStatus(0, 1.4, 1.3986, 1.2, 0.0004), StageFitStatus(1, 1.42, 1.42, 1.3, 0.0005)),
+)
+
+
+def _pipeline(version: int, verification: str, **more) -> PipelineStatus:
+    return PipelineStatus(
+        pipeline=0,
+        plan_version=version,
+        deadline_s=None,
+        predicted_iteration_time_s=1.5,
+        measured_iteration_time_s=1.51,
+        baseline_iteration_time_s=1.4,
+        target_iteration_time_s=1.4,
+        verification=verification,
+        **more,
     )
 
 
-def test_model_overheads_are_the_baseline_medians_over_every_pipeline():
-    its = [
-        _hop_it(0, "baseline", 0.1),
-        _hop_it(1, "baseline", 0.001),
-        _hop_it(2, "baseline", 0.001),
-        _hop_it(3, "planned", 0.1),
+def _job(*pipelines: PipelineStatus, calibrations=(FITTED,)) -> JobStatus:
+    return JobStatus(
+        job_id="job-0123456789abcdef",
+        phase="planned",
+        world_size=2,
+        ranks_registered=2,
+        profiled_stages=(0, 1),
+        plan_version=max((p.plan_version for p in pipelines), default=0),
+        last_iteration=40,
+        predicted_iteration_time_s=1.503,
+        predicted_energy_j=90.0,
+        predicted_baseline_energy_j=100.0,
+        baseline_iterations=8,
+        baseline_iteration_time_s=1.51,
+        baseline_energy_j=101.0,
+        planned_iterations=14,
+        planned_iteration_time_s=1.52,
+        planned_energy_j=92.0,
+        pipelines=pipelines,
+        calibrations=calibrations,
+    )
+
+
+class _Service:
+    """Answers `status` with the job statuses given, one per call (the last one again)."""
+
+    def __init__(self, *jobs: JobStatus) -> None:
+        self.jobs = list(jobs)
+
+    def status(self, job_id):
+        job = self.jobs.pop(0) if len(self.jobs) > 1 else self.jobs[0]
+        return Status((job,))
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_watch_says_what_the_service_decided_and_tells_the_ranks_which_plan_is_verified(tmp_path):
+    said: list[str] = []
+    watch = ServiceWatch("tcp://127.0.0.1:1", str(tmp_path), said.append)
+    watch.client.close()
+    watch.client = _Service(  # type: ignore[assignment]
+        _job(calibrations=(CalibrationStatus(models=FITTED.models, state="collecting"),)),
+        _job(_pipeline(1, "verifying")),
+        _job(_pipeline(1, "verifying")),
+        _job(_pipeline(1, "replanning", replans=1, reason="plan v1 runs +3.0% over its target; re-planning (1 of 3)")),
+        _job(_pipeline(2, "holds", verified_iteration_time_s=1.407, replans=1)),
+    )
+    seen = []
+    for _ in range(5):
+        watch.fetch("job-0123456789abcdef")
+        seen.append(read_verdicts(str(tmp_path)))
+    # The ranks learn of a plan version only once verification decided on it (held here).
+    assert seen == [{}, {}, {}, {}, {0: 2}]
+    assert said[0] == "service: model collecting"
+    assert said[1].startswith("service: model fitted on 8 baseline iterations: model 1.5030 s vs measured 1.5000 s")
+    # Each change said once: the repeated "verifying" status says nothing new.
+    assert said[2:] == [
+        "service: pipeline 0, plan v1: verifying, target 1.4000 s",
+        "service: pipeline 0, plan v1: replanning, target 1.4000 s; 1 re-plan(s): plan v1 runs +3.0% over its "
+        "target; re-planning (1 of 3)",
+        "service: pipeline 0, plan v2: holds, 1.4070 s measured against a 1.4000 s target (+0.5%; compute time, "
+        "median of a window); 1 re-plan(s)",
     ]
-    gap, hop = model_overheads(its, num_stages=2)
-    assert gap == pytest.approx(0.001)  # stage 1's forward -> backward; stage 0's backward waited on stage 1
-    # Hops: 1 ms in pipeline 0, 2 ms in pipeline 1 (the warm-up and planned ones left out), median
-    # 1.5 ms, of which the sender's 1 ms host gap is already counted.
-    assert hop == pytest.approx(0.0005)
-    assert model_overheads(its[:1], num_stages=2) == (0.0, 0.0)  # nothing measured: nothing added
+    assert watch.status.pipelines[0].verification == "holds"
+
+
+def test_the_report_shows_the_calibrated_fit_and_the_verdict_not_hand_measured_overheads():
+    plan = [[1410, 1200], [1000, 1410]]
+    its = [
+        _it(0, ["baseline"] * 2, 2.0, 500.0),
+        _it(1, ["baseline"] * 2, 1.5, 101.0),
+        _it(2, ["planned"] * 2, 1.5, 95.0, plan, plan),
+        _it(3, ["planned"] * 2, 1.51, 92.0, plan, plan),
+    ]
+    status = _job(_pipeline(1, "holds", verified_iteration_time_s=1.407))
+    result = summarize(its, status)
+    assert result["calibration"] == [FITTED.to_wire()]
+    assert [p["verification"] for p in result["verification"]] == ["holds"]
+    assert result["service"]["measured_saving"] == pytest.approx(1 - 92 / 101)
+    assert not {"hop_latency_s", "instruction_gap_s", "model_time_gap", "gloo_latency_s"} & set(result)
+    report = format_report({**result, "clocks_reset": True, "wall_time_s": 100.0})
+    assert (
+        "calibration (NVIDIA A100-SXM4-40GB (simulated)): model fitted on 8 baseline iterations: model 1.5030 s vs "
+        "measured 1.5000 s (+0.20%); GPU profile alone 1.4500 s (97% explained); host gap 0.40 ms, hop 0.70 ms"
+    ) in report
+    assert (
+        "  per stage, model/measured instruction window: 0: 1.3986/1.4000 s (-0.10%); 1: 1.4200/1.4200 s (+0.00%)"
+        in (report)
+    )
+    assert "verification: pipeline 0, plan v1: holds, 1.4070 s measured against a 1.4000 s target (+0.5%" in report
+    assert (
+        "the service's measurements (perseus status, means): baseline 1.510 s 101.0 J (8 iterations), plan 1.520 s "
+        "92.0 J (14 iterations), saving 8.9%"
+    ) in report
+    assert "pipeline hop" not in report and "host gap between instructions" not in report
 
 
 def test_default_time_scale_keeps_the_default_iteration_time_for_any_shape():
@@ -262,10 +366,19 @@ def test_default_time_scale_keeps_the_default_iteration_time_for_any_shape():
 
 def test_rank_records_read_as_none_until_written(tmp_path):
     assert read_rank_record(str(tmp_path), 0) is None
-    (tmp_path / "rank0.json").write_text('{"iterations": [')  # not JSON
+    record = tmp_path / "rank0.jsonl"
+    record.write_text('{"rank": 0, "job_id": null}\n{"iteration": 0')  # the iteration is being written
+    assert read_rank_record(str(tmp_path), 0) == {"rank": 0, "job_id": None, "iterations": []}
+    record.write_text(
+        '{"rank": 0, "job_id": null}\n{"iteration": 0}\n{"rank": 0, "job_id": "job-1"}\n{"iteration": 1}\n'
+    )
+    assert read_rank_record(str(tmp_path), 0) == {
+        "rank": 0,
+        "job_id": "job-1",  # the later details line
+        "iterations": [{"iteration": 0}, {"iteration": 1}],
+    }
+    record.write_text('{"rank": 0}\n{"iter\n{"iteration": 1}\n')  # not JSON
     assert read_rank_record(str(tmp_path), 0) is None
-    (tmp_path / "rank0.json").write_text('{"iterations": []}')
-    assert read_rank_record(str(tmp_path), 0) == {"iterations": []}
 
 
 def test_waiting_on_a_job_returns_the_value_or_fails_with_what_and_its_log(tmp_path):
