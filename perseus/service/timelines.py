@@ -48,7 +48,7 @@ MAX_ATTEMPTS = 3
 STALE_TOLERANCE = 0.1
 #: ... or, with no such fit to compare with, this much off the profile's times themselves.
 STALE_UNREFERENCED = 0.5
-#: Relative spreads of the two runs' spans an unreferenced change must exceed (see `profile_mismatch`).
+#: Relative spreads (of the two runs' spans, added) a change from that fit must exceed, if over STALE_TOLERANCE.
 STALE_SIGNIFICANCE = 3.0
 
 _BASELINE = (Phase.WARMUP.value, Phase.PLANNING.value)
