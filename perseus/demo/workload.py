@@ -10,9 +10,9 @@ layers and the language-model head) is 7.7% (forward) and 6.4% (backward) heavie
 
 A demo with N stages merges the 8 measured stages into N contiguous groups, as a smaller
 pipeline would hold more layers per stage, then scales time so the default demo (4 stages,
-8 microbatches, 1F1B) takes about 1.5 s per iteration: long enough that the host work the
-planner's model leaves out (about a millisecond per instruction and per pipeline hop) is a small
-part of it.
+8 microbatches, 1F1B) takes about 1.5 s per iteration: long enough that the host work between
+instructions and the pipeline hops (about a millisecond each, which the service calibrates on
+the job's own timeline) are a small part of it, as in a real job.
 """
 
 from __future__ import annotations
