@@ -20,8 +20,10 @@ planner plans without the padding, so its claimed gap is against another objecti
 Speed (each in a fresh child process, benchmarks/planner_child.py, ours and today's alike, GPT-3
 A100 stage profile tiled over the stages, 1F1B): 8 x 96 setup + no-slowdown plan, its 50-point
 frontier, a re-plan of the kept planner at a new deadline; 16 x 256 and 32 x 512 setup + plan
-with peak RSS. Timings are wall-clock on this machine; CPU contention from other processes
-inflates them. Every target prints its figure and [ok] or [miss]; exits 1 if one is missed.
+with peak RSS; each no-slowdown plan's CPU time split into LP solves, pair exchanges, rounding,
+the exact MILP and the rest (calls in parentheses). Timings are wall-clock on this machine; CPU
+contention from other processes inflates them. Every target prints its figure and [ok] or
+[miss]; exits 1 if one is missed.
 """
 
 from __future__ import annotations
@@ -367,6 +369,7 @@ def speed_runs(profiles, trees: dict, large_timeout: float) -> dict:
             "(median of 5), "
             f"50-point frontier {out['frontier_s']:.2f} s (largest gap {100 * out['frontier_gap']:.3f}%)"
         )
+        print(f"{'':>5}   {phases_line(out)}")
     for stages, microbatches, _ in LARGE:
         for label, tree in trees.items():
             task = {
@@ -386,7 +389,18 @@ def speed_runs(profiles, trees: dict, large_timeout: float) -> dict:
                 f"peak RSS {out['rss_mb']:.0f} MB, "
                 f"saving {100 * out['saving']:.2f}%, gap {100 * out['plan']['claimed_gap']:.3f}%"
             )
+            print(f"{'':>5}   {phases_line(out)}")
     return speed
+
+
+def phases_line(out: dict) -> str:
+    """Where the no-slowdown plan's CPU time went, from planner_child's phase clock."""
+    names = {"lp": "LP solves", "exchange": "pair exchanges", "rounding": "rounding", "milp": "exact MILP"}
+    phases = out.get("phases", {})
+    parts = [f"{label} {phases[key][0]:.2f} s ({phases[key][1]})" for key, label in names.items() if key in phases]
+    if "other" in phases:
+        parts.append(f"other {phases['other'][0]:.2f} s")
+    return f"plan CPU {phases.get('total', [0.0])[0]:.2f} s: " + ", ".join(parts)
 
 
 def _side(speed: dict, key: str, figure) -> str:

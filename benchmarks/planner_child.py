@@ -8,16 +8,80 @@ Tasks (all plans are checked against their deadline by the tree's own evaluator)
 - speed: setup + no-slowdown plan; the 50-point frontier; re-plans of the kept planner at new
   deadlines (what the service does when a straggler appears or recovers).
 - large: setup + no-slowdown plan, with the process's peak RSS.
+
+The no-slowdown plan of `speed` and `large` also reports where its CPU time went (`phases`): LP
+solves, pair exchanges, rounding walks and the exact MILP, timed by wrapping those functions of
+the tree under test where it has them; the rest (refine's own work, evaluation) is "other".
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import resource
 import statistics
 import sys
 import time
+from collections import defaultdict
+
+# (phase, module, class or None, function): what `PhaseClock` times. Nested calls count once, in
+# the outermost phase (refine's LP solves are LP; exchange's own walks are exchange).
+PHASES = (
+    ("lp", "perseus.planner.lp", "HullLP", "solve"),
+    ("exchange", "perseus.planner.solver", None, "exchange"),
+    ("rounding", "perseus.planner.solver", None, "round_down"),
+    ("rounding", "perseus.planner.solver", None, "fill_slack"),
+    ("milp", "perseus.planner.solver", None, "solve_exact"),
+)
+
+
+class PhaseClock:
+    """CPU seconds and calls per planner phase while `running` is set."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.running = False
+        self._depth = 0
+
+    def install(self) -> None:
+        for phase, module_name, class_name, name in PHASES:
+            owner = importlib.import_module(module_name)
+            owner = getattr(owner, class_name, None) if class_name else owner
+            if owner is not None and hasattr(owner, name):
+                setattr(owner, name, self._timed(phase, getattr(owner, name)))
+
+    def _timed(self, phase: str, func):
+        def timed(*args, **kwargs):
+            if not self.running or self._depth:
+                return func(*args, **kwargs)
+            self._depth += 1
+            tick = time.process_time()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self.seconds[phase] += time.process_time() - tick
+                self.calls[phase] += 1
+
+        return timed
+
+    def measure(self, run):
+        """`run()`'s result and {phase: [CPU s, calls]}, with "total" and "other"."""
+        self.seconds.clear()
+        self.calls.clear()
+        self.running = True
+        tick = time.process_time()
+        try:
+            result = run()
+        finally:
+            self.running = False
+        total = time.process_time() - tick
+        phases = {phase: [self.seconds[phase], self.calls[phase]] for phase in self.seconds}
+        phases["other"] = [total - sum(self.seconds.values()), 0]
+        phases["total"] = [total, 0]
+        return result, phases
 
 
 def profile_from(doc: dict):
@@ -55,6 +119,8 @@ def main() -> None:
     from perseus.planner import Planner
     from perseus.schedules import build_schedule
 
+    clock = PhaseClock()
+    clock.install()
     profile = profile_from(task["profile"])
     name, stages, microbatches = task["schedule"]
     schedule = build_schedule(name, stages, microbatches)
@@ -74,7 +140,7 @@ def main() -> None:
         out["rows"] = rows
     elif task["task"] == "speed":
         tick = time.perf_counter()
-        plan, deadline = plan_at(planner, 1.0, False)
+        (plan, deadline), out["phases"] = clock.measure(lambda: plan_at(planner, 1.0, False))
         out["plan_s"] = time.perf_counter() - tick
         out["plan"] = summary(planner, plan, deadline, False)
         replans = []
@@ -89,7 +155,7 @@ def main() -> None:
         out["frontier_gap"] = max(p.plan.gap for p in points)
     else:  # large
         tick = time.perf_counter()
-        plan, deadline = plan_at(planner, 1.0, False)
+        (plan, deadline), out["phases"] = clock.measure(lambda: plan_at(planner, 1.0, False))
         out["plan_s"] = time.perf_counter() - tick
         out["plan"] = summary(planner, plan, deadline, False)
         out["saving"] = 1 - out["plan"]["energy_j"] / planner.max_frequency_energy_j
