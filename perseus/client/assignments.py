@@ -28,8 +28,9 @@ class Assignment:
     or None: leave clocks at maximum/default. `sweep`: the profiling sweep the service designed
     (phase profiling; the rank picks each iteration's step, see perseus.profiler.sweep), else
     None. `spans`: the service asks for this
-    iteration's instruction spans (it is calibrating its model of the job). Shared between
-    calls: do not mutate.
+    iteration's instruction spans (it is calibrating its model of the job). `sweep_round`: the
+    service's round of the sweep (Table.sweep_round); a new one asks for a fresh sweep, whatever
+    the rank swept before. Shared between calls: do not mutate.
     """
 
     phase: Phase
@@ -37,6 +38,7 @@ class Assignment:
     sweep: SweepPlan | None
     plan_version: int
     spans: bool = False
+    sweep_round: int = 0
 
 
 UNPLANNED = Assignment(Phase.UNPLANNED, None, None, 0)
@@ -55,6 +57,7 @@ class View:
     warmup: Assignment
     waiting: Assignment  # after the sweep until a plan starts; UNPLANNED if planning failed
     upload: bool  # this rank uploads its stage profile (Table.upload)
+    sweep_round: int  # Table.sweep_round
 
 
 class RankState:
@@ -65,7 +68,7 @@ class RankState:
         self.job_id: str | None = None
         self.info: RankInfo | None = None
         self.iteration = -1
-        self.uploaded = False  # the rank offered its stage profile (its sweep is over)
+        self.uploaded_round: int | None = None  # the sweep round the rank offered its stage profile in
         self.view: View | None = None
         self.plan_arrived = threading.Event()
         self._warned: set[str] = set()
@@ -82,9 +85,19 @@ class RankState:
             return view.previous  # a re-plan (a straggler came or went) starts at plan_start
         if iteration < view.warmup_iterations:
             return view.warmup
-        if not (view.stage_profiled or self.uploaded) and view.profiling is not None:
+        if view.profiling is not None and not view.stage_profiled and not self.swept(view.sweep_round):
             return view.profiling
         return view.waiting
+
+    def swept(self, sweep_round: int) -> bool:
+        """The rank offered its profile in this round of the sweep or a later one: it does not sweep
+        again unless the service asks a later round (its profile never arrived)."""
+        return self.uploaded_round is not None and self.uploaded_round >= sweep_round
+
+    def offered(self) -> None:
+        """The rank offered its stage profile (the training thread calls this): its sweep is over."""
+        view = self.view
+        self.uploaded_round = view.sweep_round if view is not None else 0
 
     def known_plan_version(self) -> int:
         view = self.view
@@ -119,7 +132,7 @@ class RankState:
             sweep = old.profiling.sweep if old is not None and old.profiling is not None else None
             if sweep is None or sweep.steps != steps:  # the same plan object while the sweep is the same
                 sweep = SweepPlan(table.sweep_frequencies, table.iterations_per_frequency, steps)
-            profiling = Assignment(Phase.PROFILING, None, sweep, version, spans)
+            profiling = Assignment(Phase.PROFILING, None, sweep, version, spans, table.sweep_round)
         self.view = View(
             warmup_iterations=table.warmup_iterations,
             profiling=profiling,
@@ -130,6 +143,7 @@ class RankState:
             warmup=UNPLANNED if failed else Assignment(Phase.WARMUP, None, None, version, spans),
             waiting=UNPLANNED if failed else Assignment(Phase.PLANNING, None, None, version, spans),
             upload=table.upload,
+            sweep_round=table.sweep_round,
         )
         if plan is not None and (old is None or old.plan is not plan):
             log.info(

@@ -91,7 +91,7 @@ class PlannerClient:
             raise ConfigError(
                 f"this PlannerClient serves rank {rank.info.rank} of {rank.job_id}; create one client per rank"
             )
-        rank.job_id, rank.info, rank.uploaded = job_id, info, False
+        rank.job_id, rank.info, rank.uploaded_round = job_id, info, None
         self._raise_if_refused(self._call(message, reliable=True))
 
     def assignment(self, iteration: int) -> Assignment:
@@ -114,7 +114,7 @@ class PlannerClient:
                 f"stage {stage}'s profile is {size} bytes, over the {MAX_MESSAGE_BYTES}-byte message limit; profile "
                 "fewer frequencies"
             )
-        self._rank.uploaded = True
+        self._rank.offered()
         self._handoff.send(Outgoing(message, reliable=True))
 
     def report_iteration(

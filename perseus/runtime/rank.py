@@ -146,6 +146,7 @@ class PerseusRank:
 
         self.sweep_frequencies = self.settings.frequencies or tuple(gpu.supported_frequencies())
         self.sweep = Sweep(stage, early_stop_rises=self.settings.early_stop_rises)
+        self._sweep_round = 0  # the service's round of the sweep (Assignment.sweep_round) `sweep` follows
         if client is not None:
             self.job_spec()  # a bad field (the overheads, say) raises ConfigError here, not in the registration thread
         self.controller = FrequencyController(
@@ -328,6 +329,8 @@ class PerseusRank:
         frequency = None
         self._profiling = False
         sweep = assignment.sweep if assignment is not None and phase is Phase.PROFILING else None
+        if sweep is not None and job_iteration is not None:
+            self._follow_round(int(getattr(assignment, "sweep_round", 0)))
         if sweep is not None and job_iteration is not None and not self.sweep.done:
             try:
                 step = self.profiler.begin_iteration(sweep)
@@ -375,6 +378,25 @@ class PerseusRank:
                 plan_version=self.plan_version if self._holds_plan else 0,
                 at_most=not known,
             )
+
+    def _follow_round(self, sweep_round: int) -> None:
+        """A new round of the service's sweep: the profile of the earlier one never reached it (it
+        failed, or was lost), so this rank profiles its stage afresh."""
+        if sweep_round == self._sweep_round:
+            return
+        self._sweep_round = sweep_round
+        if self.sweep.plan is None:
+            return  # nothing swept yet: this is the rank's first sweep
+        logger.warning(
+            "rank %d: the planner service asks stage %d to profile again (sweep round %d): its profile did not "
+            "reach the service",
+            self.rank,
+            self.stage,
+            sweep_round,
+        )
+        self.profiler.stop()
+        self.sweep = Sweep(self.stage, early_stop_rises=self.settings.early_stop_rises)
+        self.profiler = OnlineProfiler(self.gpu, self.sweep, self.controller.settle, self.controller.latency)
 
     def _emulate_closed(self, begins: bool, kind: str, microbatch: int, chunk: int) -> None:
         """After `close()`, Perseus no longer measures or sets clocks, but the model's emulated GPU
@@ -494,8 +516,19 @@ class PerseusRank:
             self._on_iteration(record)
 
     def _upload_profile(self) -> None:
-        profile = self.profiler.profile()
         self.controller.set_uniform(None)
+        try:
+            profile = self.profiler.profile()
+        except Exception as e:  # the sweep is over without a profile: the service asks for another
+            logger.error(
+                "rank %d: stage %d could not build its profile at the end of its sweep (%s); the planner service "
+                "gets none, runs the job at default clocks and asks this stage to profile again once the profile "
+                "is overdue (after a few failed sweeps the job fails: see perseus status)",
+                self.rank,
+                self.stage,
+                e,
+            )
+            return
         logger.info(
             "rank %d: stage %d profiled at %d clocks (%s MHz)",
             self.rank,

@@ -18,7 +18,7 @@ from perseus.service.text import clip
 from perseus.service.workers import Workers
 from perseus.wire.envelope import ErrorCode
 from perseus.wire.fields import Message
-from perseus.wire.limits import SWEEP_VERSION
+from perseus.wire.limits import MIN_SWEEP_VERSION, SWEEP_VERSION
 from perseus.wire.messages import (
     Ack,
     DeclareStraggler,
@@ -124,15 +124,33 @@ class Handlers:
         return RankRegistered(job.phase.value)
 
     def get_table(self, msg: GetTable) -> Message:
-        table = self.admission.get(msg.job_id).table(msg.rank, msg.iteration, msg.plan_version)
-        if table.sweep_steps and msg.sweep_version != SWEEP_VERSION:
+        job = self.admission.get(msg.job_id)
+        self._watch_sweep(job, msg.rank, msg.iteration)
+        table = job.table(msg.rank, msg.iteration, msg.plan_version)
+        if table.sweep_steps and msg.sweep_version < (SWEEP_VERSION if table.sweep_round else MIN_SWEEP_VERSION):
+            how = (
+                "computing the sweep itself; this service designs it and sends each step"
+                if msg.sweep_version < MIN_SWEEP_VERSION
+                else f"which sweeps once; this service asks stage {job.rank(msg.rank).stage} for sweep round "
+                f"{table.sweep_round} (its profile never arrived)"
+            )
             raise ServiceError(
                 ErrorCode.BAD_VERSION.value,
-                f"rank {msg.rank} follows profiling sweep v{msg.sweep_version}, computing the sweep itself; this "
-                f"service designs it and sends each step (sweep v{SWEEP_VERSION}): upgrade perseus on the ranks to "
-                "the service's release",
+                f"rank {msg.rank} follows profiling sweep v{msg.sweep_version}, {how} (sweep v{SWEEP_VERSION}): "
+                "upgrade perseus on the ranks to the service's release",
             )
         return table
+
+    def _watch_sweep(self, job: Job, rank: int, iteration: int) -> None:
+        """Ask a stage whose profile is overdue to sweep again, or fail the job (Job.watch_sweep)."""
+        overdue = job.watch_sweep(rank, iteration)
+        if overdue is None:
+            return
+        if overdue.failed:
+            log.warning("job %s failed: %s", job.job_id, job.error)
+        else:
+            log.warning("job %s: %s", job.job_id, overdue.reason())
+        self.results.plan(job)  # saved: its phase or its rounds changed
 
     def upload_profile(self, msg: UploadProfile) -> Ack:
         job = self.admission.get(msg.job_id)
@@ -179,6 +197,7 @@ class Handlers:
     def report_iteration(self, msg: ReportIteration) -> Ack:
         job = self.admission.get(msg.job_id)
         done = job.record(msg)
+        self._watch_sweep(job, msg.rank, msg.iteration)
         if done is not None:
             measured, planned = done
             count = job.measurements.planned.count

@@ -19,6 +19,7 @@ from perseus.schedules import Schedule
 from perseus.service import persistence, status
 from perseus.service.measurements import Measurements
 from perseus.service.model import PipelineModels, max_clock_result
+from perseus.service.overdue import Overdue, SweepWatch
 from perseus.service.planning import PlanResult, job_schedule
 from perseus.service.plans import PlanBook, PlanKey, PublishedPlan, Straggling, plan_lead
 from perseus.service.profiles import Profiling
@@ -44,6 +45,7 @@ class Job:
         self.spec_record = spec.to_wire()  # job.json's "spec", encoded once
         self.roster = Roster(spec)
         self.profiling = Profiling(spec, cached_profile)
+        self.sweeps = SweepWatch(spec.warmup_iterations)  # stage profiles overdue: asked again, then failed
         self.plan_book = PlanBook(spec.dp, self.roster.models)
         self.measurements = Measurements(spec)
         self.model = PipelineModels(spec)  # calibration on measured timelines, verification of plans
@@ -132,6 +134,7 @@ class Job:
         if self.error and self.error_retryable:
             self.error, self.error_retryable = "", False
         self.plan_book.drop_failures()
+        self.sweeps.new_run()
         if self.model.calibrates:
             self.plan_book.withdraw()
             self.profiling.inherit()
@@ -178,7 +181,32 @@ class Job:
             upload=self.roster.uploads_profile(info),
             spans=spans,
             sweep_steps=() if info.stage in profiled or self.error else self.profiling.steps(),
+            sweep_round=self.sweeps.round(info.gpu_model, info.stage),
         )
+
+    def watch_sweep(self, rank: int, iteration: int) -> Overdue | None:
+        """`rank` reached `iteration`: if it uploads a stage profile that is overdue, the stage is
+        asked for a fresh sweep (said in `profile_dropped`) or, after the last, the job fails
+        (retryable); the Overdue, for the service's log. None while nothing is overdue."""
+        info = self.rank(rank)
+        steps = len(self.profiling.steps())
+        if (
+            self.error
+            or self.schedule is None  # no profile can be taken yet: the rank's upload waits for it
+            or not steps
+            or info.stage in self.profiling.stages_of(info.gpu_model)
+            or not self.roster.uploads_profile(info)
+        ):
+            return None
+        overdue = self.sweeps.note(info.gpu_model, info.stage, iteration, steps)
+        if overdue is None:
+            return None
+        if overdue.failed:
+            self.fail(f"no plan: {overdue.reason()}", retryable=True)
+        else:
+            self.profile_dropped = clip(overdue.reason())
+            self._changed()
+        return overdue
 
     @property
     def phase(self) -> JobPhase:
@@ -286,6 +314,7 @@ class Job:
         self.profile_dropped = clip(f"{', '.join(sorted(gpu_models))}: {why}")
         frequencies = self.ranks[min(self.ranks)].frequencies if self.ranks else None
         self.profiling.forget_models(gpu_models, frequencies)
+        self.sweeps.resweep(gpu_models, self.spec.pp, self.last_iteration)  # ranks that uploaded sweep again
         self.plan_book.forget_models(gpu_models)
         self.model.profiles_dropped(gpu_models)
         self._changed()

@@ -39,6 +39,7 @@ def to_record(job: Job) -> dict[str, Any]:
         "error_retryable": job.error_retryable,
         "inherited": sorted(profiling.inherited),
         "profile_dropped": job.profile_dropped,
+        "sweep_rounds": [[m, s, e.round] for (m, s), e in sorted(job.sweeps.stages.items()) if e.round],
         "last_version": job.plan_book.last_version,
         "plans": {str(k): asdict(p) for k, p in sorted(job.plans.items())},
         "declared": {str(k): f for k, f in sorted(job.measurements.declared.items())},
@@ -99,6 +100,9 @@ def restore(job: Job, doc: dict[str, Any], stage_profiles: dict[str, Profile], c
     job.error = clip(str(doc["error"])) if doc.get("error") else ""
     job.error_retryable = bool(doc.get("error_retryable", False))
     job.profile_dropped = clip(str(doc.get("profile_dropped", "")))
+    for model, stage, sweep_round in doc.get("sweep_rounds", []):  # ranks that uploaded follow only a later round
+        if 0 <= int(stage) < spec.pp:
+            job.sweeps.restore(str(model), int(stage), int(sweep_round))
     if "inherited" in doc:  # else (an earlier release) every cached profile is checked, as add_cached left it
         profiling.inherited = {str(m) for m in doc["inherited"]}
     job.measurements.restart(job.plans)

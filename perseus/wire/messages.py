@@ -137,6 +137,9 @@ class Table(Message):
     service shares (omitted on the wire when true, as earlier releases had every rank upload).
     `spans`: the service calibrates the job's model and asks for each iteration's instruction
     spans (`ReportSpans`) until a plan is in force (omitted on the wire when false).
+    `sweep_round`: the sweep the service asks of the rank's stage; a later round than the one the
+    rank uploaded a profile in asks for a fresh sweep (the earlier profile never arrived; sent
+    only to ranks asking with sweep_version 3, omitted on the wire when 0).
     """
 
     phase: str
@@ -151,6 +154,7 @@ class Table(Message):
     upload: bool = True
     spans: bool = False
     sweep_steps: tuple[tuple[int, ...], ...] = ()
+    sweep_round: int = 0
 
     def __post_init__(self) -> None:
         check_str(self.phase, "table.phase", 16, choices=JOB_PHASES)
@@ -181,6 +185,7 @@ class Table(Message):
                 for i, step in enumerate(steps)
             ),
         )
+        check_int(self.sweep_round, "table.sweep_round", 0, MAX_ITERATION)
 
     def to_wire(self) -> dict[str, Any]:
         doc = super().to_wire()
@@ -195,6 +200,8 @@ class Table(Message):
             doc["sweep_steps"] = [list(step) for step in self.sweep_steps]
         else:
             del doc["sweep_steps"]  # likewise
+        if not self.sweep_round:
+            del doc["sweep_round"]  # likewise
         return doc
 
 
