@@ -20,7 +20,7 @@ from server_helpers import FREQUENCIES, job_spec, rank_info, request, stage_prof
 from perseus.service.budget import Budget, job_cost_bytes
 from perseus.service.service import PlannerService
 from perseus.service.state import StateDir
-from perseus.wire.limits import MAX_RANK_ITERATION
+from perseus.wire.limits import MAX_RANK_ITERATION, SWEEP_VERSION
 from perseus.wire.profiles import profile_to_wire
 from perseus.wire.spec import JobSpec
 
@@ -318,9 +318,12 @@ def test_finding_5_huge_iterations_are_refused_and_do_not_poison_later_plans(ser
     served = serve()
     job_id = _register(served.endpoint)
     assert _code(request(served.endpoint, "get_table", job_id=job_id, rank=0, iteration=2**62)) == "bad_field"
-    _ok(request(served.endpoint, "get_table", job_id=job_id, rank=0, iteration=MAX_RANK_ITERATION, sweep_version=2))
-    for stage in (0, 1):
-        _ok(_upload(served.endpoint, job_id, stage))
+    _ok(_upload(served.endpoint, job_id, 1))  # the schedule is built: stage 0's profile can be overdue
+    # Far past the sweep without its profile: the stage is asked to sweep again (which a v2 rank cannot).
+    huge = dict(job_id=job_id, rank=0, iteration=MAX_RANK_ITERATION)
+    assert _ok(request(served.endpoint, "get_table", **huge, sweep_version=SWEEP_VERSION))["sweep_round"] == 1
+    assert _code(request(served.endpoint, "get_table", **huge, sweep_version=2)) == "bad_version"
+    _ok(_upload(served.endpoint, job_id, 0))
     _planned(served.endpoint, job_id)
     table = _ok(request(served.endpoint, "get_table", job_id=job_id, rank=1, iteration=MAX_RANK_ITERATION))
     assert table["plan_start_iteration"] > MAX_RANK_ITERATION
