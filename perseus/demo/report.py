@@ -41,10 +41,7 @@ def summarize(iterations: list[Iteration], status: Any, phases: dict[str, list[I
             "baseline_energy_j": status.predicted_baseline_energy_j,
             "plan_version": status.plan_version,
         }
-    # What the service fitted on the job's own baseline timeline, and its check of the plan.
-    result["calibration"] = [c.to_wire() for c in status.calibrations] if status is not None else []
-    result["verification"] = [p.to_wire() for p in status.pipelines if p.plan_version] if status is not None else []
-    result["service"] = _service_view(status)
+    result.update(service_fields(status))
     last = phases["planned"][-1] if phases["planned"] else None
     result["plan_frequencies"] = list(last.plans) if last is not None else None
     result["plan_applied"] = plan_applied(phases["planned"])
@@ -99,6 +96,7 @@ def summarize_straggler(
     result["measured_intrinsic_saving"] = _saving(
         phase_stats(fast_phases["baseline"]), phase_stats(fast_phases["intrinsic"])
     )
+    result.update(service_fields(status))
     result["pipelines"] = rows
     result["saving_scope"] = f"pipelines {', '.join(str(k) for k in range(dp) if k != slow)} (not the straggler)"
     pipeline = status.pipelines[slow] if status is not None and len(status.pipelines) > slow else None
@@ -160,6 +158,17 @@ def job_record(state_dir: str, job_id: str | None) -> dict | None:
     declared = record.get("spec", {}).get("blocking_power_w")
     record["blocking_power_w"] = declared if declared is not None else (statistics.mean(powers) if powers else None)
     return record
+
+
+def service_fields(status: Any) -> dict:
+    """What the service says of the job (`status`: its JobStatus, or None): the model it fitted
+    on the job's own baseline timeline, its verification of each pipeline's plan, and its own
+    measurements."""
+    return {
+        "calibration": [c.to_wire() for c in status.calibrations] if status is not None else [],
+        "verification": [p.to_wire() for p in status.pipelines if p.plan_version] if status is not None else [],
+        "service": _service_view(status),
+    }
 
 
 def _service_view(status: Any) -> dict | None:
@@ -263,8 +272,9 @@ def _service_report(result: dict) -> list[str]:
             lines.append(f"  last re-plan: {p['reason']}")
     service = result.get("service")
     if service and service.get("baseline_iteration_time_s") is not None:
+        scope = ", every pipeline" if result.get("saving_scope") else ""
         line = (
-            "the service's measurements (perseus status, means): "
+            f"the service's measurements (perseus status, means{scope}): "
             f"baseline {service['baseline_iteration_time_s']:.3f} s {service['baseline_energy_j']:.1f} J "
             f"({service['baseline_iterations']} iterations)"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from perseus.demo.emulation import EmulatedStage, GPUEmulator
 from perseus.demo.launcher import DemoOptions
 from perseus.demo.model import build_stage, lm_loss, make_batch
 from perseus.demo.processes import stop_job, wait_for_job
-from perseus.demo.report import format_report, plan_applied, predict_at_pace, summarize
+from perseus.demo.report import format_report, plan_applied, predict_at_pace, summarize, summarize_straggler
 from perseus.demo.results import Iteration, read_rank_record, read_verdicts, split_phases
 from perseus.demo.watch import ServiceWatch
 from perseus.demo.workload import DEFAULT_TIME_SCALE, GPT3_A100_STAGES, default_time_scale, stage_works
@@ -212,6 +213,15 @@ def test_straggler_phases_split_intrinsic_from_straggler_aware_and_predict_at_it
             },
         },
     }
+    # The service's fit and verdicts come with the straggler's report too.
+    status = _job(
+        _pipeline(2, "holds", verified_iteration_time_s=1.2), dataclasses.replace(_pipeline(1, "holds"), pipeline=1)
+    )
+    result = summarize_straggler(its, status, stages=2, dp=2, slowdown=1.2, record=record)
+    assert [p["pipeline"] for p in result["verification"]] == [0, 1] and result["calibration"] == [FITTED.to_wire()]
+    assert "the service's measurements (perseus status, means, every pipeline)" in format_report(
+        {**result, "clocks_reset": True, "wall_time_s": 1.0}
+    )
     predicted = predict_at_pace(record, stages=2, slow=1)
     assert predicted[0]["predicted_intrinsic_saving"] == pytest.approx(1 - 600 / 620)
     assert predicted[0]["predicted_saving"] == pytest.approx(1 - 500 / 620)
