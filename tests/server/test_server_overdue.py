@@ -10,6 +10,7 @@ from __future__ import annotations
 from server_helpers import FREQUENCIES, job_spec, rank_info, request, stage_profile, wait_until
 from test_server_calibration import status_cli
 
+from perseus.service.job import Job
 from perseus.service.overdue import MAX_SWEEPS, OVERDUE_SLACK
 from perseus.wire.limits import SWEEP_VERSION
 from perseus.wire.profiles import profile_to_wire
@@ -129,3 +130,19 @@ def test_a_late_profile_in_time_for_its_next_sweep_is_taken_and_rounds_survive_a
     assert status(again.endpoint)["profiled_stages"] == [0, 1]
     assert wait_until(lambda: ok(table(again.endpoint, 1, 10**6)).get("frequencies"), timeout_s=30)
     assert status(again.endpoint)["phase"] == "planned"  # a profiled stage is never overdue
+
+
+def test_a_dropped_profile_asks_ranks_that_uploaded_for_a_later_round():
+    job = Job(SPEC)
+    for r in range(2):
+        job.add_rank(rank_info(r))
+        job.add_profile(r, r, stage_profile(r))
+    assert job.profiled_stages == (0, 1) and job.table(1, 40, 0).sweep_round == 0
+    job.drop_profiles({"sim-a100"}, "the spans moved 30% from the profile's fit")
+    for r in range(2):
+        again = job.table(r, 41, 0)
+        assert again.sweep_round == 1 and len(again.sweep_steps) == STEPS  # a client that uploaded follows it
+    dropped_at = 40  # the latest iteration a rank reached
+    assert job.watch_sweep(1, dropped_at + 2 * STEPS + OVERDUE_SLACK) is None  # the new sweep's course
+    late = job.watch_sweep(1, dropped_at + 2 * STEPS + OVERDUE_SLACK + 1)
+    assert late is not None and late.sweeps == 2 and not late.failed
