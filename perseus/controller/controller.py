@@ -9,7 +9,9 @@ work issued meanwhile runs at the old clock. So, running a plan, a change to a *
 issued that long before the instruction needing it starts: the previous instruction's tail
 runs faster (never slower than planned), and the instruction itself runs at its clock from its
 start. When it starts is predicted from the previous iteration (the time from one instruction's
-start to the next's). A change to a lower clock is issued as the instruction starts: its first
+start to the next's); when the instruction before it is shorter than the switch takes, from an
+earlier instruction of the same clock, and the instructions in between keep that clock's
+request alone (`_hold`). A change to a lower clock is issued as the instruction starts: its first
 moments run at the old, higher clock, again never slower than planned. On a GPU that tells
 its clock in force (a simulated one) the controller counts, per iteration, the instructions
 that did not run at their planned clock (`off_clock`): whose clock in force as they ended --
@@ -91,6 +93,8 @@ class FrequencyController:
         self._uniform: int | None = None
         self._keys: tuple[InstructionKey, ...] | None = None
         self._freqs: tuple[int, ...] = ()
+        self._next_change: tuple[int | None, ...] = ()  # see _next_changes
+        self._hold = 0  # planned instructions still to come that leave an early change to a higher clock alone
         self._plan_version = 0
         self._cursor = 0
         self._fallback = False
@@ -133,6 +137,7 @@ class FrequencyController:
         self._keys = None
         self._uniform = frequency
         self._fallback = False
+        self._hold = 0
 
     def set_plan(self, order: Sequence[InstructionKey], frequencies: Sequence[int], version: int = 0) -> None:
         """Run instruction `order[i]` at `frequencies[i]`, every iteration from the next one on."""
@@ -144,6 +149,8 @@ class FrequencyController:
         self._check(frequencies)
         self._keys = tuple((str(k), int(m), int(c)) for k, m, c in order)
         self._freqs = tuple(int(f) for f in frequencies)
+        self._next_change = _next_changes(self._freqs)
+        self._hold = 0
         self._plan_version = version
         self._cursor = 0
         self._fallback = False
@@ -194,10 +201,13 @@ class FrequencyController:
             else:
                 self._mismatch(i, kind, microbatch, chunk)
                 target = None
-        if target != self._requested or self._early_pending():
+        holding = position is not None and self._hold > 0
+        if holding:
+            self._hold -= 1  # an early change to the next, higher clock is under way: leave it alone
+        elif target != self._requested or self._early_pending():
             self._request(target)  # also makes an early change not yet applied apply now
         if position is not None:
-            self._planned_start(position - 1)
+            self._planned_start(position - 1, holding)
 
     def after_instruction(self) -> None:
         """The instruction ended: count it if it did not end at its planned clock (see the module docstring)."""
@@ -212,9 +222,9 @@ class FrequencyController:
         if clock != planned:
             self._off_clock += 1
 
-    def _planned_start(self, i: int) -> None:
+    def _planned_start(self, i: int, holding: bool) -> None:
         """Instruction `i` of the plan starts now: note when, check its clock, and issue the next
-        instruction's change early if it raises the clock."""
+        change early if it raises the clock (unless an earlier instruction did: `holding`)."""
         now = self._clock.now()
         if not self._starts and self._last_starts:
             self._next_first = now - self._last_starts[-1]
@@ -222,22 +232,35 @@ class FrequencyController:
         self._early_for = None
         if self._tells_clock and self._enabled:
             self._planned = self._freqs[i]
-        nxt = i + 1 if i + 1 < len(self._freqs) else 0
-        target = self._freqs[nxt]
-        if target <= self._freqs[i] or len(self._last_starts) != len(self._freqs):
+        j = self._next_change[i]
+        if holding or j is None or len(self._last_starts) != len(self._freqs):
             return
-        if nxt:
-            gap = self._last_starts[nxt] - self._last_starts[i]
-        elif self._next_first is not None:
-            gap = self._next_first
-        else:
+        target = self._freqs[j % len(self._freqs)]
+        gap = self._predicted_gap(i, j)
+        if target <= self._freqs[i] or gap is None:
             return
         latency = self.latency(target)
         lead = latency + 0.25 * latency + 0.001  # a margin for a late worker thread
-        if gap > lead:
-            self._request(target, not_before=now + gap - lead)
-            self._early_for = self._seq
-            self.stats.early += 1
+        later = self._predicted_gap(i + 1, j) if i + 1 < j else None
+        if later is not None and later > lead:
+            return  # a later instruction of this clock issues it, nearer to when it is needed
+        self._request(target, not_before=now + gap - lead if gap > lead else None)
+        self._hold = j - i - 1
+        self._early_for = self._seq
+        self.stats.early += 1
+
+    def _predicted_gap(self, i: int, j: int) -> float | None:
+        """From instruction `i`'s start to instruction `j`'s (an index past the plan's length is the
+        next iteration's instruction that much into it), as the last iteration ran them; None
+        before that is known."""
+        last, n = self._last_starts, len(self._freqs)
+        if i >= n:
+            return last[j - n] - last[i - n]
+        if j < n:
+            return last[j] - last[i]
+        if self._next_first is None:
+            return None
+        return last[n - 1] - last[i] + self._next_first + last[j - n] - last[0]
 
     def wait_applied(self, timeout: float = 1.0) -> bool:
         """Wait until the worker has applied the latest target asked for now (not an early one)."""
@@ -356,6 +379,7 @@ class FrequencyController:
 
     def _mismatch(self, index: int, kind: str, microbatch: int, chunk: int) -> None:
         self._fallback = True
+        self._hold = 0
         self.stats.mismatches += 1
         expected = self._keys[index] if self._keys is not None and index < len(self._keys) else None
         logger.warning(
@@ -430,3 +454,17 @@ class FrequencyController:
             self.stats.errors += 1
             if self.stats.errors == 1:
                 logger.exception("%r: setting SM clock to %s failed; training continues", self.gpu, target)
+
+
+def _next_changes(freqs: Sequence[int]) -> tuple[int | None, ...]:
+    """Per instruction i, the next instruction at another clock: its index, or len(freqs) plus its
+    index when that is in the next iteration; None when the plan has one clock."""
+    n = len(freqs)
+    wrap = next((k for k in range(n) if freqs[k] != freqs[-1]), None) if n else None
+    out: list[int | None] = [None] * n
+    for i in range(n - 1, -1, -1):
+        if i == n - 1:
+            out[i] = None if wrap is None else n + wrap
+        else:
+            out[i] = i + 1 if freqs[i + 1] != freqs[i] else out[i + 1]
+    return tuple(out)

@@ -218,3 +218,28 @@ def test_a_higher_clock_is_issued_ahead_and_off_clock_instructions_are_counted(t
     assert c.off_clock == 1
     assert FrequencyController(gpu, handle_signals=False, watchdog=False).off_clock is None  # no plan: not counted
     c.close()
+
+
+def test_a_raise_after_short_instructions_is_issued_from_an_earlier_one(tmp_path):
+    """Four 6 ms forwards at a low clock (8 ms apart), then a backward at the top clock, with a
+    10 ms switch: the last forward starts too late to raise the clock in time, so the change goes
+    out during the one before, timed to land as the backward starts; the last one leaves it alone."""
+    gpu = latent_gpu(tmp_path, 0.01)
+    c = FrequencyController(gpu, handle_signals=False, watchdog=False)
+    order = [("forward", m, 0) for m in range(4)] + [("backward", 0, 0)]
+    c.set_plan(order, [810, 810, 810, 810, 1410])
+    works = {"forward": Work(0.006), "backward": Work(0.012)}
+    run_planned(c, gpu, order, works)  # the first iteration: no timing to go by yet
+    for _ in range(3):
+        started = run_planned(c, gpu, order, works)
+        assert started[2:] == [810, 810, 1410]  # the backward starts at its clock, the forwards keep theirs
+    assert c.stats.early >= 3
+
+
+def test_next_changes_wrap_into_the_next_iteration():
+    from perseus.controller.controller import _next_changes
+
+    assert _next_changes([810, 810, 1410, 810]) == (2, 2, 3, 6)
+    assert _next_changes([1410, 810, 810]) == (1, 3, 3)
+    assert _next_changes([990, 990]) == (None, None)
+    assert _next_changes([]) == ()
