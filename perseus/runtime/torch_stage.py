@@ -129,7 +129,9 @@ def instrument(
             the service re-plans (default 0.01; perseus.service.verification);
         instruction_overhead_s, hop_latency_s: optional overrides of what the service fits from
             the ranks' own timelines (perseus.service.calibration): host work between a stage's
-            instructions, and what a stage-to-stage hop takes beyond it, in seconds;
+            instructions, and what a stage-to-stage hop takes beyond it, in seconds. With them
+            the service neither calibrates nor has a measured baseline, so it does not verify
+            the plan while it runs: leave them out unless you know better than the timeline;
         progress, wait_for_clock, handle_signals, watchdog, ...
     """
     stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]

@@ -78,6 +78,7 @@ class PlanCheck:
         (None: unknown, nothing is checked); `noise`: see `noise_floor`."""
         self.version, self.start, self.target_s, self.noise = version, start_iteration, target_s, noise
         self.window = []
+        self.measured_s = self.excess = None  # the previous plan's window says nothing of this one
         self.over = 0
         if fallback:
             self.state = FALLBACK

@@ -56,6 +56,8 @@ def test_a_plan_is_checked_in_windows_after_its_switch():
     (verdict,) = feed(check, 10 + SKIP, [1.005] * WINDOW)
     assert verdict.action == HOLDS and verdict.excess == pytest.approx(0.005) and check.state == HOLDS
     assert not feed(check, 100, [1.0] * WINDOW)  # holds: said once
+    check.plan_started(version=2, start_iteration=200, target_s=1.0, fallback=False)
+    assert check.measured_s is None and check.excess is None  # plan v1's window says nothing of v2
 
 
 def test_a_plan_over_its_target_is_replanned_then_falls_back():
