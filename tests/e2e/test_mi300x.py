@@ -128,7 +128,9 @@ def test_demo_on_mi300x(env):
     on the MI300X's clocks, saves energy, and leaves every GPU at its defaults."""
     env = dict(env, PERSEUS_GPU="sim:mi300x:2")
     args = ["--json", "--ranks", "2", "--microbatches", "4", "--iterations", "6", "--sweep-step", "8"]
-    result = perseus(env, "demo", *args, "--time-scale", "0.05", timeout=600)
+    result = perseus(
+        env, "demo", *args, "--time-scale", "0.15", timeout=600
+    )  # calibration fits within 1% at this scale under load
     assert result.returncode == 0, result.stderr[-3000:]
     demo = json.loads(result.stdout)
     assert demo["gpu"] == "sim:mi300x" and demo["clocks_reset"] is True and demo["profiled"]
