@@ -23,7 +23,8 @@ calibrated model is projected onto the planner's: each profile row (stage, kind)
 overhead added to every clock's time (the GPU idles meanwhile: energy grows by blocking power),
 fitted so that the planner's model follows the calibrated one at maximum clocks and with each
 stage slowed in turn. `Calibration.fit_ok` says whether the planner's model reproduces the
-measured baseline iteration within `TOLERANCE`; `explained` is how much of the measured
+measured baseline iteration within `Calibration.tolerance` (TOLERANCE, or on a noisy host the
+measured median's own uncertainty); `explained` is how much of the measured
 iteration the GPU profile alone accounts for (no emulated GPU work: almost none).
 
 Pure and deterministic: numpy only, no I/O, no clocks.
@@ -31,6 +32,7 @@ Pure and deterministic: numpy only, no I/O, no clocks.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ from perseus.exceptions import ConfigError
 from perseus.planner.dag import DagArrays, dag_arrays
 from perseus.profiler.profile import Profile
 from perseus.schedules import Schedule
-from perseus.service.timelines import MIN_EXPLAINED, TOLERANCE, Calibration, StageFit, Timeline
+from perseus.service.timelines import MIN_EXPLAINED, NOISE_SIGNIFICANCE, TOLERANCE, Calibration, StageFit, Timeline
 
 __all__ = ["MIN_EXPLAINED", "TOLERANCE", "Calibration", "StageFit", "fit"]
 
@@ -280,7 +282,11 @@ def fit(schedule: Schedule, profile: Profile, timelines: Sequence[Timeline]) -> 
     m = _Model(schedule, profile)
     data = _measured(m, timelines)
     b, e = data.begin, data.end
-    measured = statistics.median(tl.time_s for tl in timelines)
+    times = [tl.time_s for tl in timelines]
+    measured = statistics.median(times)
+    # Relative spread (1.4826 MADs) of the iterations, and so the standard error of their median.
+    spread = 1.4826 * statistics.median(abs(t - measured) for t in times) / measured if measured > 0 else 0.0
+    noise = NOISE_SIGNIFICANCE * 1.2533 * spread / math.sqrt(len(times))
     outside = statistics.median(tl.steps[0] - (tl.ends[0][-1] - tl.begins[0][0]) for tl in timelines)
     excess, gap, hop = _timeline_model(m, data)
     gap_node = gap[m.kind]
@@ -323,4 +329,5 @@ def fit(schedule: Schedule, profile: Profile, timelines: Sequence[Timeline]) -> 
         host_gap_s=float(np.median(gap)),
         overheads={key: float(overhead[r]) for r, key in enumerate(m.row_keys)},
         stages=tuple(stages),
+        noise=noise,
     )
