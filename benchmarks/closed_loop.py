@@ -6,9 +6,10 @@ For each schedule, a real `perseus serve` and examples/pipeline_emulated.py unde
 ranks, gloo, simulated A100s, forward 6 ms and backward 12 ms of GPU work at the highest clock,
 the later half of the ranks 25% heavier, 8 microbatches). The service calibrates its model on
 the job's own baseline timeline, plans, and checks the plan on the measured iterations. Printed
-side by side per schedule: the baseline measured on the same run (median of the iterations at
-default clocks, before the plan and once Perseus is closed after it: the slowest rank's time,
-the energy of all ranks) against the planned iterations on the final plan (median), the model's
+side by side per schedule: the baseline measured on the same run (the iterations at default
+clocks, before the plan and once Perseus is closed after it: the median of the slowest rank's
+time, the mean of all ranks' energy) against the planned iterations on the final plan (the
+same), the model's
 fit (the calibrated model against the measured baseline, and the GPU-only profile's share of
 it), the saving the plan predicts, and the re-plans verification made. Exits 1 if a schedule's
 planned iterations run over 2% slower than its baseline or save under 5% of its energy.
@@ -68,20 +69,20 @@ class Run:
         return out
 
     def baseline(self) -> tuple[float, float, int]:
-        """Medians of time and energy over the iterations at default clocks without profiling,
+        """Median time and mean energy over the iterations at default clocks without profiling,
         before the plan and after Perseus closed (on either side of the planned ones), and how many."""
         rows = self.iterations({"warmup", "planning", "after"})
         if not rows:
             return float("nan"), float("nan"), 0
-        return statistics.median(t for t, _, _ in rows), statistics.median(e for _, e, _ in rows), len(rows)
+        return statistics.median(t for t, _, _ in rows), statistics.fmean(e for _, e, _ in rows), len(rows)
 
     def planned(self) -> tuple[float, float, int]:
-        """Medians of time and energy over the planned iterations on the final plan version, and how many."""
+        """Median time and mean energy over the planned iterations on the final plan version, and how many."""
         rows = self.iterations({"planned"})
         if not rows:
             return float("nan"), float("nan"), 0
         rows = [row for row in rows if row[2] == rows[-1][2]]
-        return statistics.median(t for t, _, _ in rows), statistics.median(e for _, e, _ in rows), len(rows)
+        return statistics.median(t for t, _, _ in rows), statistics.fmean(e for _, e, _ in rows), len(rows)
 
     @property
     def calibration(self) -> dict:
@@ -213,7 +214,8 @@ def main() -> int:
         print(f"{row}  ({time.monotonic() - start:.0f} s)", flush=True)
     print()
     print(f"simulated A100s ({args.sim_mode});")
-    print("baseline and planned: medians of the slowest rank's iteration time and of the energy of all ranks;")
+    print("baseline and planned: median of the slowest rank's iteration time, mean of all ranks' energy (an energy")
+    print("counter that steps every 100 ms makes one iteration's reading jump by a step: a median would be biased);")
     print("time, saved: planned against baseline; pred: the plan's predicted saving; fit: the calibrated model")
     print("against the measured baseline; gpu: the GPU profile's share of it; re: re-plans; nb, np: iterations")
     print(HEADER)
