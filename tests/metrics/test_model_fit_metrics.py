@@ -7,13 +7,11 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("prometheus_client")
-from server_helpers import rank_info, wait_until
-from test_server_calibration import spans
+from server_helpers import wait_until
 from test_service_metrics import at, metrics_url, scrape
-from timeline_helpers import STAGES, profile, timelines
+from timeline_helpers import STAGES, register_profiled, send_baseline
 
 from perseus.client.planner_client import PlannerClient
-from perseus.profiler.profile import Profile
 from perseus.schedules import build_schedule
 from perseus.service.timelines import MIN_ITERATIONS
 from perseus.wire.spec import JobSpec
@@ -25,21 +23,11 @@ def test_a_calibrated_job_exports_its_model_fit_per_model_and_stage(serve):
     spec = JobSpec(STAGES, STAGES, schedule_name="1f1b", num_microbatches=8, gpu_model="sim-a100")
     clients = [PlannerClient(served.endpoint, timeout_s=3.0, poll_interval_s=0.05) for _ in range(STAGES)]
     try:
-        job_id = clients[0].register_job(spec)
-        for r, client in enumerate(clients):
-            client.register_rank(job_id, rank_info(r, timeline=True))
-        wait_until(lambda: all(c.assignment(0).spans for c in clients))
-        prof = profile(STAGES)
-        for r, client in enumerate(clients):
-            client.upload_profile(job_id, r, Profile({k: v for k, v in prof.points.items() if k[0] == r}, 83.64))
-        wait_until(lambda: served.log().count("profiled on") >= STAGES)
+        job_id, prof = register_profiled(served, clients, spec)
         before = scrape(url)  # profiled, nothing measured: no fit yet
         assert not any(name.startswith("perseus_model_") for name, _ in before)
         schedule = build_schedule("1f1b", STAGES, 8)
-        for it, timeline in enumerate(timelines(schedule, prof, count=MIN_ITERATIONS), start=1):
-            for r, client in enumerate(clients):
-                client.report_spans(spans(job_id, r, it, timeline))
-                client.report_iteration(job_id, r, it, timeline.steps[r], 100.0, compute_time_s=timeline.compute_s)
+        send_baseline(clients, job_id, schedule, prof, MIN_ITERATIONS)
         assert all(c.wait_for_plan(30.0) for c in clients)
         (calibration,) = clients[0].status(job_id).jobs[0].calibrations
         samples = wait_until(

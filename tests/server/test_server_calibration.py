@@ -9,11 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from server_helpers import rank_info, wait_until
-from timeline_helpers import STAGES, profile, spans, timelines
+from server_helpers import wait_until
+from timeline_helpers import STAGES, register_profiled, send_baseline, timelines
 
 from perseus.client.planner_client import PlannerClient
-from perseus.profiler.profile import Profile
 from perseus.schedules import build_schedule
 from perseus.service.timelines import MIN_ITERATIONS
 from perseus.service.verification import PERSISTS, SKIP, WINDOW
@@ -38,20 +37,10 @@ def test_spans_calibrate_the_model_and_an_overrunning_plan_is_replanned(serve):
     spec = JobSpec(STAGES, STAGES, schedule_name="1f1b", num_microbatches=8, gpu_model="sim-a100")
     clients = [PlannerClient(served.endpoint, timeout_s=3.0, poll_interval_s=0.05) for _ in range(STAGES)]
     try:
-        job_id = clients[0].register_job(spec)
-        for r, client in enumerate(clients):
-            client.register_rank(job_id, rank_info(r, timeline=True))
-        wait_until(lambda: all(c.assignment(0).spans for c in clients))  # the service asks for spans
-        prof = profile(STAGES)
-        for r, client in enumerate(clients):
-            client.upload_profile(job_id, r, Profile({k: v for k, v in prof.points.items() if k[0] == r}, 83.64))
-        wait_until(lambda: served.log().count("profiled on") >= STAGES)
+        job_id, prof = register_profiled(served, clients, spec)
         assert not clients[0].wait_for_plan(0.5)  # profiled, not calibrated: no plan yet
         schedule = build_schedule("1f1b", STAGES, 8)
-        for it, timeline in enumerate(timelines(schedule, prof, count=MIN_ITERATIONS), start=1):
-            for r, client in enumerate(clients):
-                client.report_spans(spans(job_id, r, it, timeline))
-                client.report_iteration(job_id, r, it, timeline.steps[r], 100.0, compute_time_s=timeline.compute_s)
+        send_baseline(clients, job_id, schedule, prof, MIN_ITERATIONS)
         assert all(c.wait_for_plan(30.0) for c in clients)
         assert "model calibrated" in served.log()
 

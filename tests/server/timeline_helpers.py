@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import networkx as nx
-from server_helpers import FREQUENCIES
+from server_helpers import FREQUENCIES, rank_info, wait_until
 
 from perseus.planner.dag import build_dag
 from perseus.profiler.profile import Profile, ProfilePoint
@@ -86,3 +86,25 @@ def spans(job_id: str, rank: int, iteration: int, timeline: Timeline) -> ReportS
         tuple(round(t * 1e6) for t in timeline.begins[rank]),
         tuple(round(t * 1e6) for t in timeline.ends[rank]),
     )
+
+
+def register_profiled(served, clients, spec) -> tuple[str, Profile]:
+    """Register `spec` with one client per stage (ranks that send timelines), wait until the service
+    asks for spans, and upload each stage's share of `profile(STAGES)`: (job id, the profile)."""
+    job_id = clients[0].register_job(spec)
+    for r, client in enumerate(clients):
+        client.register_rank(job_id, rank_info(r, timeline=True))
+    wait_until(lambda: all(c.assignment(0).spans for c in clients))  # the service asks for spans
+    prof = profile(STAGES)
+    for r, client in enumerate(clients):
+        client.upload_profile(job_id, r, Profile({k: v for k, v in prof.points.items() if k[0] == r}, BLOCKING_W))
+    wait_until(lambda: served.log().count("profiled on") >= STAGES)
+    return job_id, prof
+
+
+def send_baseline(clients, job_id: str, schedule: Schedule, prof: Profile, count: int) -> None:
+    """`count` baseline iterations (from iteration 1): every rank's spans and its iteration report."""
+    for it, timeline in enumerate(timelines(schedule, prof, count=count), start=1):
+        for r, client in enumerate(clients):
+            client.report_spans(spans(job_id, r, it, timeline))
+            client.report_iteration(job_id, r, it, timeline.steps[r], 100.0, compute_time_s=timeline.compute_s)
