@@ -23,17 +23,29 @@ _TOL_S = 1e-9
 
 def _fractional(problem: Problem, duration_s: np.ndarray, free: np.ndarray):
     """Free nodes whose duration lies strictly between two choices: (nodes, faster, slower, closeness)."""
-    nodes, lo, hi, dist = [], [], [], []
-    for i in np.flatnonzero(free).tolist():
-        times = problem.node_options(i).time
-        k = int(np.searchsorted(times, duration_s[i] + _TOL_S, side="right")) - 1
-        if k < 0 or k + 1 >= len(times) or abs(times[k] - duration_s[i]) <= _TOL_S:
+    nodes = np.flatnonzero(free)
+    lo = np.empty(len(nodes))
+    hi = np.empty(len(nodes))
+    inside = np.zeros(len(nodes), dtype=bool)
+    node_type = problem.node_type[nodes]
+    for t, opts in enumerate(problem.options):
+        at = np.flatnonzero(node_type == t)
+        if len(at) == 0:
             continue
-        nodes.append(i)
-        lo.append(times[k])
-        hi.append(times[k + 1])
-        dist.append(min(duration_s[i] - times[k], times[k + 1] - duration_s[i]) / (times[k + 1] - times[k]))
-    return np.array(nodes, dtype=np.int64), np.array(lo), np.array(hi), np.array(dist)
+        times = opts.time
+        d = duration_s[nodes[at]]
+        k = np.searchsorted(times, d + _TOL_S, side="right") - 1
+        between = (k >= 0) & (k + 1 < len(times))
+        k = np.clip(k, 0, max(len(times) - 2, 0))
+        faster = times[k]
+        slower = times[np.minimum(k + 1, len(times) - 1)]
+        inside[at] = between & (np.abs(faster - d) > _TOL_S)
+        lo[at] = faster
+        hi[at] = slower
+    nodes, lo, hi = nodes[inside], lo[inside], hi[inside]
+    d = duration_s[nodes]
+    dist = np.minimum(d - lo, hi - d) / (hi - lo)
+    return nodes, lo, hi, dist
 
 
 def refine(

@@ -54,10 +54,6 @@ class PairArrays:
         return cls(problem.node_type, time, cost, count, pair_i, pair_j, dag.succ_ptr.tolist(), pred_pad, succ_pad)
 
 
-# Pairs scored at once in a sweep (bounds the (pairs, steps, choices) comparison array).
-_CHUNK = 4096
-
-
 class Walker:
     """Plain-Python views of a Problem's arrays (built once per Problem): the passes are scalar
     loops, and over lists those beat per-element numpy calls."""
@@ -77,18 +73,30 @@ class Walker:
     def walk(self, limit: list[float]) -> list[int]:
         """Topological pass: node i takes the slowest choice that ends by limit[i] (the fastest
         if none does; the caller re-checks the deadline)."""
-        end = [0.0] * len(self.times)
-        out = [0] * len(self.times)
+        n = len(self.times)
+        end = [0.0] * n
+        out = [0] * n
+        preds = self.preds
         for i, times in enumerate(self.times):
-            start = max((end[p] for p in self.preds[i]), default=0.0)
-            k = bisect_right(times, limit[i] - start) - 1
+            # Most nodes wait on one predecessor: no max() over a generator for them (the hot loop).
+            p = preds[i]
+            if len(p) == 1:
+                start = end[p[0]]
+            elif p:
+                start = max([end[q] for q in p])
+            else:
+                start = 0.0
+            li = limit[i]
+            k = bisect_right(times, li - start) - 1
             # Correct for rounding in `limit - start`: the test that counts is start + t <= limit.
-            while k >= 0 and start + times[k] > limit[i]:
+            while k >= 0 and start + times[k] > li:
                 k -= 1
-            if k + 1 < len(times) and start + times[k + 1] <= limit[i]:
+            if k + 1 < len(times) and start + times[k + 1] <= li:
                 k += 1
-            out[i] = max(k, 0)
-            end[i] = start + times[out[i]]
+            if k < 0:
+                k = 0
+            out[i] = k
+            end[i] = start + times[k]
         return out
 
     def latest_finish(self, choice: list[int], deadline_s: float) -> list[float]:
@@ -172,11 +180,7 @@ def _pair_sweep(walker: Walker, choice: list[int], deadline_s: float, reach: int
     start_j = np.maximum(end_i, others[:, None])  # (pairs, A)
     # The slowest b within reach above j's choice that still ends by lf[j] (choices are sorted
     # fastest first, so those that fit are a prefix of j's table; any of it, however far below).
-    fit = np.empty(start_j.shape, dtype=np.int64)
-    for lo in range(0, len(j), _CHUNK):
-        part = slice(lo, lo + _CHUNK)
-        row = a.time[tj[part]][:, None, :]  # +inf pads never fit
-        fit[part] = (start_j[part][:, :, None] + row <= lf[j[part]][:, None, None]).sum(axis=2)
+    fit = _prefix_fitting(a.time, tj, start_j, lf[j])
     b = np.minimum(fit - 1, np.minimum(k[j] + reach, a.count[tj] - 1)[:, None])
     any_b = (b >= 0) & ok_a
     b = np.maximum(b, 0)
@@ -204,3 +208,21 @@ def _pair_sweep(walker: Walker, choice: list[int], deadline_s: float, reach: int
             for y in walker.succs[x]:
                 locked[y] = True
     return moves
+
+
+def _prefix_fitting(time: np.ndarray, node_type: np.ndarray, start: np.ndarray, limit: np.ndarray) -> np.ndarray:
+    """For each row p and column a: how many of type node_type[p]'s choices end by limit[p] when
+    started at start[p, a], i.e. the count of k with start + time[k] <= limit (exactly that float
+    test). Choice times rise along a row (+inf pads), so the choices that fit are a prefix and a
+    binary search over the row's width finds its length."""
+    width = time.shape[1]
+    count = np.zeros(start.shape, dtype=np.int64)
+    step = 1 << (width.bit_length() - 1)
+    rows = node_type[:, None]
+    while step:
+        probe = count + step
+        inside = probe <= width
+        fits = start + time[rows, np.minimum(probe, width) - 1] <= limit[:, None]
+        count = np.where(inside & fits, probe, count)
+        step >>= 1
+    return count
