@@ -31,11 +31,11 @@ from perseus.planner.problem import Problem
 _MS = 1000.0
 # Instructions above which a cold solve starts from the steady-state restriction's optimum. The
 # full LP reached from there is optimal too, but often at another of its optimal vertices, which
-# rounds to a slightly different plan: measured against a cold start, -0.021% to +0.0055% energy
-# on the benchmark's 8 x 24-96 cases, -0.0045% to +0.0053% on 16 x 256 (2.6-3.8x less CPU there).
-# Up to the size where a cold plan still takes seconds (refine's limit), the planner keeps the
-# plans it always made; above, a cold solve alone runs for minutes (32 x 512).
-SEED_MIN_NODES = 16384
+# rounds to a slightly different plan: measured against a cold start on 72 plans of 8 x 96,
+# 8 x 128 and 16 x 64 (GPT-3 and Bloom on A100 and A40, two noisy GPT-3 profiles, no slowdown to
+# 1.2 x), -0.0006% energy on average, from -0.020% to +0.018%; a cold solve of 8 x 96 takes
+# 3-4x the CPU. Below this size a cold solve is short and plans stay as they always were.
+SEED_MIN_NODES = 1024
 
 
 @dataclass(frozen=True)
