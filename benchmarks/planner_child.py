@@ -12,6 +12,8 @@ Tasks (all plans are checked against their deadline by the tree's own evaluator)
 The no-slowdown plan of `speed` and `large` also reports where its CPU time went (`phases`): LP
 solves, pair exchanges, rounding walks and the exact MILP, timed by wrapping those functions of
 the tree under test where it has them; the rest (refine's own work, evaluation) is "other".
+`speed` reports the same for the re-plans (`replan_phases`: CPU per re-plan on average, calls
+over all of them) and the frontier (`frontier_phases`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ PHASES = (
     ("rounding", "perseus.planner.solver", None, "fill_slack"),
     ("milp", "perseus.planner.solver", None, "solve_exact"),
 )
+# The re-plans' deadlines (x the all-max time), in this order on one kept planner.
+REPLAN_FACTORS = (1.2, 1.0, 1.1, 1.05, 1.15)
 
 
 class PhaseClock:
@@ -144,13 +148,19 @@ def main() -> None:
         out["plan_s"] = time.perf_counter() - tick
         out["plan"] = summary(planner, plan, deadline, False)
         replans = []
-        for factor in (1.2, 1.0, 1.1, 1.05, 1.15):
+        replan_phases: dict[str, list] = {}
+        for factor in REPLAN_FACTORS:
             tick = time.perf_counter()
-            plan_at(planner, factor, True)
+            _, phases = clock.measure(lambda factor=factor: plan_at(planner, factor, True))
             replans.append(time.perf_counter() - tick)
+            for phase, (seconds, calls) in phases.items():
+                total = replan_phases.setdefault(phase, [0.0, 0])
+                total[0] += seconds / len(REPLAN_FACTORS)
+                total[1] += calls
         out["replan_s"] = statistics.median(replans)
+        out["replan_phases"] = replan_phases
         tick = time.perf_counter()
-        points = planner.frontier(50)
+        points, out["frontier_phases"] = clock.measure(lambda: planner.frontier(50))
         out["frontier_s"] = time.perf_counter() - tick
         out["frontier_gap"] = max(p.plan.gap for p in points)
     else:  # large
