@@ -46,9 +46,10 @@ MAX_PROCESSES = 8  # torchrun ranks in all
 #: Iterations at default clocks the service may take to calibrate its model after profiling
 #: (a fit on MIN_ITERATIONS of them, tried again on more up to MAX_ATTEMPTS times).
 CALIBRATION_ITERATIONS = MIN_ITERATIONS * MAX_ATTEMPTS
-#: Planned iterations the service's verification may take to decide: a plan checked over its
-#: windows, re-planned up to MAX_REPLANS times, each re-plan after PERSISTS windows over its target.
-VERIFICATION_ITERATIONS = SKIP + WINDOW + MAX_REPLANS * (SKIP + PERSISTS * WINDOW)
+#: Planned iterations the service's verification may take to decide: a plan's first window, a
+#: reference window at maximum clocks and the plan again (twice: once more when the reference has
+#: gone stale), re-planned up to MAX_REPLANS times, each after PERSISTS windows over its target.
+VERIFICATION_ITERATIONS = 5 * (SKIP + WINDOW) + MAX_REPLANS * (SKIP + PERSISTS * WINDOW)
 
 
 @dataclass(frozen=True)

@@ -99,9 +99,11 @@ def describe_calibration(c: dict, reason: bool = True) -> str:
 def describe_verification(p: dict, reason: bool = True) -> str:
     """One line of a PipelineStatus (its wire form): what verification says of its plan, and
     (`reason`) why it was last re-planned."""
-    line = f"pipeline {p['pipeline']}, plan v{p.get('plan_version', 0)}: {p.get('verification') or 'not checked yet'}"
+    state = p.get("verification")
+    what = "reference: one window at maximum clocks measures a fresh target" if state == "reference" else state
+    line = f"pipeline {p['pipeline']}, plan v{p.get('plan_version', 0)}: {what or 'not checked yet'}"
     measured, target = p.get("verified_iteration_time_s"), p.get("target_iteration_time_s")
-    if p.get("verification") == "verifying":
+    if state in ("verifying", "reference"):
         measured = None  # a window not yet full: what the status holds is an earlier plan's
     if measured is not None and target:
         line += (

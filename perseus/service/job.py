@@ -26,7 +26,7 @@ from perseus.service.profiles import Profiling
 from perseus.service.ranks import Models, Roster
 from perseus.service.tally import Measured
 from perseus.service.text import clip
-from perseus.service.verification import Verdict
+from perseus.service.verification import REFERENCE, RESUME, Verdict
 from perseus.wire.messages import JobStatus, ReportIteration, Table
 from perseus.wire.phases import JobPhase
 from perseus.wire.spans import ReportSpans
@@ -320,12 +320,22 @@ class Job:
         self._changed()
 
     def correct(self, pipeline: int, verdict: Verdict) -> list[PlanKey]:
-        """Act on a verdict against the pipeline's plan: re-solve its models' plans with a grown
-        margin, or fall back to maximum clocks. The keys dropped (to solve again)."""
+        """Act on a verdict against the pipeline's plan: run a reference window at maximum clocks
+        (or end it), re-solve its models' plans with a grown margin, or fall back to maximum
+        clocks. The keys dropped (to solve again)."""
         plan = self.plans.get(pipeline)
         if plan is None:
             return []
         models = plan.models
+        references = self.plan_book.references
+        if verdict.action == REFERENCE:
+            profile = self.pipeline_profile(models)
+            assert self.schedule is not None and profile is not None  # a plan was solved on them
+            references[pipeline] = max_clock_result(self.schedule, profile, plan.result())
+            return []
+        references.pop(pipeline, None)
+        if verdict.action == RESUME:
+            return []
         self.model.correct(models, verdict)
         state = self.model.calibrations.get(models)
         keys = [key for key in self.results if key[0] == models]

@@ -182,11 +182,11 @@ class PipelineModels:
                 state.baselines[k] = (measured_time, measured_compute, noise_floor(*self.spans.spread([k])))
             time_s, baseline = self.targets(plan.models, k)
             noise = state.baselines[k][2] if k in state.baselines else 0.0
-            target = None
-            if time_s is not None and baseline is not None:
-                scale = 1.0 if plan.deadline_s is None else plan.deadline_s / plan.baseline_iteration_time_s
-                target = baseline * max(1.0, scale)
-            self.checks[k].plan_started(plan.version, plan.start_iteration, target, state.fallback, noise)
+            scale = 1.0 if plan.deadline_s is None else max(1.0, plan.deadline_s / plan.baseline_iteration_time_s)
+            target = baseline * scale if time_s is not None and baseline is not None else None
+            self.checks[k].plan_started(
+                plan.version, plan.start_iteration, target, state.fallback, noise, scale, plan.reference
+            )
 
     def measured(self, completed: list[tuple[int, Measured]]) -> None:
         """Pipelines' measured iterations (compute time, slowest rank): verdicts for `take_verdicts`."""

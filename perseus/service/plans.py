@@ -46,6 +46,7 @@ class PublishedPlan(PlanResult):
     start_iteration: int
     models: Models = ()
     deadline_s: float | None = None
+    reference: bool = False  # maximum clocks for one window: verification's fresh target
 
     @property
     def key(self) -> PlanKey:
@@ -91,6 +92,8 @@ class PlanBook:
         self.models = models
         self.plans: dict[int, PublishedPlan] = {}  # pipeline -> the plan its ranks run
         self.results: dict[PlanKey, PlanResult | str] = {}  # solved plans; str: why the planner could not
+        # Pipelines measuring a reference window: they run this (maximum clocks) in place of their plan.
+        self.references: dict[int, PlanResult] = {}
         self.last_version = 0
 
     def base(self, pipeline: int) -> PlanResult | None:
@@ -155,17 +158,27 @@ class PlanBook:
             if isinstance(result, str):
                 key = (self.models(k), None)  # the deadline failed: run the no-slowdown plan
                 result = self.results.get(key)
-            if isinstance(result, PlanResult) and (
-                k not in self.plans or self.plans[k].key != key or self.plans[k].result() != result
-            ):
-                changed[k] = (key, result)
+            if isinstance(result, PlanResult):
+                result = self.references.get(k, result)
+                if (
+                    k not in self.plans
+                    or self.plans[k].key != key
+                    or self.plans[k].result() != result
+                    or self.plans[k].reference != (k in self.references)
+                ):
+                    changed[k] = (key, result)
         if not changed:
             return []
         self.last_version += 1
         for k, ((models, deadline), result) in changed.items():
             base = {f.name: getattr(result, f.name) for f in fields(PlanResult)}
             self.plans[k] = PublishedPlan(
-                **base, version=self.last_version, start_iteration=start_iteration, models=models, deadline_s=deadline
+                **base,
+                version=self.last_version,
+                start_iteration=start_iteration,
+                models=models,
+                deadline_s=deadline,
+                reference=k in self.references,
             )
         return sorted(changed)
 
@@ -178,6 +191,7 @@ class PlanBook:
         baseline); versions go on counting, so no rank mistakes a new plan for one it holds."""
         self.plans = {}
         self.results = {}
+        self.references = {}
 
     def drop_failures(self) -> None:
         """Forget why plans could not be solved: a new run of the job tries again."""
@@ -187,6 +201,7 @@ class PlanBook:
         """Forget the plans, published or solved, of every pipeline on one of these GPU models."""
         self.plans = {k: p for k, p in self.plans.items() if not gpu_models & set(p.models)}
         self.results = {k: r for k, r in self.results.items() if not gpu_models & set(k[0])}
+        self.references = {k: r for k, r in self.references.items() if k in self.plans}
 
     def restore(self, pipeline: int, plan: PublishedPlan) -> None:
         """A plan published before a restart of the service (see perseus.service.persistence)."""

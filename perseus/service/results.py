@@ -16,7 +16,7 @@ from perseus.service.planning import plan_choices
 from perseus.service.plans import PlanKey, document_name
 from perseus.service.ranks import Models
 from perseus.service.text import clip
-from perseus.service.verification import HOLDS
+from perseus.service.verification import HOLDS, REFERENCE, RESUME
 from perseus.service.workers import Solved, Workers
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,10 @@ class Results:
                     100 * verdict.excess,
                 )
                 continue
-            log.warning("job %s: pipeline %d: %s", job.job_id, k, verdict.reason)
+            if verdict.action in (REFERENCE, RESUME):
+                log.info("job %s: pipeline %d: %s", job.job_id, k, verdict.reason)
+            else:
+                log.warning("job %s: pipeline %d: %s", job.job_id, k, verdict.reason)
             if job.correct(k, verdict):
                 self.workers.forget(job.job_id)  # its planners hold the old profile
             self.plan(job)

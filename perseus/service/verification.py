@@ -1,11 +1,17 @@
 """Verify every plan on measured time while it runs, and correct it.
 
-A plan is a promise: the no-slowdown plan keeps the measured baseline iteration time, a
-straggler-aware plan keeps the straggler's pace (its deadline, at the baseline's scale). Each
+A plan is a promise: the no-slowdown plan keeps the job's iteration time at maximum clocks, a
+straggler-aware plan keeps the straggler's pace (its deadline, at that time's scale). Each
 pipeline's measured iterations under its plan (from the plan's start, less the switch) are
-checked in windows of `WINDOW`: the median against the target. Past the job's tolerance in
+checked in windows of `WINDOW`: the median against the target.
+
+The job's own speed drifts (other work on the hosts, thermals): a baseline measured minutes
+before the plan started is no fair target. So a plan is judged against a fresh reference: its
+first window, and any later window over the tolerance once the last reference is older than
+`FRESH` iterations, sends the pipeline back to maximum clocks for one window (`REFERENCE`),
+whose median becomes the target, and the plan resumes (`RESUME`). Past the job's tolerance in
 `PERSISTS` windows in a row (a busy host's passing stall is not the plan's doing) -- and past
-what the baseline's own spread lets two medians differ by by chance (`noise_floor`: on a quiet
+what the iterations' own spread lets two medians differ by by chance (`noise_floor`: on a quiet
 host the tolerance decides, on a loaded one the noise) -- the service warns once and re-plans
 with a margin: every instruction the plan slows is modelled
 that much slower (`margin`, grown by twice the excess each time), which tightens the plan by
@@ -35,18 +41,25 @@ MAX_REPLANS = 3
 PERSISTS = 2
 #: Standard errors of the difference of two medians that an excess must reach to be the plan's.
 SIGNIFICANCE = 2.0
+#: Measured iterations after a reference window during which no other is taken.
+FRESH = 6 * WINDOW
+#: Reference windows per pipeline and run at most: each runs a window at maximum clocks and
+#: switches twice; past them, windows are judged against the last reference (or the baseline).
+MAX_REFERENCES = 6
 
 VERIFYING = "verifying"
 HOLDS = "holds"
 REPLANNING = "replanning"
 FALLBACK = "fallback"
+REFERENCE = "reference"  # a window at maximum clocks: the fresh target
+RESUME = "resume"  # the verdict that ends a reference window: the plan runs again
 
 
 @dataclass(frozen=True)
 class Verdict:
     """What a full window showed: the excess over the target, and what to do."""
 
-    action: str  # HOLDS, REPLANNING or FALLBACK
+    action: str  # HOLDS, REPLANNING, FALLBACK, REFERENCE or RESUME
     excess: float
     measured_s: float
     target_s: float
@@ -61,6 +74,8 @@ class PlanCheck:
         self.state = ""
         self.version = 0
         self.start = 0
+        self.baseline_target_s: float | None = None  # the target at the measured baseline's speed
+        self.scale = 1.0  # the target over the time at maximum clocks (a straggler's pace: above 1)
         self.target_s: float | None = None
         self.window: list[float] = []
         self.replans = 0
@@ -70,32 +85,64 @@ class PlanCheck:
         self.warned_fallback = False
         self.over = 0  # windows in a row over the tolerance
         self.noise = 0.0  # the excess the baseline's spread alone may show (see noise_floor)
+        self.reference_s: float | None = None  # the latest reference window's median
+        self.reference_noise = 0.0  # its noise_floor against one window
+        self.reference_end = 0  # `measured` when it ended
+        self.measured = 0  # iterations measured (from any plan)
+        self.references = 0
+        self.awaiting = False  # a reference was asked for (or ended): no window until the switch
 
     def plan_started(
-        self, version: int, start_iteration: int, target_s: float | None, fallback: bool, noise: float = 0.0
+        self,
+        version: int,
+        start_iteration: int,
+        target_s: float | None,
+        fallback: bool,
+        noise: float = 0.0,
+        scale: float = 1.0,
+        reference: bool = False,
     ) -> None:
         """A new plan (version) runs from `start_iteration`; its iterations should take `target_s`
-        (None: unknown, nothing is checked); `noise`: see `noise_floor`."""
-        self.version, self.start, self.target_s, self.noise = version, start_iteration, target_s, noise
+        at the baseline's speed (None: unknown, nothing is checked), `scale` times the time at
+        maximum clocks; `noise`: see `noise_floor`. `reference`: the plan is the reference window
+        this check asked for (maximum clocks)."""
+        self.version, self.start, self.noise, self.scale = version, start_iteration, noise, scale
+        self.baseline_target_s = target_s
         self.window = []
         self.measured_s = self.excess = None  # the previous plan's window says nothing of this one
         self.over = 0
+        self.awaiting = False
+        if reference:
+            self.state = REFERENCE
+            return
+        self.target_s = self._target()
         if fallback:
             self.state = FALLBACK
         elif target_s is not None:
             self.state = VERIFYING
 
+    def _target(self) -> float | None:
+        """The target: the latest reference's median at the plan's scale, else the baseline's."""
+        if self.reference_s is not None and self.baseline_target_s is not None:
+            return self.reference_s * self.scale
+        return self.baseline_target_s
+
     def add(self, iteration: int, time_s: float) -> Verdict | None:
         """One measured iteration of the pipeline; a verdict once a window is full."""
-        if self.target_s is None or iteration < self.start + SKIP or not self.state:
+        self.measured += 1
+        if not self.state or self.awaiting or self.baseline_target_s is None or iteration < self.start + SKIP:
             return None
         self.window.append(time_s)
         if len(self.window) < WINDOW:
             return None
-        measured = statistics.median(self.window)
-        self.window = []
-        self.measured_s = measured
-        self.excess = measured / self.target_s - 1.0
+        window, self.window = self.window, []
+        measured = statistics.median(window)
+        if self.state == REFERENCE:
+            return self._referenced(window, measured)
+        target = self._target()
+        assert target is not None  # baseline_target_s is set
+        self.target_s, self.measured_s = target, measured
+        self.excess = measured / target - 1.0
         if self.state == FALLBACK:
             if self.excess > self.tolerance and not self.warned_fallback:
                 self.warned_fallback = True
@@ -103,35 +150,66 @@ class PlanCheck:
                     FALLBACK,
                     self.excess,
                     measured,
-                    self.target_s,
+                    target,
                     f"even at maximum clocks the pipeline takes {100 * self.excess:+.1f}% over its baseline: the job "
                     "itself slowed (throttled GPUs, contention), not its plan",
                 )
             return None
-        if self.excess <= max(self.tolerance, self.noise):
+        noise = self.noise if self.reference_s is None else self.reference_noise
+        over = self.excess > max(self.tolerance, noise)
+        stale = self.reference_s is None or self.measured - self.reference_end > FRESH
+        if stale and self.references < MAX_REFERENCES and (over or self.state == VERIFYING):
+            self.references += 1
+            self.awaiting = True
+            self.over = 0
+            return Verdict(
+                REFERENCE,
+                self.excess,
+                measured,
+                target,
+                f"plan v{self.version} runs {100 * self.excess:+.1f}% against a target measured "
+                f"{'before the plan' if self.reference_s is None else 'a while ago'}: one window at maximum clocks "
+                "measures a fresh one",
+            )
+        if not over:
             self.over = 0
             if self.state == HOLDS:
                 return None  # said once per plan
             self.state = HOLDS
-            return Verdict(HOLDS, self.excess, measured, self.target_s)
+            return Verdict(HOLDS, self.excess, measured, target)
         self.over += 1
         if self.over < PERSISTS:
             return None
-        noise = f", beyond the baseline's noise of {100 * self.noise:.1f}%" if self.noise > self.tolerance else ""
+        noise_text = f", beyond the iterations' noise of {100 * noise:.1f}%" if noise > self.tolerance else ""
         what = (
             f"plan v{self.version} runs {100 * self.excess:+.1f}% over its target ({measured:.4f} s against "
-            f"{self.target_s:.4f} s, median of {WINDOW} iterations, over the tolerance of "
-            f"{100 * self.tolerance:.1f}%{noise} {self.over} windows in a row)"
+            f"{target:.4f} s, median of {WINDOW} iterations, over the tolerance of "
+            f"{100 * self.tolerance:.1f}%{noise_text} {self.over} windows in a row)"
         )
         if self.replans >= MAX_REPLANS:
             self.state = FALLBACK
             self.reason = f"{what}; after {self.replans} re-plans, falling back to maximum clocks"
-            return Verdict(FALLBACK, self.excess, measured, self.target_s, self.reason)
+            return Verdict(FALLBACK, self.excess, measured, target, self.reason)
         self.replans += 1
         self.over = 0
         self.state = REPLANNING
         self.reason = f"{what}; re-planning ({self.replans} of {MAX_REPLANS})"
-        return Verdict(REPLANNING, self.excess, measured, self.target_s, self.reason)
+        return Verdict(REPLANNING, self.excess, measured, target, self.reason)
+
+    def _referenced(self, window: list[float], measured: float) -> Verdict:
+        """A reference window is complete: its median is the target from now on."""
+        self.reference_s, self.reference_end = measured, self.measured
+        spread = 1.4826 * statistics.median(abs(t - measured) for t in window) / measured if measured > 0 else 0.0
+        self.reference_noise = noise_floor(spread, WINDOW)
+        self.target_s = measured * self.scale
+        self.awaiting = True
+        return Verdict(
+            RESUME,
+            0.0,
+            measured,
+            self.target_s,
+            f"maximum clocks now take {measured:.4f} s (median of {WINDOW} iterations): the plan's target from now on",
+        )
 
 
 def grown_margin(margin: float, excess: float, tolerance: float) -> float:

@@ -317,7 +317,8 @@ class PipelineStatus(Message):
     slowdown), and whether it is a straggler ("detected" or "declared", with its factor).
 
     The plan's verification (perseus.service.verification): `verification` is "" (nothing to
-    check yet), "verifying", "holds", "replanning" or "fallback" (maximum clocks); the measured
+    check yet), "verifying", "reference" (a window at maximum clocks measures a fresh target),
+    "holds", "replanning" or "fallback" (maximum clocks); the measured
     iteration (its compute part, median of the last window: `verified_iteration_time_s`)
     against `target_iteration_time_s` (the measured baseline, or the deadline at its scale),
     the re-plans made and why (`reason`).
@@ -370,7 +371,7 @@ class PipelineStatus(Message):
         return self.verified_iteration_time_s / self.target_iteration_time_s - 1.0
 
 
-VERIFICATION_STATES = ("", "verifying", "holds", "replanning", "fallback")
+VERIFICATION_STATES = ("", "verifying", "reference", "holds", "replanning", "fallback")
 _PIPELINE_DEFAULTS: dict[str, Any] = {
     "baseline_iteration_time_s": None,
     "target_iteration_time_s": None,

@@ -9,14 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from server_helpers import wait_until
+from server_helpers import FREQUENCIES, wait_until
 from timeline_helpers import STAGES, register_profiled, send_baseline, timelines
 
 from perseus.client.planner_client import PlannerClient
 from perseus.schedules import build_schedule
 from perseus.service.timelines import MIN_ITERATIONS
 from perseus.service.verification import PERSISTS, SKIP, WINDOW
-from perseus.wire.phases import Phase
 from perseus.wire.spec import JobSpec
 
 
@@ -55,14 +54,31 @@ def test_spans_calibrate_the_model_and_an_overrunning_plan_is_replanned(serve):
             sorted(t.compute_s for t in timelines(schedule, prof, count=MIN_ITERATIONS))[MIN_ITERATIONS // 2], rel=0.01
         )
 
-        start = min(i for i in range(1000) if clients[0].assignment(i).phase == Phase.PLANNED)
-        for it in range(start + SKIP, start + SKIP + WINDOW * PERSISTS):
-            for r, client in enumerate(clients):
-                client.report_iteration(job_id, r, it, target * 1.1, 90.0, compute_time_s=target * 1.08)
-        wait_until(lambda: clients[0].status(job_id).jobs[0].plan_version == 2, timeout_s=30)
-        assert "WARNING" in served.log() and "re-planning (1 of 3)" in served.log()
+        reached = [100]  # the next iteration to report
+
+        def run(version: int, compute_s: float, iterations: int) -> None:
+            """`iterations` of plan `version` from its start (or the next iteration), each taking `compute_s`."""
+            wait_until(lambda: clients[0].assignment(reached[0] + 1000).plan_version == version, timeout_s=30)
+            start = next(
+                i for i in range(reached[0], reached[0] + 10_000) if clients[0].assignment(i).plan_version == version
+            )
+            for it in range(start, start + iterations):
+                for r, client in enumerate(clients):
+                    client.report_iteration(job_id, r, it, compute_s * 1.02, 90.0, compute_time_s=compute_s)
+            reached[0] = start + iterations
+
+        run(1, target * 1.08, SKIP + WINDOW)  # the plan runs over its target: first a fresh one
+        wait_until(lambda: clients[0].status(job_id).jobs[0].pipelines[0].verification == "reference", timeout_s=30)
+        wait_until(lambda: clients[0].assignment(reached[0] + 1000).plan_version == 2, timeout_s=30)
+        assert set(clients[0].assignment(reached[0] + 1000).frequencies or ()) == {max(FREQUENCIES)}
+        run(2, target * 1.01, SKIP + WINDOW)  # the host slowed by 1%: maximum clocks take that long now
+        run(3, target * 1.01 * 1.08, SKIP + WINDOW * PERSISTS)
+        wait_until(lambda: clients[0].status(job_id).jobs[0].plan_version == 4, timeout_s=30)
+        log = served.log()
+        assert "one window at maximum clocks measures a fresh one" in log and "WARNING" in log
+        assert "re-planning (1 of 3)" in log and "+8.0% over its target" in log
         text = status_cli(served.endpoint, "--job", job_id)
-        assert "plan v2" in text and "re-planning (1 of 3)" in text
+        assert "plan v4" in text and "re-planning (1 of 3)" in text
     finally:
         for c in clients:
             c.close()

@@ -1,12 +1,14 @@
 """Calibration and verification inside one job (no sockets): the job asks for spans, fits its model
 on them before any plan, plans on the calibrated profile, checks the plan on the measured
-iterations, re-plans with a growing margin when it runs over, falls back to maximum clocks after
-the cap, and says all of it in its status. `PlanCheck` and the profile margins on their own too."""
+iterations against a fresh reference window at maximum clocks, re-plans with a growing margin
+when it runs over, falls back to maximum clocks after the cap, and says all of it in its status.
+`PlanCheck` and the profile margins on their own too."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 
 import pytest
 from server_helpers import FREQUENCIES, job_spec, rank_info, stage_profile
@@ -22,10 +24,14 @@ from perseus.service.planning import PlanResult, plan_pipeline
 from perseus.service.timelines import MIN_ITERATIONS
 from perseus.service.verification import (
     FALLBACK,
+    FRESH,
     HOLDS,
+    MAX_REFERENCES,
     MAX_REPLANS,
     PERSISTS,
+    REFERENCE,
     REPLANNING,
+    RESUME,
     SKIP,
     WINDOW,
     PlanCheck,
@@ -48,37 +54,107 @@ def feed(check: PlanCheck, start: int, values: list[float]):
     return verdicts
 
 
-def test_a_plan_is_checked_in_windows_after_its_switch():
+def referenced(check: PlanCheck, at: int, values: list[float]) -> int:
+    """The reference window the check asked for, switched to at iteration `at`, its iterations
+    taking `values` (WINDOW of them); the plan resumes after it. The first iteration counted then."""
+    assert check.state != REFERENCE and check.awaiting
+    version = check.version
+    check.plan_started(version + 1, at, check.baseline_target_s, False, check.noise, check.scale, reference=True)
+    assert check.state == REFERENCE and not feed(check, at, [99.0] * SKIP)  # the switch: not counted
+    (verdict,) = feed(check, at + SKIP, values)
+    assert verdict.action == RESUME and verdict.measured_s == pytest.approx(statistics.median(values))
+    resume = at + SKIP + WINDOW
+    check.plan_started(version + 2, resume, check.baseline_target_s, False, check.noise, check.scale)
+    return resume + SKIP
+
+
+def drive(check: PlanCheck, at: int, plan_s: float, reference_s: float, windows: int) -> list[str]:
+    """`windows` windows of the plan from iteration `at`, each iteration taking `plan_s`, and every
+    reference window the check asks for meanwhile at `reference_s`: the verdicts' actions."""
+    return drive_on(check, at, plan_s, reference_s, windows)[0]
+
+
+def drive_on(check: PlanCheck, at: int, plan_s: float, reference_s: float, windows: int) -> tuple[list[str], int]:
+    """`drive`, and the iteration after its last window."""
+    actions = []
+    for _ in range(windows):
+        verdicts = feed(check, at, [plan_s] * WINDOW)
+        at += WINDOW
+        actions += [v.action for v in verdicts]
+        if verdicts and verdicts[-1].action == REFERENCE:
+            at = referenced(check, at, [reference_s] * WINDOW)
+    return actions, at
+
+
+def test_a_plan_is_checked_in_windows_after_its_switch_against_a_fresh_reference():
     check = PlanCheck(tolerance=0.01)
     check.plan_started(version=1, start_iteration=10, target_s=1.0, fallback=False)
     assert check.state == "verifying"
     assert not feed(check, 0, [9.0] * (10 + SKIP))  # before the plan and its switch: not counted
     (verdict,) = feed(check, 10 + SKIP, [1.005] * WINDOW)
-    assert verdict.action == HOLDS and verdict.excess == pytest.approx(0.005) and check.state == HOLDS
-    assert not feed(check, 100, [1.0] * WINDOW)  # holds: said once
-    check.plan_started(version=2, start_iteration=200, target_s=1.0, fallback=False)
-    assert check.measured_s is None and check.excess is None  # plan v1's window says nothing of v2
+    assert verdict.action == REFERENCE and verdict.excess == pytest.approx(0.005) and "fresh" in verdict.reason
+    assert not feed(check, 10 + SKIP + WINDOW, [9.0] * 5)  # still the plan, until the switch to maximum clocks
+    at = referenced(check, 100, [0.995] * WINDOW)
+    assert check.target_s == pytest.approx(0.995)
+    (verdict,) = feed(check, at, [1.0] * WINDOW)
+    assert verdict.action == HOLDS and verdict.excess == pytest.approx(1.0 / 0.995 - 1) and check.state == HOLDS
+    assert not feed(check, at + WINDOW, [1.0] * WINDOW)  # holds: said once
+    check.plan_started(version=4, start_iteration=200, target_s=1.0, fallback=False)
+    assert check.measured_s is None and check.excess is None  # plan v3's window says nothing of v4
+    assert check.target_s == pytest.approx(0.995)  # the reference still is the target
+
+
+def test_a_job_slower_than_its_baseline_is_not_the_plans_doing():
+    """The host got 5% slower after the baseline: against a fresh reference the plan holds."""
+    check = PlanCheck(tolerance=0.01)
+    check.plan_started(1, 0, 1.0, fallback=False)
+    assert drive(check, SKIP, 1.055, 1.05, 2) == [REFERENCE, HOLDS]
+    assert check.replans == 0 and check.target_s == pytest.approx(1.05)
+
+
+def test_a_plan_held_to_a_baseline_measured_on_a_busier_host_is_corrected():
+    """The baseline ran 10% slow (the host was busy then): the plan's 5% excess over maximum clocks
+    passes against it, not against the fresh reference."""
+    check = PlanCheck(tolerance=0.01)
+    check.plan_started(1, 0, 1.10, fallback=False)
+    assert drive(check, SKIP, 1.05, 1.0, 3) == [REFERENCE, REPLANNING]
+    assert check.replans == 1 and "+5.0%" in check.reason
 
 
 def test_a_plan_over_its_target_is_replanned_then_falls_back():
     check = PlanCheck(tolerance=0.01)
     check.plan_started(1, 0, 1.0, fallback=False)
-    start = SKIP
-    verdicts = []
-    for _ in range(MAX_REPLANS + 1):
-        verdicts += feed(check, start, [1.05] * WINDOW * PERSISTS)
-        start += WINDOW * PERSISTS
-    assert [v.action for v in verdicts] == [REPLANNING] * MAX_REPLANS + [FALLBACK]
-    assert "re-planning (1 of 3)" in verdicts[0].reason and "+5.0%" in verdicts[0].reason
-    assert "falling back to maximum clocks" in verdicts[-1].reason and check.state == FALLBACK
+    actions = drive(check, SKIP, 1.05, 1.0, 1 + 2 * PERSISTS * (MAX_REPLANS + 1))
+    judged = [a for a in actions if a != REFERENCE]
+    assert judged[: MAX_REPLANS + 1] == [REPLANNING] * MAX_REPLANS + [FALLBACK]
+    assert 1 <= actions.count(REFERENCE) <= MAX_REFERENCES  # the first window, then once stale (FRESH)
+    assert check.state == FALLBACK
+    assert "falling back to maximum clocks" in check.reason and "+5.0%" in check.reason
     assert check.replans == MAX_REPLANS
+
+
+def test_references_are_taken_once_stale_and_at_most_max_references_times():
+    """A host that keeps slowing: each time a window runs over a reference older than FRESH, a
+    fresh one is taken (the plan holds against it), until MAX_REFERENCES; then the plan is judged."""
+    check = PlanCheck(tolerance=0.01)
+    check.plan_started(1, 0, 1.0, fallback=False)
+    at, segment = SKIP, FRESH // WINDOW + 2
+    for k in range(MAX_REFERENCES):
+        pace = 1.03**k
+        actions, at = drive_on(check, at, pace, pace, segment)
+        assert actions == [REFERENCE, HOLDS], k
+    assert check.references == MAX_REFERENCES and check.replans == 0
+    actions, at = drive_on(check, at, 1.03**MAX_REFERENCES, 9.0, PERSISTS)
+    assert actions == [REPLANNING]
 
 
 def test_a_passing_stall_is_not_the_plans_doing():
     check = PlanCheck(tolerance=0.01)
     check.plan_started(1, 0, 1.0, fallback=False)
-    assert not feed(check, SKIP, [1.2] * WINDOW)  # one window over: wait for the next
-    (verdict,) = feed(check, SKIP + WINDOW, [1.0] * WINDOW)
+    assert drive(check, SKIP, 1.0, 1.0, 1) == [REFERENCE]
+    at = check.start + SKIP
+    assert not feed(check, at, [1.2] * WINDOW)  # one window over: wait for the next
+    (verdict,) = feed(check, at + WINDOW, [1.0] * WINDOW)
     assert verdict.action == HOLDS and check.replans == 0
 
 
@@ -166,39 +242,76 @@ def test_a_job_plans_on_its_calibrated_model_and_corrects_a_plan_that_runs_over(
 
     target = pipeline.target_iteration_time_s
     it = plan.start_iteration + SKIP
-    for _ in range(WINDOW * PERSISTS):
+    for _ in range(WINDOW):
         report(job, it, target * 1.06)
         it += 1
     ((k, verdict),) = job.model.take_verdicts()
-    assert verdict.action == REPLANNING
+    assert verdict.action == REFERENCE and job.correct(k, verdict) == []  # no re-plan before a fresh reference
+    job.publish()
+    reference = job.plans[0]
+    assert reference.reference and reference.version == 2 and reference.start_iteration >= it
+    assert {f for row in reference.stage_frequencies for f in row} == {FREQUENCIES[0]}
+    assert job.table(0, reference.start_iteration, 1).frequencies == reference.stage_frequencies[0]
+    assert job.status().pipelines[0].verification == "reference"
+    fresh = target * 1.02  # the host slowed a little since the baseline
+    it = reference.start_iteration + SKIP
+    for _ in range(WINDOW):
+        report(job, it, fresh)
+        it += 1
+    ((k, verdict),) = job.model.take_verdicts()
+    assert verdict.action == RESUME and verdict.measured_s == pytest.approx(fresh)
+    assert job.correct(k, verdict) == []
+    job.publish()
+    resumed = job.plans[0]
+    assert not resumed.reference and resumed.version == 3 and resumed.stage_frequencies == plan.stage_frequencies
+    assert job.status().pipelines[0].target_iteration_time_s == pytest.approx(fresh)
+    it = resumed.start_iteration + SKIP
+    for _ in range(WINDOW * PERSISTS):
+        report(job, it, fresh * 1.06)
+        it += 1
+    ((k, verdict),) = job.model.take_verdicts()
+    assert verdict.action == REPLANNING and verdict.excess == pytest.approx(0.06)
     assert job.correct(k, verdict) == [key]  # its plan is solved again, with a margin
     state = job.model.calibrations.get(key[0])
     assert state.margin == pytest.approx(0.12)
     ((_, margined),) = job.missing_plans()
     assert margined.points[(0, "forward")][1].time == pytest.approx(prof.points[(0, "forward")][1].time * 1.12)
     solve(job)
-    assert job.plans[0].version == 2
+    assert job.plans[0].version == 4
     status = job.status()
     assert status.pipelines[0].replans == 1 and "re-planning (1 of 3)" in status.pipelines[0].reason
     assert status.calibrations[0].margin == pytest.approx(0.12)
 
 
+def run_windows(job: Job, plan_s: float, reference_s: float, windows: int) -> list[str]:
+    """`windows` windows of the pipeline's newest plan, each iteration taking `plan_s` (a reference
+    window `reference_s`), acting on each verdict as the service does: the verdicts' actions."""
+    actions = []
+    for _ in range(windows):
+        plan = job.plans[0]
+        it = max(plan.start_iteration + SKIP, job.last_iteration + 1)
+        for _ in range(WINDOW):
+            report(job, it, reference_s if plan.reference else plan_s)
+            it += 1
+        for k, verdict in job.model.take_verdicts():
+            actions.append(verdict.action)
+            job.correct(k, verdict)
+        solve(job)
+    return actions
+
+
 def test_after_the_cap_the_pipeline_falls_back_to_maximum_clocks():
     job = calibrated_job()
     solve(job)
-    for _ in range(MAX_REPLANS + 1):
-        plan = job.plans[0]
-        it = max(plan.start_iteration, job.last_iteration + 1) + SKIP
-        for _ in range(WINDOW * PERSISTS):
-            report(job, it, job.status().pipelines[0].target_iteration_time_s * 1.1)
-            it += 1
-        for k, verdict in job.model.take_verdicts():
-            job.correct(k, verdict)
-        solve(job)
+    target = job.status().pipelines[0].target_iteration_time_s
+    actions = run_windows(job, target * 1.1, target, 2 + 2 * PERSISTS * (MAX_REPLANS + 1))
+    assert [a for a in actions if a not in (REFERENCE, RESUME)][: MAX_REPLANS + 1] == [REPLANNING] * MAX_REPLANS + [
+        FALLBACK
+    ]
     status = job.status()
     pipeline = status.pipelines[0]
     assert pipeline.verification == "fallback" and "falling back to maximum clocks" in pipeline.reason
-    assert set(job.plans[0].stage_frequencies[0]) == {FREQUENCIES[0]}
+    assert set(job.plans[0].stage_frequencies[0]) == {FREQUENCIES[0]} and not job.plan_book.references
     assert "fell back to maximum clocks" in status.saving_withheld and status.measured_saving is None
 
 
@@ -298,8 +411,9 @@ def test_a_restarted_service_keeps_the_calibration_margin_and_baseline():
 
 
 def _over(job: Job):
-    """Two windows of the pipeline's plan 6% over its target: the verdict."""
+    """The pipeline's plan 6% over its target, against a fresh reference: the verdict."""
     target = job.status().pipelines[0].target_iteration_time_s
+    assert run_windows(job, target * 1.06, target, 2) == [REFERENCE, RESUME]
     it = job.plans[0].start_iteration + SKIP
     for _ in range(WINDOW * PERSISTS):
         report(job, it, target * 1.06)
@@ -318,17 +432,20 @@ def test_a_straggler_aware_plan_is_held_to_the_stragglers_pace_at_the_baseline_s
     assert job.model.checks[0].target_s == pytest.approx(baseline * 1.2)
 
 
-def test_on_a_noisy_host_only_an_excess_beyond_the_baselines_noise_is_the_plans():
+def test_on_a_noisy_host_only_an_excess_beyond_the_references_noise_is_the_plans():
     assert noise_floor(0.0, 16) == 0.0 and noise_floor(0.04, 0) == 0.0
     noise = noise_floor(0.04, 16)  # iterations varying by 4%: two medians differ by ~4% by chance
     assert 0.03 < noise < 0.05
     check = PlanCheck(tolerance=0.01)
     check.plan_started(1, 0, 1.0, fallback=False, noise=noise)
-    (verdict,) = feed(check, SKIP, [1.03] * WINDOW * PERSISTS)
+    (verdict,) = feed(check, SKIP, [1.03] * WINDOW)
+    assert verdict.action == REFERENCE
+    at = referenced(check, 100, [0.97, 1.03] * (WINDOW // 2))  # its iterations vary by 4.4%
+    assert 0.04 < check.reference_noise < 0.06
+    (verdict,) = feed(check, at, [1.03] * WINDOW * PERSISTS)
     assert verdict.action == HOLDS  # within the noise: not the plan's doing
-    check.plan_started(2, 100, 1.0, fallback=False, noise=noise)
-    (verdict,) = feed(check, 100 + SKIP, [1.08] * WINDOW * PERSISTS)
-    assert verdict.action == REPLANNING and "beyond the baseline's noise" in verdict.reason
+    (verdict,) = feed(check, at + WINDOW * PERSISTS, [1.08] * WINDOW * PERSISTS)
+    assert verdict.action == REPLANNING and "beyond the iterations' noise" in verdict.reason
 
 
 def test_a_straggler_pace_is_planned_padded_against_a_baseline_padded_to_it():
