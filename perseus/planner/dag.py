@@ -10,6 +10,7 @@ computed one level at a time with vectorized numpy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import networkx as nx
 import numpy as np
@@ -111,10 +112,24 @@ class DagArrays:
     def succs(self, i: int) -> np.ndarray:
         return self.succ_idx[self.succ_ptr[i] : self.succ_ptr[i + 1]]
 
+    @cached_property
+    def _pred_slots(self) -> tuple[list[int], list[int], list[list[int] | None]]:
+        """Per node, for the scalar longest path: its first two predecessors (one repeated when it
+        has one, n when none: a slot that holds 0), or all of them when it has more than two."""
+        n = len(self.nodes)
+        ptr, idx = self.pred_ptr.tolist(), self.pred_idx.tolist()
+        preds = [idx[ptr[i] : ptr[i + 1]] for i in range(n)]
+        first = [p[0] if p else n for p in preds]
+        second = [p[1] if len(p) > 1 else q for p, q in zip(preds, first)]
+        more = [p if len(p) > 2 else None for p in preds]
+        return first, second, more
+
     def longest_path(self, times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Earliest (start, end) of every node given node durations; `times` is (n,) or (k, n)
         for k assignments at once. The iteration time is end.max(axis=-1)."""
         times = np.asarray(times, dtype=float)
+        if times.ndim == 1:
+            return self._longest_path_one(times)
         n = len(self.nodes)
         end = np.zeros(times.shape[:-1] + (n + 1,))
         start = np.zeros(times.shape)
@@ -126,6 +141,27 @@ class DagArrays:
             start[..., lo:hi] = s
             end[..., lo:hi] = s + times[..., lo:hi]
         return start, end[..., :n]
+
+    def _longest_path_one(self, times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`longest_path` of one assignment as a scalar loop: most nodes wait on one or two
+        predecessors, and reading those two beats a numpy call per level (3-4x at 8 x 96). The
+        same float operations (max of the predecessors' ends, plus the time), so the same bits."""
+        first, second, more = self._pred_slots
+        t = times.tolist()
+        n = len(t)
+        end = [0.0] * (n + 1)  # end[n] stays 0: the start of a node without predecessors
+        start = [0.0] * n
+        for i in range(n):
+            many = more[i]
+            if many is None:
+                a = end[first[i]]
+                b = end[second[i]]
+                s = a if a >= b else b
+            else:
+                s = max([end[q] for q in many])
+            start[i] = s
+            end[i] = s + t[i]
+        return np.array(start), np.array(end[:n])
 
     def longest_tail(self, times: np.ndarray) -> np.ndarray:
         """For every node, the longest path from its start to the end of the iteration (its own
