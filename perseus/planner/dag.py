@@ -34,6 +34,17 @@ def schedule_edges(schedule: Schedule) -> tuple[list[Instruction], np.ndarray, n
         dst += ids[1:]
         for ins, i in zip(row, ids):
             by_key[(schedule.virtual_stage(ins), ins.kind, ins.microbatch)] = i
+    # What an instruction sends to another rank leaves with the last of its overlapped group.
+    sender = list(range(len(nodes)))
+    for rank, positions in enumerate(schedule.overlapped):
+        ids = [index[ins] for ins in schedule.stages[rank]]
+        for i in reversed(positions):
+            sender[ids[i]] = sender[ids[i + 1]]
+
+    def transfer(a: int, b: int) -> None:
+        src.append(sender[a] if nodes[a].stage != nodes[b].stage else a)
+        dst.append(b)
+
     last = schedule.num_virtual_stages - 1
     for m in range(schedule.num_microbatches):
         grads = []
@@ -46,12 +57,11 @@ def schedule_edges(schedule: Schedule) -> tuple[list[Instruction], np.ndarray, n
                 src.append(grad)
                 dst.append(weight)
             if v < last:
-                src.append(by_key[(v, Kind.FORWARD, m)])
-                dst.append(by_key[(v + 1, Kind.FORWARD, m)])
+                transfer(by_key[(v, Kind.FORWARD, m)], by_key[(v + 1, Kind.FORWARD, m)])
         src.append(by_key[(last, Kind.FORWARD, m)])
         dst.append(grads[last])
-        src += grads[1:]
-        dst += grads[:-1]
+        for v in range(1, last + 1):
+            transfer(grads[v], grads[v - 1])
     # A rank's next instruction can also be its data successor (I then W): one edge.
     pairs = np.unique(np.array([src, dst], dtype=np.int64).reshape(2, -1).T, axis=0)
     return nodes, pairs[:, 0].copy(), pairs[:, 1].copy()

@@ -44,6 +44,7 @@ def job_spec(
         num_chunks=s.num_chunks,
         schedule_style=s.style,
         stage_orders=tuple(tuple((i.kind.value, i.microbatch, i.chunk) for i in row) for row in s.stages),
+        overlapped=s.overlapped or None,
         tag=tag,
         gpu_model=gpu.name(),
         warmup_iterations=settings.warmup_iterations,

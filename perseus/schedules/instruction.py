@@ -54,6 +54,10 @@ class Schedule:
 
     With `num_chunks` > 1 every rank holds several model chunks; `style` says which virtual
     (model) stage a (rank, chunk) pair is, see `virtual_stage`.
+
+    `overlapped[s]`: positions in `stages[s]` of instructions that run overlapped with the next
+    one (torch's OVERLAP_F_B): what they send to other stages leaves only once that next one has
+    run too.
     """
 
     name: str
@@ -61,6 +65,7 @@ class Schedule:
     stages: tuple[tuple[Instruction, ...], ...]
     num_chunks: int = 1
     style: str = "loop"
+    overlapped: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -100,6 +105,18 @@ class Schedule:
                 f"schedule {self.name!r}: need at least one microbatch and one chunk, got "
                 f"{self.num_microbatches} microbatches and {self.num_chunks} chunks"
             )
+        if self.overlapped and len(self.overlapped) != len(self.stages):
+            raise ScheduleError(
+                f"schedule {self.name!r}: overlapped lists {len(self.overlapped)} stages, the schedule has "
+                f"{len(self.stages)}"
+            )
+        for rank, positions in enumerate(self.overlapped):
+            last = len(self.stages[rank]) - 2
+            if any(not 0 <= i <= last for i in positions) or list(positions) != sorted(set(positions)):
+                raise ScheduleError(
+                    f"schedule {self.name!r}: stage {rank}'s overlapped positions {list(positions)[:8]} must be "
+                    f"distinct, increasing and in 0..{last} (an instruction overlapped with the next one)"
+                )
         seen: Counter[tuple[int, Kind, int]] = Counter()
         for rank, row in enumerate(self.stages):
             for ins in row:

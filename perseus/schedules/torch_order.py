@@ -2,7 +2,8 @@
 
 `pipeline_order` maps rank -> list of `_Action(stage_index, computation_type, microbatch_index,
 sub_actions)` or None (an idle slot). Compute types F, B (full backward), I and W become
-instructions; OVERLAP_F_B contributes its sub-actions in order; communication, FSDP,
+instructions; OVERLAP_F_B contributes its sub-actions in order (all but the last marked
+`Schedule.overlapped`: torch sends the group's outputs after it); communication, FSDP,
 REDUCE_GRAD and the WAIT_* actions are dropped. The rank and chunk of each torch stage index
 come from the order itself (the rank that runs it); chunk = stage_index // N, and the layout
 must be torch's "loop" (stage i on rank i % N) or "v" (zig-zag) mapping. Works on the objects only: torch is
@@ -28,15 +29,18 @@ def _type_letter(action: Any) -> str:
     return value if isinstance(value, str) else str(ctype)
 
 
-def _compute_actions(actions: Iterable[Any]) -> Iterable[Any]:
+def _compute_actions(actions: Iterable[Any]) -> Iterable[tuple[Any, bool]]:
+    """The compute actions, each with whether it runs overlapped with the next one (an
+    OVERLAP_F_B's sub-actions but its last: torch sends their outputs after the whole group)."""
     for action in actions:
         if action is None:
             continue
         subs = getattr(action, "sub_actions", None)
         if subs:
-            yield from (a for a in subs if _type_letter(a) in _KINDS)
+            group = [a for a in subs if _type_letter(a) in _KINDS]
+            yield from ((a, i < len(group) - 1) for i, a in enumerate(group))
         elif _type_letter(action) in _KINDS:
-            yield action
+            yield action, False
 
 
 def _style(stage_rank: Mapping[int, int], num_ranks: int, num_stages: int) -> str:
@@ -63,7 +67,9 @@ def from_torch_pipeline_order(
     num_ranks = len(pipeline_order)
     if num_ranks == 0 or sorted(pipeline_order) != list(range(num_ranks)):
         raise ScheduleError(f"pipeline_order must map ranks 0..N-1 to action lists, got ranks {sorted(pipeline_order)}")
-    per_rank = {r: list(_compute_actions(pipeline_order[r] or [])) for r in range(num_ranks)}
+    compute = {r: list(_compute_actions(pipeline_order[r] or [])) for r in range(num_ranks)}
+    per_rank = {r: [a for a, _ in compute[r]] for r in range(num_ranks)}
+    overlapped = tuple(tuple(i for i, (_, joined) in enumerate(compute[r]) if joined) for r in range(num_ranks))
 
     stage_rank: dict[int, int] = {}
     for rank, actions in per_rank.items():
@@ -92,6 +98,13 @@ def from_torch_pipeline_order(
                 raise ScheduleError(f"rank {rank}: compute action {a!r} has no microbatch index")
             row.append(Instruction(rank, _KINDS[_type_letter(a)], int(a.microbatch_index), a.stage_index // num_ranks))
         rows.append(tuple(row))
-    schedule = Schedule(name, num_microbatches, tuple(rows), num_chunks=num_stages // num_ranks, style=style)
+    schedule = Schedule(
+        name,
+        num_microbatches,
+        tuple(rows),
+        num_chunks=num_stages // num_ranks,
+        style=style,
+        overlapped=overlapped if any(overlapped) else (),
+    )
     schedule.validate()
     return schedule

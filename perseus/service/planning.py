@@ -25,7 +25,14 @@ def job_schedule(spec: JobSpec) -> Schedule:
                 tuple(Instruction(s, Kind(kind), mb, chunk) for kind, mb, chunk in order)
                 for s, order in enumerate(spec.stage_orders)
             )
-            schedule = Schedule(spec.schedule_name, spec.num_microbatches, stages, spec.num_chunks, spec.schedule_style)
+            schedule = Schedule(
+                spec.schedule_name,
+                spec.num_microbatches,
+                stages,
+                spec.num_chunks,
+                spec.schedule_style,
+                spec.overlapped or (),
+            )
         schedule.validate()
     except ScheduleError as e:
         raise ConfigError(f"JobSpec describes an invalid schedule: {e}") from None

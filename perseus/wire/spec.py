@@ -34,7 +34,9 @@ class JobSpec(Message):
     """A training job, as rank 0 registers it.
 
     `stage_orders`, when given, is each stage's instruction order as (kind, microbatch, chunk)
-    triples (for example from a torch schedule's pipeline_order); otherwise the schedule is
+    triples (for example from a torch schedule's pipeline_order), and `overlapped` per stage the
+    positions in it of instructions run overlapped with the next one (`Schedule.overlapped`);
+    otherwise the schedule is
     `perseus.schedules.build_schedule(schedule_name, pp, num_microbatches, num_chunks)`.
     `sweep_frequencies` (MHz) defaults to every frequency the first registered rank supports.
     `blocking_power_w` overrides the blocking power the ranks' profiles carry (per GPU).
@@ -60,6 +62,7 @@ class JobSpec(Message):
     num_chunks: int = 1
     schedule_style: str = "loop"
     stage_orders: tuple[tuple[tuple[str, int, int], ...], ...] | None = None
+    overlapped: tuple[tuple[int, ...], ...] | None = None
     tag: str = ""
     gpu_model: str
     warmup_iterations: int = 2
@@ -107,6 +110,8 @@ class JobSpec(Message):
                 f"{n}.schedule_name {self.schedule_name!r} is not a schedule perseus builds ({', '.join(SCHEDULES)}); "
                 "name one of those or give stage_orders"
             )
+        if self.overlapped is not None:
+            set_fields(self, overlapped=_overlapped(self.overlapped, f"{n}.overlapped", self.stage_orders))
         if self.sweep_frequencies is not None:
             set_fields(self, sweep_frequencies=check_frequencies(self.sweep_frequencies, f"{n}.sweep_frequencies"))
             check_sweep_size(len(self.sweep_frequencies), self.iterations_per_frequency, f"{n}.sweep_frequencies")
@@ -127,6 +132,8 @@ class JobSpec(Message):
             doc["stage_orders"] = [[list(t) for t in order] for order in self.stage_orders]
         if self.sweep_frequencies is not None:
             doc["sweep_frequencies"] = list(self.sweep_frequencies)
+        if self.overlapped is not None:
+            doc["overlapped"] = [list(positions) for positions in self.overlapped]
         return doc
 
     def _fields(self) -> dict[str, Any]:
@@ -139,6 +146,8 @@ class JobSpec(Message):
                 del doc[name]  # likewise
         if doc["tolerance"] == DEFAULT_TOLERANCE:
             del doc["tolerance"]  # likewise
+        if doc["overlapped"] is None:
+            del doc["overlapped"]  # likewise
         return doc
 
     def signature(self, gpu_model: str | None = None) -> dict[str, Any]:
@@ -192,6 +201,27 @@ def _stage_orders(value: Any, name: str, pp: int, microbatches: int, chunks: int
         if row is None:  # something is wrong: find and name it
             row = tuple(
                 _instruction(triple, f"{name}[{s}][{i}]", microbatches, chunks) for i, triple in enumerate(order)
+            )
+        out.append(row)
+    return tuple(out)
+
+
+def _overlapped(value: Any, name: str, orders: tuple | None) -> tuple[tuple[int, ...], ...]:
+    """Per stage, increasing positions of instructions overlapped with the next one."""
+    if orders is None:
+        raise ConfigError(f"{name} needs stage_orders: it names positions in them")
+    stages = check_seq(value, name, len(orders), min_len=len(orders))
+    out = []
+    for s, positions in enumerate(stages):
+        where = f"{name}[{s}]"
+        last = len(orders[s]) - 2
+        row = tuple(
+            check_int(i, f"{where}[{k}]", 0, max(last, 0)) for k, i in enumerate(check_seq(positions, where, last + 1))
+        )
+        if last < 0 and row or list(row) != sorted(set(row)):
+            raise ConfigError(
+                f"{where} must list distinct, increasing positions in 0..{last} (an instruction run overlapped with "
+                f"the next one), got {list(row)[:8]}"
             )
         out.append(row)
     return tuple(out)

@@ -7,13 +7,17 @@ stage objects carrying just those let us build the real orders without a process
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
+import msgpack
 import pytest
 
-from perseus.exceptions import ScheduleError
+from perseus.exceptions import ConfigError, ScheduleError
 from perseus.planner.dag import build_dag
 from perseus.schedules import build_schedule, from_torch_pipeline_order
+from perseus.service.planning import job_schedule
+from perseus.wire.spec import JobSpec
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -86,6 +90,45 @@ def test_v_schedules_convert_to_acyclic_dags(cls):
     computes = sum(1 for r in order.values() for a in r if a is not None and a.computation_type.value in "FBIW")
     overlapped = sum(len(a.sub_actions) for r in order.values() for a in r if a is not None and a.sub_actions)
     assert len(converted.instructions()) == computes + overlapped
+
+
+def test_dualpipev_overlapped_pairs_send_after_the_pair():
+    """torch runs an OVERLAP_F_B's sub-actions and only then sends their outputs: a pair's F feeds
+    the next rank from the end of the pair's B, and the JobSpec a rank registers carries it."""
+    n, m = 4, 8
+    order = schedules.ScheduleDualPipeV(stages(n, [0, 2 * n - 1], 2 * n), m).pipeline_order
+    converted = from_torch_pipeline_order(order, m, num_stages=2 * n, name="dualpipev")
+    pairs = [(r, i) for r, positions in enumerate(converted.overlapped) for i in positions]
+    groups = sum(1 for r in order.values() for a in r if a is not None and a.sub_actions)
+    assert len(pairs) == groups > 0
+    graph = build_dag(converted)
+    moved = 0
+    for r, i in pairs:
+        first, second = converted.stages[r][i], converted.stages[r][i + 1]
+        remote = [v for v in graph.successors(first) if v.stage != r]
+        assert not remote  # nothing leaves another rank from the pair's first instruction...
+        moved += sum(1 for v in graph.successors(second) if v.stage != r)
+    assert moved >= len(pairs)  # ...it leaves from the second
+    plain = dataclasses.replace(converted, overlapped=())
+    assert set(build_dag(plain).edges) != set(graph.edges)
+    spec = JobSpec(
+        n,
+        n,
+        schedule_name="dualpipev",
+        num_microbatches=m,
+        num_chunks=2,
+        schedule_style="v",
+        stage_orders=tuple(tuple((i.kind.value, i.microbatch, i.chunk) for i in row) for row in converted.stages),
+        overlapped=converted.overlapped,
+        gpu_model="sim-a100",
+    )
+    again = JobSpec.from_wire(msgpack.unpackb(msgpack.packb(spec.to_wire())))
+    assert again == spec and job_schedule(again) == converted
+    assert "overlapped" not in dataclasses.replace(spec, overlapped=None).to_wire()
+    with pytest.raises(ConfigError, match="overlapped"):
+        dataclasses.replace(spec, overlapped=((5, 3),) + spec.overlapped[1:])
+    with pytest.raises(ScheduleError, match="overlapped"):
+        dataclasses.replace(converted, overlapped=converted.overlapped[:1]).validate()
 
 
 def test_rejects_stage_on_two_ranks():
