@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -98,13 +99,15 @@ class Run:
 def run_job(
     work: Path, schedule: str, *args: str, throttle: tuple[int, float] | None = None, sim_mode: str = "ideal"
 ) -> Run:
-    """Run the client with `schedule` against a fresh service, in folder `work`, on simulated GPUs
-    in `sim_mode` (perseus.devices.sim_realism); with `throttle` (rank, factor), that rank's GPU is
-    slowed that much once the service has checked the plan."""
+    """Run the client with `schedule` against a fresh service, in folder `work` (an earlier run's
+    there is replaced: its service state would resume its job), on simulated GPUs in `sim_mode`
+    (perseus.devices.sim_realism); with `throttle` (rank, factor), that rank's GPU is slowed that
+    much once the service has checked the plan."""
     from perseus.demo.processes import ServiceProcess, log_tail
     from perseus.devices.sim import SimGPU
 
-    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
     out, sim, service_log, job_log = work / "out", work / "sim", work / "service.log", work / "job.log"
     service = ServiceProcess(str(work / "state"), str(service_log))
     address = service.start()

@@ -275,6 +275,18 @@ def _project(m: _Model, span: np.ndarray, gap_node: np.ndarray, hop: np.ndarray)
     return high_scale * overhead
 
 
+def _reserve(m: _Model, data: _Measured) -> np.ndarray:
+    """Per profile row, the median over its instructions of what host noise adds on average to
+    an instruction's span and (where it waits on nothing from another rank) the gap before it:
+    their mean over the iterations less their median, which the planner's times are."""
+    previous = m.previous
+    local = (previous >= 0) & ~m.has_remote
+    gap = np.where(local[None], data.begins - data.ends[:, np.maximum(previous, 0)], 0.0)
+    taken = data.ends - data.begins + gap
+    tail = np.maximum(taken.mean(axis=0) - np.median(taken, axis=0), 0.0)
+    return np.array([float(np.median(tail[m.row == r])) for r in range(len(m.row_keys))])
+
+
 def fit(schedule: Schedule, profile: Profile, timelines: Sequence[Timeline]) -> Calibration:
     """Calibrate the pipeline's model on `timelines` (baseline iterations at maximum clocks)."""
     if not timelines:
@@ -330,4 +342,5 @@ def fit(schedule: Schedule, profile: Profile, timelines: Sequence[Timeline]) -> 
         overheads={key: float(overhead[r]) for r, key in enumerate(m.row_keys)},
         stages=tuple(stages),
         noise=noise,
+        reserve={key: float(v) for key, v in zip(m.row_keys, _reserve(m, data))},
     )

@@ -155,9 +155,11 @@ class PipelineModels:
             return None
         state = self.calibrations.get(models)
         profile = measured
+        reserve: dict[tuple[int, str], float] = {}
         if state.state == FITTED and state.calibration is not None:
             profile = with_overheads(profile, state.calibration.overheads)
-        return with_margin(profile, state.margin) if state.margin else profile
+            reserve = state.calibration.reserve
+        return with_margin(profile, state.margin, reserve) if state.margin or reserve else profile
 
     # ---- verification -------------------------------------------------------------------------
 
@@ -258,15 +260,18 @@ def with_overheads(profile: Profile, overheads: dict[tuple[int, str], float]) ->
     return Profile(points, power, dict(profile.meta))
 
 
-def with_margin(profile: Profile, margin: float) -> Profile:
-    """`profile` with every point below a row's highest clock `margin` slower (the GPU idling
-    over the difference): the planner then slows an instruction only where the slack exceeds
-    what slowing it takes by that margin."""
+def with_margin(profile: Profile, margin: float, reserve: dict[tuple[int, str], float] | None = None) -> Profile:
+    """`profile` with every point below a row's highest clock `margin` slower, plus the row's
+    `reserve` (s; the GPU idling over the difference): the planner then slows an instruction
+    only where the slack exceeds what slowing it takes by that much."""
     power = profile.blocking_power_w
+    reserve = reserve or {}
     points = {}
     for key, pts in profile.points.items():
+        extra = reserve.get(key, 0.0)
         points[key] = pts[:1] + [
-            ProfilePoint(p.frequency, p.time * (1 + margin), p.energy + power * p.time * margin) for p in pts[1:]
+            ProfilePoint(p.frequency, p.time * (1 + margin) + extra, p.energy + power * (p.time * margin + extra))
+            for p in pts[1:]
         ]
     return Profile(points, power, dict(profile.meta))
 

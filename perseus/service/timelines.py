@@ -121,6 +121,10 @@ class Calibration:
     overheads: dict[tuple[int, str], float]
     stages: tuple[StageFit, ...]
     noise: float = 0.0  # NOISE_SIGNIFICANCE standard errors of the measured median (relative)
+    # Per profile row, what host noise adds to its instructions on average (their mean span and
+    # gap over the median): room a plan that slows the row leaves, since it takes the slack that
+    # absorbed the noise at maximum clocks (perseus.service.model.with_margin).
+    reserve: dict[tuple[int, str], float] = field(default_factory=dict)
 
     @property
     def tolerance(self) -> float:
@@ -166,8 +170,13 @@ class Calibration:
             f"tolerance {100 * self.tolerance:.1f}%) over "
             f"{self.iterations} iterations; GPU profile alone {self.gpu_only_s:.4f} s "
             f"({100 * self.explained:.0f}% explained); host gap {1000 * self.host_gap_s:.2f} ms, hop "
-            f"{1000 * self.hop_s:.2f} ms"
+            f"{1000 * self.hop_s:.2f} ms; noise reserve {1000 * self.reserve_s:.2f} ms on slowed instructions"
         )
+
+    @property
+    def reserve_s(self) -> float:
+        """The median row's reserve."""
+        return float(statistics.median(self.reserve.values())) if self.reserve else 0.0
 
 
 class SpanBook:
@@ -265,6 +274,7 @@ class ModelState:
             doc["calibration"] = {
                 **asdict(self.calibration),
                 "overheads": [[s, k, v] for (s, k), v in sorted(self.calibration.overheads.items())],
+                "reserve": [[s, k, v] for (s, k), v in sorted(self.calibration.reserve.items())],
             }
         return doc
 
@@ -275,7 +285,8 @@ class ModelState:
         if c is not None:
             stages = tuple(StageFit(**s) for s in c.get("stages", ()))
             overheads = {(int(s), str(k)): float(v) for s, k, v in c.get("overheads", ())}
-            calibration = Calibration(**{**c, "stages": stages, "overheads": overheads})
+            reserve = {(int(s), str(k)): float(v) for s, k, v in c.get("reserve", ())}
+            calibration = Calibration(**{**c, "stages": stages, "overheads": overheads, "reserve": reserve})
         state = str(doc.get("state", COLLECTING))
         return cls(
             state=COLLECTING if state == FITTING else state,  # a fit in flight is made again

@@ -9,13 +9,17 @@ pipeline. With no GPU work, the profile explains too little to plan on.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 from timeline_helpers import HOP_S, STAGES, profile, simulate, timelines
 
 from perseus.planner import Planner
 from perseus.schedules import build_schedule
 from perseus.service.calibration import MIN_EXPLAINED, TOLERANCE, fit
-from perseus.service.model import with_overheads
+from perseus.service.model import with_margin, with_overheads
+from perseus.service.timelines import FITTED, ModelState
 
 SCHEDULES = {
     "gpipe": build_schedule("gpipe", STAGES, 8),
@@ -65,3 +69,34 @@ def test_the_fit_does_not_depend_on_when_each_rank_started_its_step():
     b = fit(schedule, prof, timelines(schedule, prof, seed=2))
     assert a.model_s == pytest.approx(b.model_s, rel=0.005)
     assert a.hop_s == pytest.approx(b.hop_s, rel=0.1)
+
+
+def test_host_noise_that_stretches_a_rows_instructions_is_reserved_on_its_slowed_points():
+    """A rank stalled in a quarter of the iterations: its instructions' mean outlasts their
+    median, and a plan that slows them must leave that room (the slack absorbed it at maximum
+    clocks); the quiet rows keep none, and the top clock is left as measured."""
+    schedule = SCHEDULES["1f1b"]
+    prof = profile(schedule.num_virtual_stages)
+    quiet = timelines(schedule, prof)
+    stall = 0.003
+    noisy = [
+        dataclasses.replace(
+            tl,
+            ends=tuple(
+                tuple(t + stall for t in row) if s == 1 and k % 4 == 0 else row for s, row in enumerate(tl.ends)
+            ),
+        )
+        for k, tl in enumerate(quiet)
+    ]
+    c = fit(schedule, prof, noisy)
+    assert c.reserve[(1, "forward")] == pytest.approx(stall / 4, rel=0.2)
+    assert c.reserve[(1, "backward")] == pytest.approx(stall / 4, rel=0.2)
+    assert all(v < 1e-4 for (s, _), v in c.reserve.items() if s != 1), c.reserve
+    assert max(fit(schedule, prof, quiet).reserve.values()) < 1e-4
+    assert "noise reserve" in c.describe()
+    reserved = with_margin(prof, 0.0, c.reserve).points[(1, "forward")]
+    measured = prof.points[(1, "forward")]
+    assert reserved[0] == measured[0]
+    assert reserved[1].time == pytest.approx(measured[1].time + c.reserve[(1, "forward")])
+    state = ModelState(FITTED, calibration=c)
+    assert ModelState.from_record(json.loads(json.dumps(state.to_record()))).calibration == c
