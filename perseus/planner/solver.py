@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -39,6 +40,13 @@ RESTRICT_MAX_NODES = 4096
 # Iterative rounding (`refine`) costs a few warm LP re-solves: used for single plans up to this
 # many instructions, not for frontier sweeps (50 points stay within seconds).
 REFINE_MAX_NODES = 16384
+# Deadlines whose cold LP results a Planner keeps (`Planner._relaxations`).
+_REMEMBERED = 8
+
+# A deadline's plain relaxation, and each relaxation to round with the deadline it is rounded for.
+_Relaxed = tuple[Relaxation, tuple[tuple[Relaxation, float | None], ...]]
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,8 @@ class Planner:
             within = np.searchsorted(opts.time, max_times[nodes], side="right") - 1
             self._max_frequency_dominated[nodes] = np.maximum(within, 0)
         self._min_energy: Plan | None = None
+        self._relaxed: dict[tuple[float | None, bool], _Relaxed] = {}
+        self._own: dict[tuple[float, bool, bool], Relaxation | None] = {}
         self._lock = threading.Lock()
 
     def plan(self, deadline: float | None = None, max_slowdown: float | None = None, padded: bool = False) -> Plan:
@@ -144,29 +154,20 @@ class Planner:
                 f"no plan finishes within {deadline_s:.6g} s: even the fastest frequencies take "
                 f"{self.fastest_time_s:.6g} s per iteration; relax the deadline"
             )
-        # The relaxation over every profiled choice, at the plain (unpadded) objective: its
-        # rounding, iterative rounding and the minimum-energy targets are the candidates the
-        # planner always had, so no plan is ever worse than before.
-        relaxation = self._lp.solve(deadline_s, warm=warm)
-        candidates = self._round(relaxation, deadline_s)
-        if refined and self.problem.num_nodes <= REFINE_MAX_NODES:
-            candidates += self._round(refine(self.problem, self._lp, relaxation, deadline_s), deadline_s)
-        if deadline_s is None or relaxation.iteration_time_s < deadline_s * (1 - 1e-9):
-            # The deadline does not bind: the minimum-energy plan. Rounding loses time that every
-            # stage then spends blocked, so slightly tighter targets can round to less energy.
-            for factor in _MIN_ENERGY_TARGETS:
-                tighter = self._lp.solve(max(factor * relaxation.iteration_time_s, self.fastest_time_s), warm=True)
-                candidates += self._round(tighter, tighter.iteration_time_s)
+        relaxation, rounded = self._relaxations(deadline_s, warm, refined)
+        candidates = []
+        for relaxed, target_s in rounded:
+            candidates += self._round(relaxed, target_s)
         bound = relaxation
         if deadline_s is not None and (refined or padded):
             # The objective's own relaxation certifies the plan: padded if asked, and without the
             # choices no plan within the deadline can take (a tighter hull where room is short).
             # Its rounding is one more candidate.
             restrict = refined and self.problem.num_nodes <= RESTRICT_MAX_NODES
-            problem = self.problem.restricted(deadline_s) if restrict else self.problem
-            if padded or problem is not self.problem:
-                bound = HullLP(problem).solve(deadline_s, padded=padded)
-                candidates += self._round(bound, deadline_s)
+            own = self._own_relaxation(deadline_s, padded, restrict)
+            if own is not None:
+                bound = own
+                candidates += self._round(own, deadline_s)
                 if not padded and bound.lower_bound_j < relaxation.lower_bound_j:
                     bound = relaxation  # both certify; keep the higher
         if self._exact:
@@ -177,6 +178,42 @@ class Planner:
         if deadline_s is None or deadline_s >= self.max_frequency_time_s:
             candidates.append(self._max_frequency_dominated)
         return self._best(candidates, deadline_s, bound, padded, _EXCHANGED if refined else 1)
+
+    def _relaxations(self, deadline_s: float | None, warm: bool, refined: bool) -> _Relaxed:
+        """The relaxation over every profiled choice at the plain (unpadded) objective, and each
+        relaxation to round with the deadline it is rounded for: its own, iterative rounding's and
+        the minimum-energy targets', the candidates the planner always had (so no plan is ever
+        worse than before). From a cold start they depend on the deadline alone, so the last few
+        deadlines' are kept: a re-plan at one of them (the service going back to no straggler, or
+        padding a deadline it planned unpadded) skips these LP solves and gets the same plan."""
+        key = (deadline_s, refined)
+        if not warm and key in self._relaxed:
+            return self._relaxed[key]
+        relaxation = self._lp.solve(deadline_s, warm=warm)
+        rounded = [(relaxation, deadline_s)]
+        if refined and self.problem.num_nodes <= REFINE_MAX_NODES:
+            rounded.append((refine(self.problem, self._lp, relaxation, deadline_s), deadline_s))
+        if deadline_s is None or relaxation.iteration_time_s < deadline_s * (1 - 1e-9):
+            # The deadline does not bind: the minimum-energy plan. Rounding loses time that every
+            # stage then spends blocked, so slightly tighter targets can round to less energy.
+            for factor in _MIN_ENERGY_TARGETS:
+                tighter = self._lp.solve(max(factor * relaxation.iteration_time_s, self.fastest_time_s), warm=True)
+                rounded.append((tighter, tighter.iteration_time_s))
+        result = (relaxation, tuple(rounded))
+        if not warm:
+            _remember(self._relaxed, key, result)
+        return result
+
+    def _own_relaxation(self, deadline_s: float, padded: bool, restrict: bool) -> Relaxation | None:
+        """The relaxation of the plan's own objective (padded or not, restricted to the choices
+        the deadline allows if `restrict`), or None where that is the plain one. A cold solve of
+        its own LP: a function of its arguments, kept for the last few as `_relaxations` is."""
+        key = (deadline_s, padded, restrict)
+        if key not in self._own:
+            problem = self.problem.restricted(deadline_s) if restrict else self.problem
+            own = HullLP(problem).solve(deadline_s, padded=padded) if padded or problem is not self.problem else None
+            _remember(self._own, key, own)
+        return self._own[key]
 
     def _round(self, relaxation: Relaxation, deadline_s: float | None) -> list[np.ndarray]:
         rounded = round_down(self.problem, relaxation.finish_s, _LP_SLACK_S, self._walker)
@@ -268,6 +305,13 @@ class Planner:
             schedule=self.schedule,
             padded=padded and deadline_s is not None,
         )
+
+
+def _remember(memo: dict[K, V], key: K, value: V) -> None:
+    """Keep `value` under `key`, dropping the oldest entry beyond `_REMEMBERED`."""
+    memo[key] = value
+    while len(memo) > _REMEMBERED:
+        del memo[next(iter(memo))]
 
 
 def _with_deadline(plan: Plan, lower_bound_j: float, deadline_s: float) -> Plan:

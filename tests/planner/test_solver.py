@@ -12,6 +12,7 @@ import pytest
 from perseus.exceptions import ConfigError, PlanError
 from perseus.planner import Evaluator, Plan, Planner, evaluate
 from perseus.planner.exact import MAX_BINARIES, num_binaries
+from perseus.planner.lp import HullLP
 from perseus.profiler import Profile, ProfilePoint, load_profile
 from perseus.schedules import build_schedule
 
@@ -190,6 +191,31 @@ def test_deterministic():
     planner.frontier(num_points=4)  # leaves the LP warm; a plan starts cold regardless
     assert planner.plan(max_slowdown=1.05) == a
     assert Planner(schedule, profile).plan(max_slowdown=1.05) == a
+
+
+def test_replan_at_a_planned_deadline_reuses_its_relaxations(monkeypatch):
+    """A Planner keeps the last deadlines' cold LP results: planning at one of them again (padded
+    or not) skips those solves, and every plan equals a fresh Planner's."""
+    schedule = build_schedule("1f1b", 4, 16)
+    profile = random_profile(7, 4, 8)
+    planner = Planner(schedule, profile)
+    solves = []
+    solve = HullLP.solve
+
+    def counted(self, *args, **kwargs):
+        solves.append(args)
+        return solve(self, *args, **kwargs)
+
+    monkeypatch.setattr(HullLP, "solve", counted)
+    calls = [(1.05, False), (1.2, True), (1.05, True), (1.05, False), (1.2, True), (1.0, False)]
+    counts = []
+    for factor, padded in calls:
+        solves.clear()
+        plan = planner.plan(max_slowdown=factor, padded=padded)
+        counts.append(len(solves))
+        assert plan == Planner(schedule, profile).plan(max_slowdown=factor, padded=padded)
+    # Padding 1.05 solves only its own (padded) relaxation; repeats solve nothing.
+    assert counts[0] > 2 and counts[2] == 1 and counts[3] == 0 and counts[4] == 0 and counts[5] > 2
 
 
 def test_bad_deadlines():
