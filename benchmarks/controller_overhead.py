@@ -12,8 +12,10 @@ thread's time in one instruction's hook, side by side, in the same run:
      pay without the worker thread),
   6. for scale, the per-iteration boundary (PerseusRank step end + begin: energy read, sync,
      assignment lookup), paid once per iteration, not per instruction,
-with each row's ratio to rows 1 and 5. Timed in interleaved rounds so load from other
-processes hits every row alike; on a shared machine the absolute numbers are noisy.
+with each row's ratio to rows 1 and 5, and the mean CPU per instruction of the training thread
+and of the process's other threads (for rows 3-4, the controller's worker thread making the
+clock change: CPU taken from training threads on a busy host). Timed in interleaved rounds so
+load from other processes hits every row alike; on a shared machine the absolute numbers are noisy.
 
     python benchmarks/controller_overhead.py [--instructions 20000]
 
@@ -190,7 +192,9 @@ def build(state_dir: str) -> tuple[dict[str, Callable[[], Callable[[], None]]], 
     return rows, closers
 
 
-def measure(rows: dict, instructions: int, rounds: int = 20) -> dict[str, list[int]]:
+def measure(rows: dict, instructions: int, rounds: int = 20) -> tuple[dict[str, list[int]], dict[str, tuple[int, int]]]:
+    """Per row: each instruction's wall time (ns), and (this thread's, other threads') CPU (ns)
+    over all its rounds, the worker threads' drain after each round included."""
     clock = time.perf_counter_ns
     steps = {name: make() for name, make in rows.items()}
     for step in steps.values():  # warm up lazy lookups and the worker threads
@@ -198,11 +202,13 @@ def measure(rows: dict, instructions: int, rounds: int = 20) -> dict[str, list[i
             getattr(step, "untimed", lambda: None)()
             step()
     samples: dict[str, list[int]] = {name: [] for name in rows}
+    cpu = dict.fromkeys(rows, (0, 0))
     per_round = max(1, instructions // rounds)
     for _ in range(rounds):
         for name, step in steps.items():
             out = samples[name]
             untimed = getattr(step, "untimed", None)
+            process0, thread0 = time.process_time_ns(), time.thread_time_ns()
             for _ in range(per_round):
                 if untimed is not None:
                     untimed()
@@ -210,7 +216,10 @@ def measure(rows: dict, instructions: int, rounds: int = 20) -> dict[str, list[i
                 step()
                 out.append(clock() - t0)
             time.sleep(0.002)  # let the worker threads drain between rows
-    return samples
+            mine = time.thread_time_ns() - thread0
+            others = time.process_time_ns() - process0 - mine
+            cpu[name] = (cpu[name][0] + mine, cpu[name][1] + others)
+    return samples, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PERSEUS_SIM_DIR"] = state_dir
         rows, closers = build(state_dir)
         try:
-            samples = measure(rows, args.instructions)
+            samples, cpu = measure(rows, args.instructions)
         finally:
             for close in closers:
                 close()
@@ -232,9 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     direct = med["direct synchronous lock_sm_clock (sim GPU)"]
     width = max(map(len, med))
     print(f"Training-thread cost per instruction, {args.instructions} instructions per row (us)")
-    print(f"{'':{width}}  {'median':>8}  {'p99':>8}  {'x no-op':>8}  {'x direct':>8}")
+    header = ("median", "p99", "x no-op", "x direct", "cpu", "bg cpu")
+    print(f"{'':{width}}" + "".join(f"  {h:>8}" for h in header))
     for name in med:
-        print(f"{name:{width}}  {med[name]:8.2f}  {p99[name]:8.2f}  {med[name] / noop:8.1f}  {med[name] / direct:8.3f}")
+        mine, others = (ns / len(samples[name]) / 1000 for ns in cpu[name])
+        print(
+            f"{name:{width}}  {med[name]:8.2f}  {p99[name]:8.2f}  {med[name] / noop:8.1f}  "
+            f"{med[name] / direct:8.3f}  {mine:8.2f}  {others:8.2f}"
+        )
     worst = med["PerseusRank begin+end, planned, new clock each"]
     ok = worst <= TARGET_US
     print(

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import fcntl
+import functools
 import math
 import os
 import threading
@@ -104,8 +105,10 @@ class SimGPU(GPU):
         self._ascending = sorted(self._freqs)
         self._idle_w = self.preset.idle_w
         self._path = os.path.join(state_dir or sim_dir(), f"{self.preset.name}-{index}.json")
-        self._state_key: tuple[int, int, int] | None = None
-        self._state_cache = _DEFAULT_STATE
+        # (stat key, state) last read or written, and (record, state) last decoded or encoded: each
+        # a pair assigned at once, as the controller's worker thread writes while others read.
+        self._state_memo: tuple[sim_record.Key | None, _State] = (None, _DEFAULT_STATE)
+        self._decoded = (b"", _DEFAULT_STATE)
         self._switch = SwitchFile(self._path[: -len(".json")] + ".switch.json", clock_token(self._clock))
         self._lock = threading.Lock()
         # Energy: idle power since _origin, plus the extra (busy - idle) energy of work finished
@@ -371,23 +374,29 @@ class SimGPU(GPU):
         try:
             st = os.stat(self._path)
         except FileNotFoundError:
-            self._state_key = None
-            self._state_cache = _DEFAULT_STATE
+            self._state_memo = (None, _DEFAULT_STATE)
             return _DEFAULT_STATE
-        key = (st.st_mtime_ns, st.st_ino, st.st_size)
-        if key != self._state_key:
-            self._state_cache = self._read_state()
-            self._state_key = key
-        return self._state_cache
+        key = sim_record.key(st)  # taken before the read: a write meanwhile makes the next call read again
+        known, state = self._state_memo
+        if key != known:
+            state = self._read_state()
+            self._state_memo = (key, state)
+        return state
 
     def _read_state(self) -> _State:
+        """The state file's state, decoded only when it is not the record last read or written."""
         try:
-            raw = sim_record.read(self._path)
-            return _State(
-                sm_clock_mhz=raw.get("sm_clock_mhz"),
-                power_limit_mw=raw.get("power_limit_mw"),
-                slowdown=float(raw.get("slowdown", 1.0)),
-            )
+            data = sim_record.read_bytes(self._path)
+            known, state = self._decoded
+            if data != known:
+                raw = sim_record.parse(data)
+                state = _State(
+                    sm_clock_mhz=raw.get("sm_clock_mhz"),
+                    power_limit_mw=raw.get("power_limit_mw"),
+                    slowdown=float(raw.get("slowdown", 1.0)),
+                )
+                self._decoded = (data, state)
+            return state
         except FileNotFoundError:
             return _DEFAULT_STATE
         except (OSError, ValueError, TypeError, AttributeError) as e:
@@ -397,7 +406,10 @@ class SimGPU(GPU):
             ) from e
 
     def _update(self, **changes: object) -> None:
-        """Change persisted fields: read-modify-write under a file lock, written atomically.
+        """Change persisted fields: read-modify-write under a file lock, each record written whole.
+        The controller changes clocks dozens of times an iteration, so this stays cheap: the
+        folder made only when missing, the state re-read under the lock but decoded only when
+        another process changed it, records encoded once per state, own writes cached.
 
         A reset (every change back to its default) also replaces an unreadable state file, whose
         other settings cannot be known and so go back to defaults too: `perseus reset` always works.
@@ -411,9 +423,10 @@ class SimGPU(GPU):
             pass  # unreadable: decided below, under the lock
         folder = os.path.dirname(self._path)
         try:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            with open(os.path.join(folder, ".lock"), "w") as lock_file:
-                fcntl.flock(lock_file, fcntl.LOCK_EX)
+            lock = _open_lock(folder)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self._state_memo = (None, _DEFAULT_STATE)  # unknown until written whole
                 try:
                     old = self._read_state()
                 except DeviceError:
@@ -434,6 +447,8 @@ class SimGPU(GPU):
                         pass
                 else:
                     self._write_state(new)
+            finally:
+                os.close(lock)
         except PermissionError as e:
             raise DevicePermissionError(
                 f"{self!r}: only the owner of {folder} (uid {_owner(folder)}) may change this simulated GPU's clocks "
@@ -444,7 +459,6 @@ class SimGPU(GPU):
             raise DeviceError(
                 f"{self!r}: cannot write its state in {folder} ({e}); set {SIM_DIR_ENV} to a writable folder"
             ) from e
-        self._state_key = None  # re-stat on the next read
 
     def _record_switch(self, old: _State, target: int | None) -> None:
         """Record the change from `old`'s clock to `target`: in flight for the switch latency
@@ -457,8 +471,26 @@ class SimGPU(GPU):
         self._switch.write(ClockSwitch(self._clock_at(now, old), target, now + latency, clock_token(self._clock)))
 
     def _write_state(self, state: _State) -> None:
-        doc = {"sm_clock_mhz": state.sm_clock_mhz, "power_limit_mw": state.power_limit_mw, "slowdown": state.slowdown}
-        sim_record.write(self._path, doc)
+        data = _state_record(state)
+        self._state_memo = (sim_record.write(self._path, data), state)  # under the lock: no other write since
+        self._decoded = (data, state)
+
+
+@functools.lru_cache(maxsize=256)
+def _state_record(state: _State) -> bytes:
+    """A state's record; a controller alternates among a few clocks, so each is encoded once."""
+    doc = {"sm_clock_mhz": state.sm_clock_mhz, "power_limit_mw": state.power_limit_mw, "slowdown": state.slowdown}
+    return sim_record.encode(doc)
+
+
+def _open_lock(folder: str) -> int:
+    """The descriptor of the state lock file of `folder`, made (with the folder) when missing."""
+    path = os.path.join(folder, ".lock")
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    except FileNotFoundError:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        return os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
 
 
 def _owner(path: str) -> int | str:

@@ -34,25 +34,29 @@ class ClockSwitch:
 
 
 class SwitchFile:
-    """Reads and writes one GPU's switch record; reads are cached on the file's stat."""
+    """Reads and writes one GPU's switch record; reads are cached on the file's stat, and what
+    this object writes is cached as written (no read back)."""
 
     def __init__(self, path: str, token: str) -> None:
         self.path = path
         self._token = token
-        self._key: tuple[int, int, int] | None = None
-        self._cached: ClockSwitch | None = None
+        # (stat key, switch) last read or written: one pair, assigned at once, as the controller's
+        # worker thread writes while other threads read.
+        self._memo: tuple[sim_record.Key | None, ClockSwitch | None] = (None, None)
 
     def read(self) -> ClockSwitch | None:
         """The switch in flight on this clock, if any (in flight or already done: callers compare `at`)."""
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            self._key, self._cached = None, None
+            self._memo = (None, None)
             return None
-        key = (st.st_mtime_ns, st.st_ino, st.st_size)
-        if key != self._key:
-            self._cached, self._key = self._load(), key
-        return self._cached
+        key = sim_record.key(st)  # taken before the read: a write meanwhile makes the next call read again
+        known, switch = self._memo
+        if key != known:
+            switch = self._load()
+            self._memo = (key, switch)
+        return switch
 
     def _load(self) -> ClockSwitch | None:
         # A record that cannot be read is treated as no switch: the new clock is in force, and the
@@ -66,10 +70,11 @@ class SwitchFile:
 
     def write(self, switch: ClockSwitch) -> None:
         doc = {"from_mhz": switch.from_mhz, "to_mhz": switch.to_mhz, "at": switch.at, "clock": switch.clock}
-        sim_record.write(self.path, doc)
-        self._key = None
+        self._memo = (None, None)  # unknown until written whole
+        key = sim_record.write(self.path, sim_record.encode(doc))  # under the GPU's state lock: no other write since
+        self._memo = (key, switch if switch.clock == self._token else None)
 
     def clear(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        self._key, self._cached = None, None
+        self._memo = (None, None)
