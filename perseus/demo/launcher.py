@@ -48,8 +48,9 @@ MAX_PROCESSES = 8  # torchrun ranks in all
 CALIBRATION_ITERATIONS = MIN_ITERATIONS * MAX_ATTEMPTS
 #: Planned iterations the service's verification may take to decide: a plan's first window, a
 #: reference window at maximum clocks and the plan again (twice: once more when the reference has
-#: gone stale), re-planned up to MAX_REPLANS times, each after PERSISTS windows over its target.
-VERIFICATION_ITERATIONS = 5 * (SKIP + WINDOW) + MAX_REPLANS * (SKIP + PERSISTS * WINDOW)
+#: gone stale), re-planned up to MAX_REPLANS times, each after PERSISTS windows over its target and
+#: one more after another reference.
+VERIFICATION_ITERATIONS = 5 * (SKIP + WINDOW) + MAX_REPLANS * (SKIP + PERSISTS * WINDOW + 2 * (SKIP + WINDOW))
 
 
 @dataclass(frozen=True)

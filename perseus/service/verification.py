@@ -10,7 +10,8 @@ before the plan started is no fair target. So a plan is judged against a fresh r
 first window, and any later window over the tolerance once the last reference is older than
 `FRESH` iterations, sends the pipeline back to maximum clocks for one window (`REFERENCE`),
 whose median becomes the target, and the plan resumes (`RESUME`). Past the job's tolerance in
-`PERSISTS` windows in a row (a busy host's passing stall is not the plan's doing) -- and past
+`PERSISTS` windows in a row (a busy host's passing stall is not the plan's doing), then once
+more right after another reference (the host may have slowed while those windows ran) -- and past
 what the iterations' own spread lets two medians differ by by chance (`noise_floor`: on a quiet
 host the tolerance decides, on a loaded one the noise) -- the service warns once and re-plans
 with a margin: every instruction the plan slows is modelled
@@ -91,6 +92,7 @@ class PlanCheck:
         self.measured = 0  # iterations measured (from any plan)
         self.references = 0
         self.awaiting = False  # a reference was asked for (or ended): no window until the switch
+        self.confirming = 0  # 1: windows over the target asked for a reference; the next one over decides
 
     def plan_started(
         self,
@@ -172,14 +174,30 @@ class PlanCheck:
                 "measures a fresh one",
             )
         if not over:
-            self.over = 0
+            self.over = self.confirming = 0
             if self.state == HOLDS:
                 return None  # said once per plan
             self.state = HOLDS
             return Verdict(HOLDS, self.excess, measured, target)
         self.over += 1
-        if self.over < PERSISTS:
+        if self.over < (1 if self.confirming else PERSISTS):
             return None
+        if not self.confirming and self.references < MAX_REFERENCES:
+            # The host may have slowed while those windows ran (a burst of other work, a
+            # checkpoint): one more reference, taken after them, and one more window decide.
+            self.references += 1
+            self.awaiting = True
+            self.confirming = 1
+            self.over = 0
+            return Verdict(
+                REFERENCE,
+                self.excess,
+                measured,
+                target,
+                f"plan v{self.version} ran {100 * self.excess:+.1f}% over its target {PERSISTS} windows in a row: "
+                "one window at maximum clocks checks that the host did not slow meanwhile",
+            )
+        self.confirming = 0
         noise_text = f", beyond the iterations' noise of {100 * noise:.1f}%" if noise > self.tolerance else ""
         what = (
             f"plan v{self.version} runs {100 * self.excess:+.1f}% over its target ({measured:.4f} s against "
