@@ -174,18 +174,28 @@ class Evaluator:
             return float(T), float(E)
         return np.asarray(T), np.asarray(E)  # already arrays (k plans); asarray only tells the type
 
+    def time_energy(self, frequencies: Mapping[Instruction, int]) -> tuple[float, float]:
+        """(T, E) of a plan, the same floats as `evaluate`'s, without its timeline and per-stage
+        statistics (the planner checks every plan it returns this way: a frontier is 50 plans)."""
+        t, e = self.times_energies(self.choice_indices(frequencies))
+        _, end = self.arrays.longest_path(t)
+        return self._time_energy(t, e, end)
+
+    def _time_energy(self, t: np.ndarray, e: np.ndarray, end: np.ndarray) -> tuple[float, float]:
+        T = float(end.max())
+        return T, float(e.sum()) + self.blocking_power_w * (self.num_stages * T - float(t.sum()))
+
     def evaluate(self, frequencies: Mapping[Instruction, int]) -> Evaluation:
         """Full evaluation of a plan: T, E, the timeline and per-stage statistics."""
         t, e = self.times_energies(self.choice_indices(frequencies))
         start, end = self.arrays.longest_path(t)
-        T = float(end.max())
+        T, energy = self._time_energy(t, e, end)
         stage = self.arrays.stage
         stats = []
         for s in range(self.num_stages):
             busy = float(t[stage == s].sum())
             blocked = T - busy
             stats.append(StageStats(s, busy, blocked, float(e[stage == s].sum()), self.blocking_power_w * blocked))
-        energy = float(e.sum()) + self.blocking_power_w * (self.num_stages * T - float(t.sum()))
         nodes = self.arrays.nodes
         return Evaluation(
             iteration_time_s=T,

@@ -278,30 +278,25 @@ class Planner:
             if t <= within and (e, t) < (best_te[1], best_te[0]):
                 best, best_te = improved, (t, e)
         frequencies = self.problem.frequencies(best)
-        evaluation = self.evaluator.evaluate(frequencies)
-        if deadline_s is not None and evaluation.iteration_time_s > deadline_s:
-            raise PlanError(
-                f"internal error: plan takes {evaluation.iteration_time_s!r} s, over the deadline {deadline_s!r} s"
-            )
+        iteration_time_s, energy = self.evaluator.time_energy(frequencies)
+        if deadline_s is not None and iteration_time_s > deadline_s:
+            raise PlanError(f"internal error: plan takes {iteration_time_s!r} s, over the deadline {deadline_s!r} s")
         # The LP optimum can exceed an optimal plan's energy only by the solver's tolerance.
         if relaxation.lower_bound_j > self._objective(best, deadline_s, padded)[1] * (1 + 1e-7):
             raise PlanError(
                 f"internal error: LP bound {relaxation.lower_bound_j!r} J above a plan's energy "
                 f"{self._objective(best, deadline_s, padded)[1]!r} J"
             )
-        energy = evaluation.energy_j
         if padded and deadline_s is not None:
-            energy += (
-                self.evaluator.blocking_power_w * self.evaluator.num_stages * (deadline_s - evaluation.iteration_time_s)
-            )
+            energy += self.evaluator.blocking_power_w * self.evaluator.num_stages * (deadline_s - iteration_time_s)
         bound = min(relaxation.lower_bound_j, energy)
         return Plan(
             frequencies=frequencies,
-            iteration_time_s=evaluation.iteration_time_s,
+            iteration_time_s=iteration_time_s,
             energy_j=energy,
             lower_bound_j=bound,
             gap=_gap(energy, bound),
-            deadline_s=evaluation.iteration_time_s if deadline_s is None else deadline_s,
+            deadline_s=iteration_time_s if deadline_s is None else deadline_s,
             schedule=self.schedule,
             padded=padded and deadline_s is not None,
         )
