@@ -163,6 +163,16 @@ class Results:
         changed = job.publish()
         for k in changed if len(changed) <= 8 else changed[:1]:
             plan = job.plans[k]
+            if plan.reference:
+                log.info(
+                    "job %s: pipeline %d plan v%d from iteration %d: maximum clocks for one window, verification's "
+                    "reference (not a plan of Perseus: no saving); the plan resumes after it",
+                    job.job_id,
+                    k,
+                    plan.version,
+                    plan.start_iteration,
+                )
+                continue
             saving = 1.0 - plan.energy_j / plan.baseline_energy_j
             log.info(
                 "job %s: pipeline %d plan v%d from iteration %d (%s): iteration %.4f s (max clocks %.4f s), "

@@ -7,8 +7,9 @@ checked in windows of `WINDOW`: the median against the target.
 
 The job's own speed drifts (other work on the hosts, thermals): a baseline measured minutes
 before the plan started is no fair target. So a plan is judged against a fresh reference: its
-first window, and any later window over the tolerance once the last reference is older than
-`FRESH` iterations, sends the pipeline back to maximum clocks for one window (`REFERENCE`),
+first window, any later window over the tolerance once the last reference is older than
+`FRESH` iterations, and any window faster than the tolerance allows (no plan outruns maximum
+clocks: its reference ran in a spike), sends the pipeline to maximum clocks for one window (`REFERENCE`),
 whose median becomes the target, and the plan resumes (`RESUME`). Past the job's tolerance in
 `PERSISTS` windows in a row (a busy host's passing stall is not the plan's doing), then once
 more right after another reference (the host may have slowed while those windows ran) -- and past
@@ -159,19 +160,22 @@ class PlanCheck:
             return None
         noise = self.noise if self.reference_s is None else self.reference_noise
         over = self.excess > max(self.tolerance, noise)
-        stale = self.reference_s is None or self.measured - self.reference_end > FRESH
-        if stale and self.references < MAX_REFERENCES and (over or self.state == VERIFYING):
+        # A plan cannot run faster than maximum clocks: a window that does ran against a reference
+        # taken while the host was slow (a spike), which would let a slow plan pass for good.
+        under = self.excess < -max(self.tolerance, noise)
+        stale = self.reference_s is None or self.measured - self.reference_end > FRESH or under
+        if stale and self.references < MAX_REFERENCES and (over or under or self.state == VERIFYING):
             self.references += 1
             self.awaiting = True
             self.over = 0
+            when = "before the plan" if self.reference_s is None else "on a slower host" if under else "a while ago"
             return Verdict(
                 REFERENCE,
                 self.excess,
                 measured,
                 target,
-                f"plan v{self.version} runs {100 * self.excess:+.1f}% against a target measured "
-                f"{'before the plan' if self.reference_s is None else 'a while ago'}: one window at maximum clocks "
-                "measures a fresh one",
+                f"plan v{self.version} runs {100 * self.excess:+.1f}% against a target measured {when}: one "
+                "window at maximum clocks measures a fresh one",
             )
         if not over:
             self.over = self.confirming = 0

@@ -487,3 +487,15 @@ def test_a_straggler_pace_is_planned_padded_against_a_baseline_padded_to_it():
     assert solved.iteration_time_s <= pace + 1e-9
     no_slowdown, doc = plan_pipeline(planner)
     assert doc["padded"] is False and no_slowdown.baseline_energy_j == planner.max_frequency_energy_j
+
+
+def test_a_reference_taken_in_a_spike_is_taken_again():
+    """The reference window fell in a spike of other work: the plan then seems 20% faster than
+    maximum clocks, which no plan is, so another reference is taken and the plan judged on it."""
+    check = PlanCheck(tolerance=0.01)
+    check.plan_started(1, 0, 1.0, fallback=False)
+    assert drive(check, SKIP, 1.05, 1.3, 1) == [REFERENCE]
+    (verdict,) = feed(check, check.start + SKIP, [1.05] * WINDOW)
+    assert verdict.action == REFERENCE and "slower host" in verdict.reason and verdict.excess < -0.15
+    at = referenced(check, 500, [1.0] * WINDOW)
+    assert drive(check, at, 1.05, 1.0, 4) == [REFERENCE, REPLANNING]
