@@ -132,6 +132,9 @@ def format_job(job: JobStatus) -> str:
         lines.append(f"  warning: {job.warning}")
     if job.profile_dropped:
         lines.append(f"  profiled again: {job.profile_dropped}")
+    if job.phase == "profiling":
+        done = ", ".join(map(str, job.profiled_stages)) or "none yet"
+        lines.append(f"  stages profiled: {done} (the service plans once every stage's profile is in)")
     for calibration in job.calibrations:
         lines += _calibration(calibration)
     if job.pipelines:

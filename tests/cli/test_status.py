@@ -4,6 +4,7 @@ tests/server/test_server_calibration.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -77,6 +78,13 @@ def test_the_text_tells_fit_check_and_saving():
     assert "        1      0.2600   0.2580   -0.8%" in text
     assert "holds" in text and "re-planning (1 of 3)" in text
     assert "saving 7.9% measured (predicted 10.0%)" in text
+
+
+def test_a_profiling_job_names_the_stages_profiled_so_far():
+    profiling = dataclasses.replace(job_status(), phase="profiling", profiled_stages=(0, 2), pipelines=())
+    assert "stages profiled: 0, 2" in format_job(profiling)
+    assert "stages profiled: none yet" in format_job(dataclasses.replace(profiling, profiled_stages=()))
+    assert "stages profiled" not in format_job(job_status())
 
 
 def test_a_bad_job_id_is_refused_before_any_connection(capsys):
