@@ -168,16 +168,29 @@ class HullLP:
         cols = np.arange(n, 2 * n, dtype=np.int32)
         self._highs.changeColsBounds(n, cols, np.zeros(n), np.full(n, highspy.kHighsInf))
 
-    def solve(self, deadline_s: float | None, warm: bool = False, padded: bool = False) -> Relaxation:
+    def basis(self) -> highspy.HighsBasis:
+        """The basis of the last optimum, for a later `solve(start=...)`."""
+        return self._highs.getBasis()
+
+    def solve(
+        self,
+        deadline_s: float | None,
+        warm: bool = False,
+        padded: bool = False,
+        start: highspy.HighsBasis | None = None,
+    ) -> Relaxation:
         """Optimum with T <= deadline_s (None: no deadline). `warm` reuses the last basis, which
-        is faster for a sweep but lets the chosen optimum depend on the previous call. `padded`:
-        the iteration lasts deadline_s whatever T (the bound is for that energy)."""
+        is faster for a sweep but lets the chosen optimum depend on the previous call; `start`
+        starts from that basis instead (of this LP, from `basis`). `padded`: the iteration lasts
+        deadline_s whatever T (the bound is for that energy)."""
         if padded and deadline_s is None:
             raise PlanError("a padded objective needs a deadline to pad to")
         h = self._highs
         upper = highspy.kHighsInf if deadline_s is None else deadline_s * _MS
         self._set_end(deadline_s, padded)
-        if not warm:
+        if start is not None:
+            h.setBasis(start)
+        elif not warm:
             h.clearSolver()
             # After the end is set: changing it would drop the solution given.
             restriction = self._seed

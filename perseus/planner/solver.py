@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import TypeVar
 
+import highspy
 import numpy as np
 
 from perseus.exceptions import ConfigError, PlanError
@@ -43,8 +44,8 @@ REFINE_MAX_NODES = 16384
 # Deadlines whose cold LP results a Planner keeps (`Planner._relaxations`).
 _REMEMBERED = 8
 
-# A deadline's plain relaxation, and each relaxation to round with the deadline it is rounded for.
-_Relaxed = tuple[Relaxation, tuple[tuple[Relaxation, float | None], ...]]
+# A deadline's plain relaxation, its basis, and each relaxation to round with the deadline it is rounded for.
+_Relaxed = tuple[Relaxation, highspy.HighsBasis, tuple[tuple[Relaxation, float | None], ...]]
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -154,7 +155,7 @@ class Planner:
                 f"no plan finishes within {deadline_s:.6g} s: even the fastest frequencies take "
                 f"{self.fastest_time_s:.6g} s per iteration; relax the deadline"
             )
-        relaxation, rounded = self._relaxations(deadline_s, warm, refined)
+        relaxation, basis, rounded = self._relaxations(deadline_s, warm, refined)
         candidates = []
         for relaxed, target_s in rounded:
             candidates += self._round(relaxed, target_s)
@@ -164,7 +165,7 @@ class Planner:
             # choices no plan within the deadline can take (a tighter hull where room is short).
             # Its rounding is one more candidate.
             restrict = refined and self.problem.num_nodes <= RESTRICT_MAX_NODES
-            own = self._own_relaxation(deadline_s, padded, restrict)
+            own = self._own_relaxation(deadline_s, padded, restrict, basis)
             if own is not None:
                 bound = own
                 candidates += self._round(own, deadline_s)
@@ -190,6 +191,7 @@ class Planner:
         if not warm and key in self._relaxed:
             return self._relaxed[key]
         relaxation = self._lp.solve(deadline_s, warm=warm)
+        basis = self._lp.basis()
         rounded = [(relaxation, deadline_s)]
         if refined and self.problem.num_nodes <= REFINE_MAX_NODES:
             rounded.append((refine(self.problem, self._lp, relaxation, deadline_s), deadline_s))
@@ -199,19 +201,27 @@ class Planner:
             for factor in _MIN_ENERGY_TARGETS:
                 tighter = self._lp.solve(max(factor * relaxation.iteration_time_s, self.fastest_time_s), warm=True)
                 rounded.append((tighter, tighter.iteration_time_s))
-        result = (relaxation, tuple(rounded))
+        result = (relaxation, basis, tuple(rounded))
         if not warm:
             _remember(self._relaxed, key, result)
         return result
 
-    def _own_relaxation(self, deadline_s: float, padded: bool, restrict: bool) -> Relaxation | None:
+    def _own_relaxation(
+        self, deadline_s: float, padded: bool, restrict: bool, plain: highspy.HighsBasis
+    ) -> Relaxation | None:
         """The relaxation of the plan's own objective (padded or not, restricted to the choices
-        the deadline allows if `restrict`), or None where that is the plain one. A cold solve of
-        its own LP: a function of its arguments, kept for the last few as `_relaxations` is."""
+        the deadline allows if `restrict`), or None where that is the plain one. Unrestricted
+        (large DAGs), the padded LP is the plain one with no cost on T: it starts from the plain
+        optimum's basis (`plain`, primal feasible there), where a cold start runs for seconds. A
+        function of its arguments either way, kept for the last few as `_relaxations` is."""
         key = (deadline_s, padded, restrict)
         if key not in self._own:
             problem = self.problem.restricted(deadline_s) if restrict else self.problem
-            own = HullLP(problem).solve(deadline_s, padded=padded) if padded or problem is not self.problem else None
+            own = None
+            if restrict and (padded or problem is not self.problem):
+                own = HullLP(problem).solve(deadline_s, padded=padded)
+            elif padded:
+                own = self._lp.solve(deadline_s, padded=True, start=plain)
             _remember(self._own, key, own)
         return self._own[key]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from perseus.exceptions import ConfigError, PlanError
-from perseus.planner import Evaluator, Plan, Planner, evaluate
+from perseus.planner import Evaluator, Plan, Planner, evaluate, solver
 from perseus.planner.exact import MAX_BINARIES, num_binaries
 from perseus.planner.lp import HullLP
 from perseus.profiler import Profile, ProfilePoint, load_profile
@@ -216,6 +216,26 @@ def test_replan_at_a_planned_deadline_reuses_its_relaxations(monkeypatch):
         assert plan == Planner(schedule, profile).plan(max_slowdown=factor, padded=padded)
     # Padding 1.05 solves only its own (padded) relaxation; repeats solve nothing.
     assert counts[0] > 2 and counts[2] == 1 and counts[3] == 0 and counts[4] == 0 and counts[5] > 2
+
+
+def test_unrestricted_padded_relaxation_starts_from_the_plain_basis(monkeypatch):
+    """Where the plan's own LP is not restricted (large DAGs), the padded relaxation starts from
+    the plain optimum's basis: the same bound as a cold padded solve, and the same plan whatever
+    the Planner solved before."""
+    monkeypatch.setattr(solver, "RESTRICT_MAX_NODES", 0)
+    schedule = build_schedule("1f1b", 4, 16)
+    profile = random_profile(7, 4, 8)
+    planner = Planner(schedule, profile)
+    deadline = 1.05 * planner.max_frequency_time_s
+    first = planner.plan(deadline=deadline, padded=True)
+    cold = HullLP(planner.problem).solve(deadline, padded=True)
+    assert first.lower_bound_j == pytest.approx(cold.lower_bound_j, rel=1e-7)
+    assert first.iteration_time_s <= deadline and first.lower_bound_j <= first.energy_j
+    other = Planner(schedule, profile)
+    other.plan(max_slowdown=1.2, padded=True)
+    other.frontier(num_points=4)
+    other.plan(deadline=deadline)
+    assert other.plan(deadline=deadline, padded=True) == first
 
 
 def test_bad_deadlines():
