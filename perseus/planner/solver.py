@@ -165,7 +165,8 @@ class Planner:
             # choices no plan within the deadline can take (a tighter hull where room is short).
             # Its rounding is one more candidate.
             restrict = refined and self.problem.num_nodes <= RESTRICT_MAX_NODES
-            own = self._own_relaxation(deadline_s, padded, restrict, basis)
+            binds = relaxation.iteration_time_s >= deadline_s * (1 - 1e-9)
+            own = self._own_relaxation(deadline_s, padded, restrict, basis if binds else None)
             if own is not None:
                 bound = own
                 candidates += self._round(own, deadline_s)
@@ -207,13 +208,16 @@ class Planner:
         return result
 
     def _own_relaxation(
-        self, deadline_s: float, padded: bool, restrict: bool, plain: highspy.HighsBasis
+        self, deadline_s: float, padded: bool, restrict: bool, plain: highspy.HighsBasis | None
     ) -> Relaxation | None:
         """The relaxation of the plan's own objective (padded or not, restricted to the choices
         the deadline allows if `restrict`), or None where that is the plain one. Unrestricted
-        (large DAGs), the padded LP is the plain one with no cost on T: it starts from the plain
-        optimum's basis (`plain`, primal feasible there), where a cold start runs for seconds. A
-        function of its arguments either way, kept for the last few as `_relaxations` is."""
+        (large DAGs), the padded LP is the plain one with no cost on T: where the deadline binds
+        the plain optimum, it starts from that optimum's basis (`plain`, primal feasible and
+        optimal but for T's cost), where a cold start runs for seconds; past the least-energy
+        time the padded optimum moves T to the deadline, far from it, so a cold start is
+        quicker (`plain` None). Either way a function of the deadline and the flags, kept for
+        the last few as `_relaxations` is."""
         key = (deadline_s, padded, restrict)
         if key not in self._own:
             problem = self.problem.restricted(deadline_s) if restrict else self.problem
