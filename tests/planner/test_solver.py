@@ -238,6 +238,23 @@ def test_unrestricted_padded_relaxation_starts_from_the_plain_basis(monkeypatch)
     assert other.plan(deadline=deadline, padded=True) == first
 
 
+def test_large_dag_minimum_energy_targets_start_cold(monkeypatch):
+    """Above SEED_MIN_NODES the minimum-energy targets are cold solves: past the least-energy
+    time a plan is the same whatever the Planner solved before, and meets its deadline."""
+    monkeypatch.setattr(solver, "SEED_MIN_NODES", 0)
+    schedule = build_schedule("1f1b", 4, 16)
+    profile = random_profile(7, 4, 8)
+    planner = Planner(schedule, profile)
+    deadline = 3.0 * planner.max_frequency_time_s
+    first = planner.plan(deadline=deadline, padded=True)
+    assert first.iteration_time_s <= deadline and first.lower_bound_j <= first.energy_j
+    other = Planner(schedule, profile)
+    other.frontier(num_points=4)
+    other.plan(max_slowdown=1.05)
+    assert other.plan(deadline=deadline, padded=True) == first
+    assert other.min_energy_plan().energy_j <= planner.max_frequency_energy_j
+
+
 def test_bad_deadlines():
     planner = Planner(build_schedule("1f1b", 2, 3), random_profile(1, 2, 3))
     with pytest.raises(PlanError, match="fastest"):
