@@ -248,7 +248,9 @@ class Planner:
 
     def _objective(self, choice: np.ndarray, deadline_s: float | None, padded: bool) -> tuple[float, float]:
         """(iteration time, energy to minimise): padded, every stage blocks until the deadline."""
-        t, e = self.problem.energy(choice)
+        return self._padded(*self.problem.energy(choice), deadline_s, padded)
+
+    def _padded(self, t: float, e: float, deadline_s: float | None, padded: bool) -> tuple[float, float]:
         if padded and deadline_s is not None:
             e += self.problem.blocking_power_w * self.problem.num_stages * (deadline_s - t)
         return t, e
@@ -262,8 +264,17 @@ class Planner:
         exchanged: int = _EXCHANGED,
     ) -> Plan:
         scored = []
+        plain_te: dict[int, tuple[float, float]] = {}
+        seen = set()
         for k, choice in enumerate(candidates):
-            t, e = self._objective(choice, deadline_s, padded)
+            # Roundings of different relaxations often agree: score each plan once (a copy
+            # would lose every tie to the first anyway, as candidates rank by (E, T, index)).
+            key = choice.tobytes()
+            if key in seen:
+                continue
+            seen.add(key)
+            plain_te[k] = self.problem.energy(choice)
+            t, e = self._padded(*plain_te[k], deadline_s, padded)
             if deadline_s is None or t <= deadline_s:
                 scored.append((e, t, k))
         if not scored:
@@ -274,10 +285,8 @@ class Planner:
         best, best_te = candidates[scored[0][2]], (scored[0][1], scored[0][0])
         if padded and deadline_s is not None:
             # Also the plan the unpadded objective would pick, polished as it would be.
-            plain = min((self.problem.energy(candidates[k])[::-1], k) for _, _, k in scored)[1]
-            improved = exchange(
-                self.problem, candidates[plain], self.problem.energy(candidates[plain])[0], self._walker
-            )
+            plain = min((plain_te[k][::-1], k) for _, _, k in scored)[1]
+            improved = exchange(self.problem, candidates[plain], plain_te[plain][0], self._walker)
             t, e = self._objective(improved, deadline_s, padded)
             if t <= deadline_s and (e, t) < (best_te[1], best_te[0]):
                 best, best_te = improved, (t, e)
