@@ -93,7 +93,7 @@ class PlanCheck:
         self.measured = 0  # iterations measured (from any plan)
         self.references = 0
         self.awaiting = False  # a reference was asked for (or ended): no window until the switch
-        self.confirming = 0  # 1: windows over the target asked for a reference; the next one over decides
+        self.confirming = False  # windows over the target asked for a reference: the next one over decides
 
     def plan_started(
         self,
@@ -178,7 +178,7 @@ class PlanCheck:
                 "window at maximum clocks measures a fresh one",
             )
         if not over:
-            self.over = self.confirming = 0
+            self.over, self.confirming = 0, False
             if self.state == HOLDS:
                 return None  # said once per plan
             self.state = HOLDS
@@ -191,7 +191,7 @@ class PlanCheck:
             # checkpoint): one more reference, taken after them, and one more window decide.
             self.references += 1
             self.awaiting = True
-            self.confirming = 1
+            self.confirming = True
             self.over = 0
             return Verdict(
                 REFERENCE,
@@ -201,7 +201,7 @@ class PlanCheck:
                 f"plan v{self.version} ran {100 * self.excess:+.1f}% over its target {PERSISTS} windows in a row: "
                 "one window at maximum clocks checks that the host did not slow meanwhile",
             )
-        self.confirming = 0
+        self.confirming = False
         noise_text = f", beyond the iterations' noise of {100 * noise:.1f}%" if noise > self.tolerance else ""
         what = (
             f"plan v{self.version} runs {100 * self.excess:+.1f}% over its target ({measured:.4f} s against "
