@@ -29,7 +29,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from perseus.controller.latency import SwitchLatency, switch_latency
+from perseus.controller.latency import SwitchLatency, early_lead_s, switch_latency
 from perseus.devices.gpu import GPU
 from perseus.devices.sim import SimGPU
 from perseus.exceptions import PlanError
@@ -239,8 +239,7 @@ class FrequencyController:
         gap = self._predicted_gap(i, j)
         if target <= self._freqs[i] or gap is None:
             return
-        latency = self.latency(target)
-        lead = latency + 0.25 * latency + 0.001  # a margin for a late worker thread
+        lead = early_lead_s(self.latency(target))
         later = self._predicted_gap(i + 1, j) if i + 1 < j else None
         if later is not None and later > lead:
             return  # a later instruction of this clock issues it, nearer to when it is needed

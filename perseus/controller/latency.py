@@ -32,6 +32,12 @@ DEFAULT_SWITCH_LATENCY_S = 0.05
 SwitchLatency = Callable[[int | None], float]
 
 
+def early_lead_s(latency_s: float) -> float:
+    """How long before an instruction the controller asks for its higher clock, for a change
+    taking `latency_s`: the latency and a margin for a late worker thread (the planner models it)."""
+    return 1.25 * latency_s + 0.001
+
+
 def switch_latency(gpu: GPU, override: float | None = None) -> SwitchLatency:
     """The switch latency to assume for `gpu` (see the module docstring)."""
     if override is not None:

@@ -1,4 +1,4 @@
-"""Plans a GPU can follow: no clock held for less time than a clock change takes.
+"""Plans a GPU can follow, and what they spend where clock changes take time.
 
 A clock change comes into force a switch latency after it is asked for. A stage's planned clocks
 form segments (maximal runs of one clock); one that lasts less than the latency would run at its
@@ -6,18 +6,33 @@ neighbours' clocks, not its own, so the planned figures would not hold. Each suc
 raised to the faster of its neighbours' clocks, never lowered (a faster clock does not lengthen
 the iteration), until none is left below a neighbour. Runs of short instructions at one clock
 need no change at all, so they keep their planned clock.
+
+Even a segment long enough runs its first moments at the clock before it: the controller asks
+for a lower clock as the segment starts (so the GPU keeps the faster one for the latency) and
+for a higher one `early_lead_s` before it (the tail of the segment before runs faster). So each
+change to a lower clock forgoes a latency's worth of its saving, and a plan that changes clocks
+often saves much less than its per-instruction figures say. `stage_run` replays that on a stage's
+timeline (as perseus.devices.sim runs work across a change); `followable` states the plan's
+energy that way and merges short segments into a neighbour's clock wherever that costs less
+energy so replayed, within the plan's iteration time.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from perseus.controller.latency import early_lead_s
 from perseus.planner.plan import Plan
 
 if TYPE_CHECKING:
     from perseus.planner.solver import Planner
+    from perseus.profiler.profile import Profile
+    from perseus.schedules.instruction import Instruction as Ins
 
 
 def segments(clocks: Sequence[int]) -> list[range]:
@@ -56,38 +71,254 @@ def raise_short_segments(
             return tuple(planned)
 
 
-def _at_least(times: Mapping[int, float], clock: int) -> int:
+def _at_least(times: Mapping[int, object], clock: int) -> int:
     """The lowest clock in `times` at or above `clock`, else the highest there is."""
+    if clock in times:
+        return clock
     return min((f for f in times if f >= clock), default=max(times))
 
 
-def followable(planner: Planner, plan: Plan, latencies_s: Sequence[float]) -> Plan:
-    """`plan` with every stage's short segments raised (`raise_short_segments`, stage s's switch
-    latency `latencies_s[s]`), its time and energy evaluated again by the planner's evaluator; the
-    same plan when nothing changes. `planner`: the `Planner` that solved `plan`."""
+#: A clock's (time s, energy J) for one instruction.
+Table = Mapping[int, tuple[float, float]]
+#: A stage's switch latency (s) to a target clock (MHz).
+Latency = Callable[[int], float]
+#: Segments at most this many latencies long are tried at a neighbour's clock.
+MERGE_WITHIN_LATENCIES = 4.0
+#: Passes over every stage's segments, and trial plans evaluated, at most (deterministic bounds).
+MERGE_PASSES = 3
+MERGE_TRIALS = 1000
+
+
+def clock_changes(clocks: Sequence[int], starts: Sequence[float], latency: Latency) -> list[tuple[float, int, float]]:
+    """When each clock is in force on a stage that runs `clocks` from `starts` (s), as
+    (from, MHz, asked at), the first from -inf: the plan repeats, so an iteration begins at its
+    last instruction's clock. A change to a lower clock is asked for as its segment starts, one
+    to a higher clock `early_lead_s` before (not before the segment ahead of it starts, as the
+    controller does); each is in force its latency later, and a request replaces one not yet in force."""
+    n = len(clocks)
+    calls: list[tuple[float, int]] = []
+    runs = segments(clocks)
+    for k, run in enumerate(runs):
+        target, previous = clocks[run.start], clocks[run.start - 1]
+        if target == previous:
+            continue  # one segment, or the first continues the last
+        at = starts[run.start]
+        if target > previous:
+            at -= early_lead_s(latency(target))
+            if k > 0:
+                at = max(at, starts[runs[k - 1].start])
+        calls.append((at, target))
+    force = [(-math.inf, clocks[n - 1], -math.inf)] if n else []
+    pending: tuple[float, int, float] | None = None
+    for asked, target in sorted(calls, key=lambda c: c[0]):
+        if pending is not None and pending[0] <= asked:
+            force.append(pending)
+        pending = (asked + latency(target), target, asked)
+    if pending is not None:
+        force.append(pending)
+    return force
+
+
+def stage_run(
+    tables: Sequence[Table], clocks: Sequence[int], starts: Sequence[float], latency: Latency
+) -> tuple[list[float], list[float]]:
+    """Each instruction's (time, energy) when a stage runs `clocks` from `starts` and every
+    change takes its latency (`clock_changes`), as the simulated GPU runs work: at the clock in
+    force, the rest of it at a new clock asked for before it started once that is in force (one
+    asked for while it runs leaves it alone), energy at each clock's rate. `tables[i]`:
+    instruction i's (time, energy) per clock; a clock it lacks counts as the lowest above it."""
+    force = clock_changes(clocks, starts, latency)
+    times, energies = [], []
+    k = 0
+    for table, begin in zip(tables, starts):
+        while k + 1 < len(force) and force[k + 1][0] <= begin:
+            k += 1
+        j = k + 1
+        while j < len(force) and force[j][2] <= begin:  # asked for before it started (asked in order)
+            j += 1
+        later = force[k + 1 : j]
+        pieces = [force[k][1]] + [clock for _, clock, _ in later]
+        untils = [at for at, _, _ in later] + [math.inf]
+        now, left, energy = begin, 1.0, 0.0
+        for clock, until in zip(pieces, untils):
+            t, e = table[_at_least(table, clock)]
+            if now + left * t <= until:
+                energy += left * e
+                now += left * t
+                break
+            done = (until - now) / t
+            left -= done
+            energy += done * e
+            now = until
+        times.append(now - begin)
+        energies.append(energy)
+    return times, energies
+
+
+class _Replay:
+    """A plan's stages replayed with their switch latencies against the planner's DAG."""
+
+    def __init__(self, planner: Planner, frequencies: Mapping[Ins, int], latencies: Sequence[Latency]) -> None:
+        evaluator = planner.evaluator
+        self.arrays = evaluator.arrays
+        self.power = evaluator.blocking_power_w
+        self.num_stages = evaluator.num_stages
+        self.latencies = latencies
+        index = {ins: i for i, ins in enumerate(evaluator.nodes)}
+        self.nodes = [[index[ins] for ins in row] for row in planner.schedule.stages]
+        by_choice: dict[int, Table] = {}
+        for c, choices in enumerate(evaluator.choices):
+            by_choice[c] = dict(zip(choices.frequency.tolist(), zip(choices.time.tolist(), choices.energy.tolist())))
+        self.tables = [[by_choice[int(evaluator.choice_of[i])] for i in row] for row in self.nodes]
+        self.clocks = [[int(frequencies[ins]) for ins in row] for row in planner.schedule.stages]
+
+    def nominal(self, stage: int | None = None, clocks: Sequence[int] = ()) -> np.ndarray:
+        """Node times at the planned clocks (stage `stage` at `clocks` instead)."""
+        t = np.empty(self.arrays.num_nodes)
+        for s, row in enumerate(self.nodes):
+            use = clocks if s == stage else self.clocks[s]
+            t[row] = [table[_at_least(table, f)][0] for table, f in zip(self.tables[s], use)]
+        return t
+
+    def stage(self, s: int, clocks: Sequence[int], start: np.ndarray) -> tuple[list[float], list[float]]:
+        return stage_run(self.tables[s], clocks, start[self.nodes[s]].tolist(), self.latencies[s])
+
+    def energy(self, iteration_s: float, runs: Sequence[tuple[list[float], list[float]]]) -> float:
+        """E = sum(e) + P_block * (N * T - sum(t)), the evaluator's model, over replayed instructions."""
+        busy = sum(sum(t) for t, _ in runs)
+        return sum(sum(e) for _, e in runs) + self.power * (self.num_stages * iteration_s - busy)
+
+    def replayed(self) -> tuple[float, float]:
+        """(T at the planned clocks, replayed energy): each stage replayed on the timeline its
+        replayed times give (faster than planned, never slower), to a fixed point."""
+        t = self.nominal()
+        iteration_s = float(self.arrays.longest_path(t)[1].max())
+        runs: list[tuple[list[float], list[float]]] = []
+        for _ in range(3):
+            start, _ = self.arrays.longest_path(t)
+            runs = [self.stage(s, self.clocks[s], start) for s in range(len(self.nodes))]
+            for s, (times, _) in enumerate(runs):
+                t[self.nodes[s]] = times
+        return iteration_s, self.energy(iteration_s, runs)
+
+    def merge(self, limit_s: float, window_s: Sequence[float]) -> None:
+        """Local search on each stage's segments: a short segment (under `window_s[stage]`) takes
+        a neighbour's clock, or a segment's first or last instruction takes the clock of the
+        neighbour on that side (a change asked for one instruction earlier or later), wherever
+        the replayed energy falls and the iteration at the planned clocks stays within `limit_s`.
+        A trial touches its stage only: a path through the instructions it slows may grow by all
+        they slow together (a bound, so no move is taken that could pass `limit_s`), and the
+        stage's own instructions start no earlier than before; an accepted move times the whole
+        DAG again."""
+        t = self.nominal()
+        start, end = self.arrays.longest_path(t)
+        through = start + self.arrays.longest_tail(t)  # the longest path through each node
+        iteration_s = float(end.max())
+        runs = [self.stage(s, self.clocks[s], start) for s in range(len(self.nodes))]
+        energy = self.energy(iteration_s, runs)
+        trials = 0
+        for _ in range(MERGE_PASSES):
+            merged = False
+            for s, nodes in enumerate(self.nodes):
+                k = 0
+                while trials < MERGE_TRIALS:
+                    spans = segments(self.clocks[s])
+                    if k >= len(spans):
+                        break
+                    short = float(t[nodes[spans[k].start : spans[k].stop]].sum()) < window_s[s]
+                    best: tuple[float, list[int], tuple[list[float], list[float]]] | None = None
+                    for clocks in self._moves(s, spans, k, short):
+                        trials += 1
+                        times = [table[_at_least(table, f)][0] for table, f in zip(self.tables[s], clocks)]
+                        grown = [p for p, node in enumerate(nodes) if times[p] > t[node]]
+                        slower = sum(times[p] - t[nodes[p]] for p in grown)
+                        longest = max((float(through[nodes[p]]) for p in grown), default=0.0) + slower
+                        if longest > limit_s:
+                            continue
+                        begins, free = [], -math.inf
+                        for p, node in enumerate(nodes):
+                            begin = max(float(start[node]), free)
+                            begins.append(begin)
+                            free = begin + times[p]
+                        stage_new = stage_run(self.tables[s], clocks, begins, self.latencies[s])
+                        iteration_new = max(iteration_s, longest)
+                        energy_new = self.energy(iteration_new, [*runs[:s], stage_new, *runs[s + 1 :]])
+                        if energy_new < energy * (1 - 1e-9) and (best is None or energy_new < best[0]):
+                            best = (energy_new, clocks, stage_new)
+                    if best is None:
+                        k += 1
+                        continue
+                    self.clocks[s] = best[1]
+                    t = self.nominal()
+                    start, end = self.arrays.longest_path(t)
+                    through = start + self.arrays.longest_tail(t)
+                    iteration_s = float(end.max())
+                    runs[s] = self.stage(s, self.clocks[s], start)
+                    energy = self.energy(iteration_s, runs)
+                    merged = True
+                    k = max(k - 1, 0)
+            if not merged or trials >= MERGE_TRIALS:
+                return
+
+    def _moves(self, s: int, spans: list[range], k: int, short: bool) -> list[list[int]]:
+        """Stage `s`'s clocks with segment `k` changed by one move (see `merge`)."""
+        run, moves = spans[k], []
+        for side, edge in ((k - 1, run.start), (k + 1, run.stop - 1)):
+            if not 0 <= side < len(spans):
+                continue
+            clock = self.clocks[s][spans[side].start]
+            if short:
+                whole = list(self.clocks[s])
+                whole[run.start : run.stop] = [clock] * len(run)
+                moves.append(whole)
+            if len(run) > 1:
+                one = list(self.clocks[s])
+                one[edge] = clock
+                moves.append(one)
+        return moves
+
+
+def profile_latency(profile: Profile, stage: int) -> Latency:
+    """Stage `stage`'s switch latency per target clock from a profile's meta: the measured one
+    to that clock, else the longest measured (0 when the profile says nothing)."""
+    table = profile.switch_latencies_s(stage)
+    longest = profile.switch_latency_s(stage)
+    return lambda target: table.get(target, longest)
+
+
+def followable(planner: Planner, plan: Plan, latencies: Sequence[Latency]) -> Plan:
+    """`plan` as stages whose clock changes take `latencies[s]` (target MHz -> s) can follow it:
+    short segments raised (`raise_short_segments`, at each stage's longest latency), short
+    segments merged into a neighbour's clock where that saves replayed energy (`_Replay.merge`,
+    never past the plan's iteration time), and its energy replayed with the latencies. The same
+    plan when every latency is zero. `planner`: the `Planner` that solved `plan`."""
     schedule = plan.schedule
     profile = planner.profile
+    clocks = {p.frequency for pts in profile.points.values() for p in pts}
+    longest = [max(latency(f) for f in clocks) for latency in latencies]
+    if not any(longest):
+        return plan
     frequencies = dict(plan.frequencies)
     for s, row in enumerate(schedule.stages):
         times = [{p.frequency: p.time for p in profile.points_for(ins, schedule)} for ins in row]
-        raised = raise_short_segments([plan.frequencies[ins] for ins in row], times, latencies_s[s])
+        raised = raise_short_segments([plan.frequencies[ins] for ins in row], times, longest[s])
         frequencies.update(zip(row, raised))
-    if frequencies == plan.frequencies:
-        return plan
-    evaluator = planner.evaluator
-    evaluation = evaluator.evaluate(frequencies)
-    energy = evaluation.energy_j
-    deadline_s = evaluation.iteration_time_s
+    replay = _Replay(planner, frequencies, latencies)
+    replay.merge(plan.iteration_time_s, [MERGE_WITHIN_LATENCIES * latency for latency in longest])
+    for row, clocks_s in zip(schedule.stages, replay.clocks):
+        frequencies.update(zip(row, clocks_s))
+    iteration_s, energy = replay.replayed()
+    deadline_s = iteration_s
     if plan.padded:  # every GPU blocks until the deadline, as the planner counted it
-        deadline_s = max(plan.deadline_s, evaluation.iteration_time_s)
-        energy += evaluator.blocking_power_w * evaluator.num_stages * (deadline_s - evaluation.iteration_time_s)
-    elif plan.deadline_s > plan.iteration_time_s:
+        deadline_s = max(plan.deadline_s, iteration_s)
+        energy += planner.evaluator.blocking_power_w * planner.evaluator.num_stages * (deadline_s - iteration_s)
+    elif plan.deadline_s > iteration_s:
         deadline_s = plan.deadline_s
     bound = min(plan.lower_bound_j, energy)
     return dataclasses.replace(
         plan,
         frequencies=frequencies,
-        iteration_time_s=evaluation.iteration_time_s,
+        iteration_time_s=iteration_s,
         energy_j=energy,
         lower_bound_j=bound,
         gap=(energy - bound) / bound if bound > 0 else float("inf"),

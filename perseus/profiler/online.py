@@ -46,7 +46,13 @@ from collections.abc import Callable, Mapping, Sequence
 from perseus.devices.gpu import GPU
 from perseus.exceptions import ConfigError, DeviceError
 from perseus.profiler.energy_fit import IDLE, PowerFit, fit_powers
-from perseus.profiler.profile import SWITCH_LATENCY_META, Profile, ProfilePoint
+from perseus.profiler.profile import (
+    SWITCH_LATENCIES_META,
+    SWITCH_LATENCY_META,
+    Profile,
+    ProfilePoint,
+    format_switch_latencies,
+)
 from perseus.profiler.sampler import CounterSampler
 from perseus.profiler.sweep import Sweep, SweepPlan
 from perseus.profiler.timeline import Key, Span, Timeline, column
@@ -259,6 +265,7 @@ class OnlineProfiler:
             meta["counter_update_s"] = f"{period:.4g}"
         if self._latency is not None:  # the planner keeps instructions shorter than this at one clock
             meta[SWITCH_LATENCY_META] = f"{max(self._latency(f) for f in [*common, None]):.4g}"
+            meta[SWITCH_LATENCIES_META] = format_switch_latencies({f: self._latency(f) for f in common})
         meta.update(_error_meta(points, common))
         if imputed:
             meta["imputed"] = ",".join(f"{stage}:{kind}@{f}" for (stage, kind), f in imputed)

@@ -33,7 +33,7 @@ import json
 import math
 import operator
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -241,9 +241,33 @@ class Profile:
             return 0.0
         return value if math.isfinite(value) and value > 0 else 0.0
 
+    def switch_latencies_s(self, stage: int | None = None) -> dict[int, float]:
+        """The switch latency to each target clock (MHz -> s) the profiled GPU showed (meta
+        SWITCH_LATENCIES_META, "MHz:s,..."; with `stage`, that stage's GPU's first); {} when
+        unknown, and entries that do not parse are left out."""
+        keys = ([] if stage is None else [f"{SWITCH_LATENCIES_META}@{stage}"]) + [SWITCH_LATENCIES_META]
+        text = next((self.meta[k] for k in keys if k in self.meta), "")
+        table = {}
+        for entry in text.split(","):
+            mhz, _, seconds = entry.partition(":")
+            try:
+                clock, latency = int(mhz), float(seconds)
+            except ValueError:
+                continue
+            if math.isfinite(latency) and latency >= 0:
+                table[clock] = latency
+        return table
+
 
 #: Profile meta: the longest clock switch latency (s) of the GPU the profile was measured on.
 SWITCH_LATENCY_META = "clock_switch_latency_s"
+#: Profile meta: the switch latency to each profiled clock, "MHz:s,..." (it depends mostly on the target).
+SWITCH_LATENCIES_META = "clock_switch_latencies_s"
+
+
+def format_switch_latencies(latencies: Mapping[int, float]) -> str:
+    """The SWITCH_LATENCIES_META value for a table of target clock (MHz) -> latency (s)."""
+    return ",".join(f"{int(f)}:{s:.3g}" for f, s in sorted(latencies.items(), reverse=True))
 
 
 def _show(value: object) -> str:

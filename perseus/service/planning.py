@@ -111,14 +111,14 @@ def plan_pipeline(planner: Any, deadline_s: float | None = None) -> tuple[PlanRe
     document (`Plan.to_json()`); PlanError with the planner's reason if it cannot. No stage holds
     a clock for less time than its GPU takes to change clocks (perseus.planner.switches, the
     latencies from the profile's meta): the figures are those of the plan the GPUs can follow."""
-    from perseus.planner.switches import followable  # the planner's imports: see make_planner
+    from perseus.planner.switches import followable, profile_latency  # the planner's imports: see make_planner
 
     schedule = planner.schedule
     try:
         plan = planner.plan() if deadline_s is None else planner.plan(deadline=deadline_s, padded=True)
     except (ConfigError, ScheduleError) as e:
         raise PlanError(str(e)) from None
-    latencies = [planner.profile.switch_latency_s(s) for s in range(schedule.num_stages)]
+    latencies = [profile_latency(planner.profile, s) for s in range(schedule.num_stages)]
     plan = followable(planner, plan, latencies)
     stage_frequencies = []
     for s, row in enumerate(schedule.stages):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 
 from perseus.exceptions import ConfigError
-from perseus.profiler.profile import SWITCH_LATENCY_META, Profile
+from perseus.profiler.profile import SWITCH_LATENCIES_META, SWITCH_LATENCY_META, Profile, format_switch_latencies
 from perseus.schedules import Schedule
 from perseus.service.planning import check_stage_profile, merge_profiles, stage_rows
 from perseus.service.ranks import Models, bad_field
@@ -143,6 +143,12 @@ class Profiling:
         latency = max(p.switch_latency_s() for p in stages.values())
         if latency:
             merged.meta[SWITCH_LATENCY_META] = f"{latency:.4g}"  # the cached profile keeps it
+        targets: dict[int, float] = {}
+        for p in stages.values():
+            for clock, seconds in p.switch_latencies_s().items():
+                targets[clock] = max(seconds, targets.get(clock, 0.0))
+        if targets:
+            merged.meta[SWITCH_LATENCIES_META] = format_switch_latencies(targets)
         return merged
 
     def _blocking_power(self) -> float | None:
@@ -155,19 +161,23 @@ class Profiling:
         which `plan_pipeline` keeps every planned clock for), plus the spec's host and hop
         overheads. None until complete."""
         stages: dict[int, Profile] = {}
-        latencies: dict[int, float] = {}
+        measured: dict[int, Profile] = {}  # what carries each stage's GPU's switch latencies
         for s, model in enumerate(models):
             if model in self.cached:
                 rows = stage_rows(schedule, s, self.cached[model])
-                latencies[s] = self.cached[model].switch_latency_s()
+                measured[s] = self.cached[model]
             else:
                 rows = self.merged.get(model, {}).get(s)
-                latencies[s] = rows.switch_latency_s() if rows is not None else 0.0
             if rows is None:
                 return None
             stages[s] = rows
+            measured.setdefault(s, rows)
         merged = merge_profiles(stages, self._blocking_power())
-        for s, latency in latencies.items():
+        for s, source in measured.items():
+            latency = source.switch_latency_s()
             if latency:
                 merged.meta[f"{SWITCH_LATENCY_META}@{s}"] = f"{latency:.4g}"
+            targets = source.switch_latencies_s()
+            if targets:
+                merged.meta[f"{SWITCH_LATENCIES_META}@{s}"] = format_switch_latencies(targets)
         return merged.with_overheads(self.spec.instruction_overhead_s, self.spec.hop_latency_s)

@@ -51,6 +51,8 @@ def test_stepping_counter_and_switch_latency_short_instructions(tmp_path, stage)
     check(profile, SHORT, stage)
     assert profile.meta["counter_update_s"] == "0.1"  # the sampler found the counter's grid
     assert profile.switch_latency_s() == 0.01  # for the planner (see test_switch_latency_plan)
+    freqs = {p.frequency for p in profile.points[(stage, "forward")]}
+    assert profile.switch_latencies_s() == dict.fromkeys(freqs, 0.01)  # per target, for the plan's replay
     gpu.clock.sleep(1.0)  # the reset's switch latency
     assert gpu.at_defaults()  # reset when the rank closed
 

@@ -8,7 +8,13 @@ from perseus.devices.sim_presets import PRESETS
 from perseus.devices.sim_work import Work, predict
 from perseus.planner import Planner
 from perseus.planner.switches import segments
-from perseus.profiler.profile import SWITCH_LATENCY_META, Profile, ProfilePoint
+from perseus.profiler.profile import (
+    SWITCH_LATENCIES_META,
+    SWITCH_LATENCY_META,
+    Profile,
+    ProfilePoint,
+    format_switch_latencies,
+)
 from perseus.schedules import build_schedule
 from perseus.service.planning import plan_pipeline
 from perseus.service.profiles import Profiling
@@ -23,7 +29,10 @@ def stage_profile(stage: int, forward: Work, backward: Work, latency: float | No
         (stage, kind): [ProfilePoint(f, *predict(PRESET, work, f)) for f in FREQS]
         for kind, work in (("forward", forward), ("backward", backward))
     }
-    meta = {} if latency is None else {SWITCH_LATENCY_META: str(latency)}
+    meta = {}
+    if latency is not None:
+        meta[SWITCH_LATENCY_META] = str(latency)
+        meta[SWITCH_LATENCIES_META] = format_switch_latencies(dict.fromkeys(FREQS, latency))
     return Profile(points, PRESET.idle_w, meta)
 
 
@@ -69,3 +78,6 @@ def test_no_clock_is_held_for_less_than_a_switch():
     assert plan_with(None)[2].stage_frequencies == tuple(tuple(free.stage_frequencies(s)) for s in range(2))
     cached = profiling.model_profile("a100")
     assert cached is not None and cached.switch_latency_s() == 0.01  # the signature cache keeps it
+    # Per target clock too: each stage's own in the pipeline's profile, and in the cache.
+    assert held_profile.switch_latencies_s(0) == held_profile.switch_latencies_s(1) == dict.fromkeys(FREQS, 0.01)
+    assert cached.switch_latencies_s() == dict.fromkeys(FREQS, 0.01)
