@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -46,6 +47,8 @@ SCHEDULES = (
 )
 MAX_SLOWDOWN = 0.02
 MIN_SAVING = 0.05
+SKIP = 3  # iterations at a window's start left out of a paired comparison (the switch), as verification does
+PAIRED = 10  # plan iterations compared with the reference window before them
 
 
 @dataclass
@@ -84,6 +87,29 @@ class Run:
             return float("nan"), float("nan"), 0
         rows = [row for row in rows if row[2] == rows[-1][2]]
         return statistics.median(t for t, _, _ in rows), statistics.fmean(e for _, e, _ in rows), len(rows)
+
+    def paired(self) -> tuple[float, float, int]:
+        """Planned against maximum clocks side by side: each verification reference window (a
+        window at maximum clocks while the plan runs, named in the service log) against the plan
+        window right after it, less each window's first SKIP iterations (the switch). The mean
+        time change and energy saving over those pairs, and how many; a machine whose speed
+        drifts over minutes moves both windows of a pair alike."""
+        named = re.findall(r"plan v(\d+) from iteration \d+: maximum clocks for one window", self.log)
+        references = {int(v) for v in named}
+        windows: dict[int, list[tuple[float, float]]] = {}
+        for time_s, energy_j, version in self.iterations({"planned"}):
+            windows.setdefault(version, []).append((time_s, energy_j))
+        versions = sorted(windows)
+        changes, savings = [], []
+        for reference, plan in zip(versions, versions[1:]):
+            ref, planned = windows[reference][SKIP:], windows[plan][SKIP : SKIP + PAIRED]
+            if reference not in references or plan in references or not ref or not planned:
+                continue
+            changes.append(statistics.median(t for t, _ in planned) / statistics.median(t for t, _ in ref) - 1)
+            savings.append(1 - statistics.fmean(e for _, e in planned) / statistics.fmean(e for _, e in ref))
+        if not changes:
+            return float("nan"), float("nan"), 0
+        return statistics.fmean(changes), statistics.fmean(savings), len(changes)
 
     @property
     def calibration(self) -> dict:
@@ -178,17 +204,19 @@ def summary(schedule: str, run: Run) -> tuple[str, bool]:
     saving_p = 1 - predicted[0] / predicted[1] if all(predicted) else float("nan")
     slowdown, saving = time_s / base_t - 1, 1 - energy_j / base_e
     ok = slowdown <= MAX_SLOWDOWN and saving >= MIN_SAVING
+    paired_time, paired_saving, pairs = run.paired()
     row = (
         f"{schedule:<30} {base_t:8.4f} {time_s:8.4f} {100 * slowdown:+6.1f}% {base_e:7.1f} {energy_j:7.1f} "
         f"{100 * saving:5.1f}% {100 * saving_p:5.1f}% {100 * fit:+6.2f}% {100 * explained:4.0f}% "
-        f"{run.pipeline.get('replans', 0):>3} {base_n:>4} {count:>4}  {'ok' if ok else 'MISSED'}"
+        f"{run.pipeline.get('replans', 0):>3} {base_n:>4} {count:>4} "
+        f"{100 * paired_time:+6.1f}% {100 * paired_saving:5.1f}% {pairs:>2}  {'ok' if ok else 'MISSED'}"
     )
     return row, ok
 
 
 HEADER = (
     f"{'schedule':<30} {'base_s':>8} {'plan_s':>8} {'time':>7} {'base_J':>7} {'plan_J':>7} {'saved':>6} "
-    f"{'pred':>6} {'fit':>7} {'gpu':>5} {'re':>3} {'nb':>4} {'np':>4}"
+    f"{'pred':>6} {'fit':>7} {'gpu':>5} {'re':>3} {'nb':>4} {'np':>4} {'r_time':>7} {'r_sav':>6} {'rp':>2}"
 )
 
 
@@ -220,7 +248,9 @@ def main() -> int:
     print("baseline and planned: median of the slowest rank's iteration time, mean of all ranks' energy (an energy")
     print("counter that steps every 100 ms makes one iteration's reading jump by a step: a median would be biased);")
     print("time, saved: planned against baseline; pred: the plan's predicted saving; fit: the calibrated model")
-    print("against the measured baseline; gpu: the GPU profile's share of it; re: re-plans; nb, np: iterations")
+    print("against the measured baseline; gpu: the GPU profile's share of it; re: re-plans; nb, np: iterations;")
+    print("r_time, r_sav: the plan window right after each of verification's reference windows (maximum clocks,")
+    print("minutes apart from the baseline at most seconds) against that window, averaged over rp such pairs")
     print(HEADER)
     print("\n".join(rows))
     return 0 if all_ok else 1
