@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -89,16 +88,18 @@ class Run:
         return statistics.median(t for t, _, _ in rows), statistics.fmean(e for _, e, _ in rows), len(rows)
 
     def paired(self) -> tuple[float, float, int]:
-        """Planned against maximum clocks side by side: each verification reference window (a
-        window at maximum clocks while the plan runs, named in the service log) against the plan
-        window right after it, less each window's first SKIP iterations (the switch). The mean
-        time change and energy saving over those pairs, and how many; a machine whose speed
-        drifts over minutes moves both windows of a pair alike."""
-        named = re.findall(r"plan v(\d+) from iteration \d+: maximum clocks for one window", self.log)
-        references = {int(v) for v in named}
+        """Planned against maximum clocks side by side: each verification reference window (phase
+        "reference": maximum clocks for a window while the plan runs) against the plan window
+        right after it, less each window's first SKIP iterations (the switch). The mean time
+        change and energy saving over those pairs, and how many; a machine whose speed drifts
+        over minutes moves both windows of a pair alike."""
         windows: dict[int, list[tuple[float, float]]] = {}
-        for time_s, energy_j, version in self.iterations({"planned"}):
-            windows.setdefault(version, []).append((time_s, energy_j))
+        references = set()
+        for phase in ("planned", "reference"):
+            for time_s, energy_j, version in self.iterations({phase}):
+                windows.setdefault(version, []).append((time_s, energy_j))
+                if phase == "reference":
+                    references.add(version)
         versions = sorted(windows)
         changes, savings = [], []
         for reference, plan in zip(versions, versions[1:]):

@@ -12,7 +12,9 @@ from perseus.cli.common import add_gpu_argument, backend_name, select_gpus
 from perseus.devices.cpu import rapl_cpus
 from perseus.devices.gpu import GPU
 from perseus.devices.select import gpu_backend
+from perseus.devices.sim import SimGPU
 from perseus.devices.sim_presets import PRESETS
+from perseus.devices.sim_realism import IDEAL
 from perseus.exceptions import DeviceError
 
 EPILOG = """examples:
@@ -86,9 +88,24 @@ def _describe(gpu: GPU) -> dict[str, Any]:
     read("default_power_limit_w", lambda: gpu.default_power_limit_mw() / 1000)
     read("energy_counter", gpu.has_energy_counter)
     read("can_change_clocks", gpu.can_change_clocks)
+    if isinstance(gpu, SimGPU):
+        info["simulation"] = _simulation(gpu)
     if unavailable:
         info["unavailable"] = unavailable
     return info
+
+
+def _simulation(gpu: SimGPU) -> dict[str, Any]:
+    """How far a simulated GPU behaves like a real one ($PERSEUS_SIM_MODE, perseus.devices.sim_realism)."""
+    r = gpu.realism
+    clocks = gpu.supported_frequencies()
+    switch = sorted({r.switch_latency_for(gpu.preset, f) for f in (clocks[0], clocks[-1])})
+    return {
+        "ideal": r == IDEAL,
+        "energy_counter_update_s": r.counter_period_s,
+        "power_average_window_s": r.power_window_s,
+        "clock_switch_latency_s": switch,
+    }
 
 
 def _describe_cpus() -> dict[str, Any]:
@@ -123,6 +140,16 @@ def _print_report(report: dict[str, Any]) -> None:
         needs = PRIVILEGES.get(report["backend"], "needs privileges")
         may = {True: "yes", False: f"no ({needs})", None: "unknown"}[g["can_change_clocks"]]
         print(f"  may set clocks   {may}")
+        sim = g.get("simulation")
+        if sim is not None:
+            if sim["ideal"]:
+                print("  simulation       ideal: exact energy counter and power, clock changes at once")
+            else:
+                latency = "-".join(f"{1000 * s:g}" for s in sim["clock_switch_latency_s"])
+                print(
+                    f"  simulation       realistic: energy counter steps every {sim['energy_counter_update_s']:g} s, "
+                    f"power averaged over {sim['power_average_window_s']:g} s, clock changes take {latency} ms"
+                )
         for key, why in g.get("unavailable", {}).items():
             print(f"  ({key}: {why})")
     cpu = report["cpu"]

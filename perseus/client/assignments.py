@@ -112,7 +112,8 @@ class RankState:
         plan = None
         previous = old.previous if old is not None else None
         if version and table.frequencies is not None:
-            plan = Assignment(Phase.PLANNED, list(table.frequencies), None, version)
+            phase = Phase.REFERENCE if table.reference else Phase.PLANNED
+            plan = Assignment(phase, list(table.frequencies), None, version)
             if (
                 old is not None
                 and old.plan is not None

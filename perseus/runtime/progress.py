@@ -34,6 +34,8 @@ class Progress:
         clocks only cost more). `plan_version`: the plan this iteration runs (phase planned)."""
         if phase == Phase.PLANNED and plan_version:
             clock = f"plan v{plan_version}'s clocks"
+        elif phase == Phase.REFERENCE:
+            clock = "maximum clocks (verification's reference window)"
         else:
             clock = "default clocks" if frequency is None else f"{frequency} MHz"
         bound = "at most " if at_most else ""

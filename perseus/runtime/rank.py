@@ -58,6 +58,10 @@ from perseus.wire.spec import DEFAULT_TOLERANCE, JobSpec, RankInfo
 logger = logging.getLogger(__name__)
 
 
+#: Phases whose iterations run a published plan (a reference window publishes maximum clocks).
+_RUNS_PLAN = (Phase.PLANNED, Phase.REFERENCE)
+
+
 class PerseusRank:
     """Perseus on one rank (one GPU, one pipeline stage, possibly several model chunks).
 
@@ -345,7 +349,7 @@ class PerseusRank:
             else:
                 self.controller.set_uniform(None)
             self._holds_plan = False
-        elif assignment is not None and phase is Phase.PLANNED and assignment.frequencies is not None:
+        elif assignment is not None and phase in _RUNS_PLAN and assignment.frequencies is not None:
             if assignment.plan_version != self.plan_version or not self._holds_plan:
                 self._apply_plan(assignment.frequencies, assignment.plan_version)
         else:

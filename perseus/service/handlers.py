@@ -7,6 +7,7 @@ saying what to fix); `PlannerService.handle` turns it into the error reply.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from perseus.exceptions import ServiceError
@@ -18,7 +19,7 @@ from perseus.service.text import clip
 from perseus.service.workers import Workers
 from perseus.wire.envelope import ErrorCode
 from perseus.wire.fields import Message
-from perseus.wire.limits import MIN_SWEEP_VERSION, SWEEP_VERSION
+from perseus.wire.limits import MIN_SWEEP_VERSION, REFERENCE_SWEEP_VERSION, ROUNDS_SWEEP_VERSION, SWEEP_VERSION
 from perseus.wire.messages import (
     Ack,
     DeclareStraggler,
@@ -127,7 +128,9 @@ class Handlers:
         job = self.admission.get(msg.job_id)
         self._watch_sweep(job, msg.rank, msg.iteration)
         table = job.table(msg.rank, msg.iteration, msg.plan_version)
-        if table.sweep_steps and msg.sweep_version < (SWEEP_VERSION if table.sweep_round else MIN_SWEEP_VERSION):
+        if table.reference and msg.sweep_version < REFERENCE_SWEEP_VERSION:
+            table = dataclasses.replace(table, reference=False)  # it would not know the field
+        if table.sweep_steps and msg.sweep_version < (ROUNDS_SWEEP_VERSION if table.sweep_round else MIN_SWEEP_VERSION):
             how = (
                 "computing the sweep itself; this service designs it and sends each step"
                 if msg.sweep_version < MIN_SWEEP_VERSION

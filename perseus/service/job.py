@@ -180,6 +180,7 @@ class Job:
             error=self.error,
             upload=self.roster.uploads_profile(info),
             spans=spans,
+            reference=plan is not None and plan.reference,
             sweep_steps=() if info.stage in profiled or self.error else self.profiling.steps(),
             sweep_round=self.sweeps.round(info.gpu_model, info.stage),
         )

@@ -5,12 +5,15 @@ tools that probe the service (benchmarks/service_*fuzz.py) read the same numbers
 """
 
 PROTOCOL_VERSION = 1
-# The profiling sweep's format within v1: 3 = as 2, and the rank sweeps again when the service
-# asks a later `Table.sweep_round` than the one it uploaded in; 2 = the service designs the sweep
-# and sends every step (`Table.sweep_steps`; a rank asks with `GetTable.sweep_version`); 1 = ranks
+# The table's format within v1 (named for the profiling sweep, its first change): 4 = as 3, and
+# the rank reads `Table.reference`; 3 = as 2, and the rank sweeps again when the service asks a
+# later `Table.sweep_round` than the one it uploaded in; 2 = the service designs the sweep and
+# sends every step (`Table.sweep_steps`; a rank asks with `GetTable.sweep_version`); 1 = ranks
 # computed it.
-SWEEP_VERSION = 3
-MIN_SWEEP_VERSION = 2  # the oldest a service sends sweep steps to (in round 0 only: see SWEEP_VERSION)
+SWEEP_VERSION = 4
+MIN_SWEEP_VERSION = 2  # the oldest a service sends sweep steps to (in round 0 only: see ROUNDS_SWEEP_VERSION)
+ROUNDS_SWEEP_VERSION = 3  # the oldest a service asks for a later sweep round
+REFERENCE_SWEEP_VERSION = 4  # the oldest a service tells reference windows (older ranks see a plan)
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7787"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # larger: a too_large error reply
 HARD_MESSAGE_BYTES = 4 * MAX_MESSAGE_BYTES  # zmq.MAXMSGSIZE: zmq drops a peer that sends more

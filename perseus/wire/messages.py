@@ -140,6 +140,9 @@ class Table(Message):
     `sweep_round`: the sweep the service asks of the rank's stage; a later round than the one the
     rank uploaded a profile in asks for a fresh sweep (the earlier profile never arrived; sent
     only to ranks asking with sweep_version 3, omitted on the wire when 0).
+    `reference`: plan `plan_version` is no plan of Perseus but maximum clocks for one window,
+    verification's fresh target (ranks record its iterations as phase "reference"; sent only to
+    ranks asking with sweep_version 4, omitted on the wire when false).
     """
 
     phase: str
@@ -155,6 +158,7 @@ class Table(Message):
     spans: bool = False
     sweep_steps: tuple[tuple[int, ...], ...] = ()
     sweep_round: int = 0
+    reference: bool = False
 
     def __post_init__(self) -> None:
         check_str(self.phase, "table.phase", 16, choices=JOB_PHASES)
@@ -186,6 +190,7 @@ class Table(Message):
             ),
         )
         check_int(self.sweep_round, "table.sweep_round", 0, MAX_ITERATION)
+        check_bool(self.reference, "table.reference")
 
     def to_wire(self) -> dict[str, Any]:
         doc = super().to_wire()
@@ -202,6 +207,8 @@ class Table(Message):
             del doc["sweep_steps"]  # likewise
         if not self.sweep_round:
             del doc["sweep_round"]  # likewise
+        if not self.reference:
+            del doc["reference"]  # likewise
         return doc
 
 

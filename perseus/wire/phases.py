@@ -26,6 +26,7 @@ class Phase(WireName):
     PROFILING = "profiling"  # a step of the service's sweep: each instruction kind at its clock
     PLANNING = "planning"  # profile uploaded (or sweep over): max clocks until the plan arrives
     PLANNED = "planned"  # the plan's frequency for each instruction
+    REFERENCE = "reference"  # max clocks for one window while a plan runs: verification's fresh target, no saving
 
 
 class JobPhase(WireName):

@@ -128,13 +128,24 @@ def test_info_json_lists_the_gpus(env):
     assert gpu["energy_counter"] is True
     assert isinstance(gpu["can_change_clocks"], bool)
     assert set(report["cpu"]) >= {"rapl", "packages"}
+    assert gpu["simulation"] == {  # the tests' mode (conftest)
+        "ideal": True,
+        "energy_counter_update_s": 0.0,
+        "power_average_window_s": 0.0,
+        "clock_switch_latency_s": [0.0],
+    }
 
 
-def test_info_text_and_presets(env, capsys):
+def test_info_text_and_presets(env, capsys, monkeypatch):
     code, out, err = cli(capsys, "info", "--gpu", "sim:h100-sxm")
     assert code == 0, err
     assert "GPU 0: NVIDIA H100" in out and "345-1980 MHz" in out
     assert "CPU energy (RAPL)" in out
+    assert "simulation       ideal" in out  # the tests' mode (conftest); users get the realistic one
+    monkeypatch.setenv("PERSEUS_SIM_MODE", "realistic")
+    code, out, err = cli(capsys, "info", "--gpu", "sim:a100-sxm")
+    assert code == 0, err
+    assert "simulation       realistic: energy counter steps every 0.1 s" in out and "take 10-30 ms" in out
     code, out, _ = cli(capsys, "info", "--presets")
     assert code == 0
     assert all(name in out for name in PRESETS)

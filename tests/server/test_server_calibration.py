@@ -9,13 +9,14 @@ import subprocess
 import sys
 
 import pytest
-from server_helpers import FREQUENCIES, wait_until
+from server_helpers import FREQUENCIES, request, wait_until
 from timeline_helpers import STAGES, register_profiled, send_baseline, timelines
 
 from perseus.client.planner_client import PlannerClient
 from perseus.schedules import build_schedule
 from perseus.service.timelines import MIN_ITERATIONS
 from perseus.service.verification import PERSISTS, SKIP, WINDOW
+from perseus.wire.phases import Phase
 from perseus.wire.spec import JobSpec
 
 
@@ -70,8 +71,19 @@ def test_spans_calibrate_the_model_and_an_overrunning_plan_is_replanned(serve):
         run(1, target * 1.08, SKIP + WINDOW)  # the plan runs over its target: first a fresh one
         wait_until(lambda: clients[0].status(job_id).jobs[0].pipelines[0].verification == "reference", timeout_s=30)
         wait_until(lambda: clients[0].assignment(reached[0] + 1000).plan_version == 2, timeout_s=30)
-        assert set(clients[0].assignment(reached[0] + 1000).frequencies or ()) == {max(FREQUENCIES)}
+        window = clients[0].assignment(reached[0] + 1000)
+        assert set(window.frequencies or ()) == {max(FREQUENCIES)}
+        assert window.phase == Phase.REFERENCE  # ranks record its iterations as such, not as the plan's
+        job = clients[0].status(job_id).jobs[0]
+        assert job.predicted_energy_j < job.predicted_baseline_energy_j  # the plan's saving, not the window's
+        old = request(served.endpoint, "get_table", job_id=job_id, rank=0, iteration=reached[0], sweep_version=3)
+        assert old is not None and old["ok"] and old["plan_version"] == 2
+        assert "reference" not in old  # a rank of an earlier release would not know the field
+        new = request(served.endpoint, "get_table", job_id=job_id, rank=0, iteration=reached[0], sweep_version=4)
+        assert new is not None and new["reference"] is True
         run(2, target * 1.01, SKIP + WINDOW)  # the host slowed by 1%: maximum clocks take that long now
+        wait_until(lambda: clients[0].assignment(reached[0] + 1000).plan_version == 3, timeout_s=30)
+        assert clients[0].assignment(reached[0] + 1000).phase == Phase.PLANNED  # the plan again
         run(3, target * 1.01 * 1.08, SKIP + WINDOW * PERSISTS)  # over: once more after another reference
         run(4, target * 1.01, SKIP + WINDOW)
         run(5, target * 1.01 * 1.08, SKIP + WINDOW)
