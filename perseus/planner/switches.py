@@ -166,9 +166,9 @@ class _Replay:
         self.latencies = latencies
         index = {ins: i for i, ins in enumerate(evaluator.nodes)}
         self.nodes = [[index[ins] for ins in row] for row in planner.schedule.stages]
-        by_choice: dict[int, Table] = {}
-        for c, choices in enumerate(evaluator.choices):
-            by_choice[c] = dict(zip(choices.frequency.tolist(), zip(choices.time.tolist(), choices.energy.tolist())))
+        by_choice: list[Table] = [
+            dict(zip(c.frequency.tolist(), zip(c.time.tolist(), c.energy.tolist()))) for c in evaluator.choices
+        ]
         self.tables = [[by_choice[int(evaluator.choice_of[i])] for i in row] for row in self.nodes]
         self.clocks = [[int(frequencies[ins]) for ins in row] for row in planner.schedule.stages]
 
