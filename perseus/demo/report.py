@@ -115,7 +115,7 @@ def predict_at_pace(record: dict | None, stages: int, slow: int) -> dict:
     the straggler's pace, from the service's job record; the straggler: its plan's saving."""
     if not record or not record.get("plans") or record.get("blocking_power_w") is None:
         return {}
-    plans = {int(k): p for k, p in record["plans"].items()}
+    plans = {int(k): {**p, **p.get("checks", {})} for k, p in record["plans"].items()}  # a reference: its plan
     block = record["blocking_power_w"] * stages
     paced = [p for k, p in plans.items() if k != slow and p.get("deadline_s") is not None]
     out: dict = {}

@@ -8,13 +8,12 @@ pipeline model's calibration, verification margin and measured baseline are.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.profiler.profile import Profile
 from perseus.service.planning import job_schedule
-from perseus.service.plans import PublishedPlan
+from perseus.service.plans import PublishedPlan, plan_result
 from perseus.service.text import clip
 from perseus.service.timelines import ModelState
 from perseus.wire.spec import RankInfo
@@ -41,7 +40,7 @@ def to_record(job: Job) -> dict[str, Any]:
         "profile_dropped": job.profile_dropped,
         "sweep_rounds": [[m, s, e.round] for (m, s), e in sorted(job.sweeps.stages.items()) if e.round],
         "last_version": job.plan_book.last_version,
-        "plans": {str(k): asdict(p) for k, p in sorted(job.plans.items())},
+        "plans": {str(k): job.plan_book.record(k) for k in sorted(job.plans)},
         "declared": {str(k): f for k, f in sorted(job.measurements.declared.items())},
         "models": [[list(m), state.to_record()] for m, state in job.model.calibrations.states.items()],
     }
@@ -93,7 +92,9 @@ def restore(job: Job, doc: dict[str, Any], stage_profiles: dict[str, Profile], c
     if plans is None and doc.get("plan") is not None:  # an earlier release: one plan for all pipelines
         plans = {str(k): {**doc["plan"], "models": list(job.models(k))} for k in range(spec.dp)}
     for k, record in (plans or {}).items():
-        job.plan_book.restore(int(k), PublishedPlan.from_record(record))
+        checks = record.pop("checks", None)  # a reference window's: the plan it checks
+        checked = None if checks is None else plan_result(checks)
+        job.plan_book.restore(int(k), PublishedPlan.from_record(record), checked)
     job.measurements.declared = {int(k): float(f) for k, f in doc.get("declared", {}).items()}
     for models, state in doc.get("models", []):  # the calibrations plans were made on, and their checks
         job.model.calibrations.states[tuple(models)] = ModelState.from_record(state)

@@ -13,7 +13,7 @@ import hashlib
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from perseus.profiler.profile import Profile
@@ -58,13 +58,16 @@ class PublishedPlan(PlanResult):
 
     @classmethod
     def from_record(cls, doc: dict[str, Any]) -> PublishedPlan:
-        return cls(
-            **{
-                **doc,
-                "stage_frequencies": tuple(tuple(int(f) for f in row) for row in doc["stage_frequencies"]),
-                "models": tuple(doc.get("models", ())),
-            }
-        )
+        return cls(**{**doc, "stage_frequencies": _frequencies(doc), "models": tuple(doc.get("models", ()))})
+
+
+def plan_result(doc: dict[str, Any]) -> PlanResult:
+    """A solved plan from its saved record (JSON lists where it holds tuples)."""
+    return PlanResult(**{**{f.name: doc[f.name] for f in fields(PlanResult)}, "stage_frequencies": _frequencies(doc)})
+
+
+def _frequencies(doc: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(f) for f in row) for row in doc["stage_frequencies"])
 
 
 def document_name(spec: JobSpec, key: PlanKey) -> str:
@@ -203,10 +206,22 @@ class PlanBook:
         self.results = {k: r for k, r in self.results.items() if not gpu_models & set(k[0])}
         self.references = {k: r for k, r in self.references.items() if k in self.plans}
 
-    def restore(self, pipeline: int, plan: PublishedPlan) -> None:
-        """A plan published before a restart of the service (see perseus.service.persistence)."""
+    def record(self, pipeline: int) -> dict[str, Any]:
+        """The pipeline's published plan as saved; a reference window's with the plan it checks
+        (`checks`: a restart resumes that plan, and a job record tells its figures)."""
+        plan = self.plans[pipeline]
+        doc = asdict(plan)
+        solved = self.results.get(plan.key)
+        if plan.reference and isinstance(solved, PlanResult):
+            doc["checks"] = asdict(solved)
+        return doc
+
+    def restore(self, pipeline: int, plan: PublishedPlan, checks: PlanResult | None = None) -> None:
+        """A plan published before a restart of the service (see perseus.service.persistence);
+        for a reference window, `checks` is the plan it checked (kept as the solved plan, so the
+        next publication runs it again, not maximum clocks)."""
         self.plans[pipeline] = plan
-        self.results[plan.key] = plan.result()
+        self.results[plan.key] = checks if plan.reference and checks is not None else plan.result()
 
     def predicted(self) -> tuple[float, float, float]:
         """Iteration time (the slowest pipeline's plan), energy and energy at maximum clocks
