@@ -139,3 +139,16 @@ def wait_until(predicate, timeout_s: float = 10.0):
             return value
         time.sleep(0.02)
     raise AssertionError("condition not met in time")
+
+
+def first_planned(endpoint: str, job_id: str, version: int, iteration: int) -> int:
+    """The first iteration from `iteration` on that runs plan `version` (its start, or
+    `iteration`), once the service publishes it. Asks the service's table at `iteration` itself:
+    a rank asking at a later iteration tells the service the job got there, and a plan published
+    meanwhile would start past it."""
+
+    def table() -> dict | None:
+        reply = request(endpoint, "get_table", job_id=job_id, rank=0, iteration=iteration, sweep_version=4)
+        return reply if reply is not None and reply.get("plan_version") == version else None
+
+    return max(iteration, wait_until(table, timeout_s=30)["plan_start_iteration"])

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from server_helpers import FREQUENCIES, request, wait_until
+from server_helpers import FREQUENCIES, first_planned, request, wait_until
 from timeline_helpers import STAGES, register_profiled, send_baseline, timelines
 
 from perseus.client.planner_client import PlannerClient
@@ -59,10 +59,7 @@ def test_spans_calibrate_the_model_and_an_overrunning_plan_is_replanned(serve):
 
         def run(version: int, compute_s: float, iterations: int) -> None:
             """`iterations` of plan `version` from its start (or the next iteration), each taking `compute_s`."""
-            wait_until(lambda: clients[0].assignment(reached[0] + 1000).plan_version == version, timeout_s=30)
-            start = next(
-                i for i in range(reached[0], reached[0] + 10_000) if clients[0].assignment(i).plan_version == version
-            )
+            start = first_planned(served.endpoint, job_id, version, reached[0])
             for it in range(start, start + iterations):
                 for r, client in enumerate(clients):
                     client.report_iteration(job_id, r, it, compute_s * 1.02, 90.0, compute_time_s=compute_s)
@@ -70,8 +67,8 @@ def test_spans_calibrate_the_model_and_an_overrunning_plan_is_replanned(serve):
 
         run(1, target * 1.08, SKIP + WINDOW)  # the plan runs over its target: first a fresh one
         wait_until(lambda: clients[0].status(job_id).jobs[0].pipelines[0].verification == "reference", timeout_s=30)
-        wait_until(lambda: clients[0].assignment(reached[0] + 1000).plan_version == 2, timeout_s=30)
-        window = clients[0].assignment(reached[0] + 1000)
+        start = first_planned(served.endpoint, job_id, 2, reached[0])
+        window = wait_until(lambda: (a := clients[0].assignment(start)).plan_version == 2 and a)
         assert set(window.frequencies or ()) == {max(FREQUENCIES)}
         assert window.phase == Phase.REFERENCE  # ranks record its iterations as such, not as the plan's
         job = clients[0].status(job_id).jobs[0]
@@ -82,8 +79,8 @@ def test_spans_calibrate_the_model_and_an_overrunning_plan_is_replanned(serve):
         new = request(served.endpoint, "get_table", job_id=job_id, rank=0, iteration=reached[0], sweep_version=4)
         assert new is not None and new["reference"] is True
         run(2, target * 1.01, SKIP + WINDOW)  # the host slowed by 1%: maximum clocks take that long now
-        wait_until(lambda: clients[0].assignment(reached[0] + 1000).plan_version == 3, timeout_s=30)
-        assert clients[0].assignment(reached[0] + 1000).phase == Phase.PLANNED  # the plan again
+        start = first_planned(served.endpoint, job_id, 3, reached[0])
+        assert wait_until(lambda: (a := clients[0].assignment(start)).plan_version == 3 and a).phase == Phase.PLANNED
         run(3, target * 1.01 * 1.08, SKIP + WINDOW * PERSISTS)  # over: once more after another reference
         run(4, target * 1.01, SKIP + WINDOW)
         run(5, target * 1.01 * 1.08, SKIP + WINDOW)

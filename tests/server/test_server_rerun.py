@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_helpers import BLOCKING_W, rank_info, wait_until
+from server_helpers import BLOCKING_W, first_planned, rank_info, wait_until
 from test_server_calibration import status_cli
 from timeline_helpers import STAGES, profile, spans, timelines
 
@@ -111,13 +111,6 @@ def test_a_new_run_of_the_same_spec_is_planned_on_its_own_baseline_and_workload(
         two.close()
 
 
-def first_planned(run: Run, version: int, iteration: int) -> int:
-    """The first iteration from `iteration` on that runs plan `version` (its start, or `iteration`),
-    once rank 0's client holds it."""
-    wait_until(lambda: run.clients[0].assignment(iteration + 1000).plan_version == version, timeout_s=30)
-    return next(i for i in range(iteration, iteration + 10_000) if run.clients[0].assignment(i).plan_version == version)
-
-
 @pytest.mark.slow
 def test_a_plan_that_fell_back_to_maximum_clocks_claims_no_saving(serve):
     served = serve()
@@ -132,7 +125,7 @@ def test_a_plan_that_fell_back_to_maximum_clocks_claims_no_saving(serve):
         # plan's iterations are reported a window at a time until verification decides on it.
         while (pipeline := run.status().pipelines[0]).verification != "fallback":
             assert version <= 1 + MAX_REPLANS + 2 * MAX_REFERENCES, pipeline
-            iteration = first_planned(run, version, iteration)
+            iteration = first_planned(served.endpoint, run.job_id, version, iteration)
             compute = target if pipeline.verification == "reference" else target * 1.08
             for n in range(1, SKIP + WINDOW * PERSISTS + 1):
                 for r, client in enumerate(run.clients):
@@ -144,7 +137,7 @@ def test_a_plan_that_fell_back_to_maximum_clocks_claims_no_saving(serve):
                     if now.plan_version != version or now.verification in ("replanning", "fallback"):
                         break
             version = wait_until(lambda old=version: (v := run.status().plan_version) > old and v, timeout_s=60)
-        start = first_planned(run, version, iteration)
+        start = first_planned(served.endpoint, run.job_id, version, iteration)
         for it in range(start, start + 3):  # at maximum clocks, 5% cheaper than the baseline by chance
             for r, client in enumerate(run.clients):
                 client.report_iteration(run.job_id, r, it, target, 95.0, compute_time_s=target)
