@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 PENDING_LIMIT = 256  # iterations awaiting reports; older ones are dropped (a rank stopped reporting)
 PENDING_REPORTS = 1 << 18  # reports held awaiting their iteration's last rank: bounds a large job's memory
+COMPLETED_KEPT = 1024  # completed iterations remembered, so that a report sent again counts once
 
 
 @dataclass(frozen=True)
@@ -17,18 +20,45 @@ class Measured:
     energy_j: float
 
 
+class Completed:
+    """The keys (iterations) completed lately, a bounded number of them. A client sends a report
+    again when the service did not answer it in time (busy, or the reply was lost): the copy of a
+    report whose iteration already completed must not start it over, or count it twice."""
+
+    def __init__(self, kept: int = COMPLETED_KEPT) -> None:
+        self._order: deque[Hashable] = deque()
+        self._keys: set[Hashable] = set()
+        self._kept = kept
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._keys
+
+    def add(self, key: Hashable) -> None:
+        if key in self._keys:
+            return
+        self._order.append(key)
+        self._keys.add(key)
+        if len(self._order) > self._kept:
+            self._keys.discard(self._order.popleft())
+
+
 class IterationTally:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self._limit = max(2, min(PENDING_LIMIT, PENDING_REPORTS // world_size))
         self._pending: dict[int, dict[int, tuple[float, float]]] = {}
+        self._completed = Completed()
 
     def add(self, rank: int, iteration: int, time_s: float, energy_j: float) -> Measured | None:
-        """Record one report; the iteration's total once its last rank reports (repeats overwrite)."""
+        """Record one report; the iteration's total once its last rank reports (repeats overwrite;
+        a repeat of a completed iteration is ignored)."""
+        if iteration in self._completed:
+            return None
         ranks = self._pending.setdefault(iteration, {})
         ranks[rank] = (time_s, energy_j)
         if len(ranks) == self.world_size:
             del self._pending[iteration]
+            self._completed.add(iteration)
             return Measured(iteration, max(t for t, _ in ranks.values()), sum(e for _, e in ranks.values()))
         if len(self._pending) > self._limit:
             del self._pending[min(self._pending)]

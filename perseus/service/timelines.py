@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from perseus.service.ranks import Models, bad_field
+from perseus.service.tally import Completed
 from perseus.wire.phases import Phase
 from perseus.wire.spans import ReportSpans
 from perseus.wire.spec import JobSpec, RankInfo
@@ -187,11 +188,13 @@ class SpanBook:
         self.timelines: list[deque[Timeline]] = [deque(maxlen=MAX_TIMELINES) for _ in range(spec.dp)]
         self.added = [0] * spec.dp  # timelines each pipeline ever completed (the deque keeps the latest)
         self.pending: dict[tuple[int, int], dict[int, ReportSpans]] = {}
+        self.completed = Completed()  # (pipeline, iteration): spans sent again count once
         self.received = 0  # span reports taken (any pipeline)
 
     def restart(self) -> None:
         """The ranks run again from iteration 0: iterations in flight are forgotten."""
         self.pending.clear()
+        self.completed = Completed()
 
     def new_run(self) -> None:
         """A new run of the job: its baseline is measured anew, an earlier run's is forgotten."""
@@ -210,8 +213,10 @@ class SpanBook:
             )
         if info.tp_index or spans.iteration == 0 or spans.phase not in _BASELINE or spans.frequency is not None:
             return None  # the first tensor-parallel rank speaks for its stage; iteration 0 warms up
-        self.received += 1
         key = (info.dp_index, spans.iteration)
+        if key in self.completed:
+            return None
+        self.received += 1
         stages = self.pending.setdefault(key, {})
         stages[info.stage] = spans
         if len(stages) < self.spec.pp:
@@ -219,6 +224,7 @@ class SpanBook:
                 del self.pending[min(self.pending, key=lambda k: k[1])]
             return None
         del self.pending[key]
+        self.completed.add(key)
         self.timelines[info.dp_index].append(_timeline(self.spec.pp, stages))
         self.added[info.dp_index] += 1
         return info.dp_index
