@@ -12,10 +12,12 @@ first window, any later window over the tolerance once the last reference is old
 clocks: its reference ran in a spike), sends the pipeline to maximum clocks for one window (`REFERENCE`),
 whose median becomes the target, and the plan resumes (`RESUME`). Past the job's tolerance in
 `PERSISTS` windows in a row (a busy host's passing stall is not the plan's doing), then once
-more right after another reference (the host may have slowed while those windows ran) -- and past
-what the iterations' own spread lets two medians differ by by chance (`noise_floor`: on a quiet
-host the tolerance decides, on a loaded one the noise) -- the service warns once and re-plans
-with a margin: every instruction the plan slows is modelled
+more right after another reference (the host may have slowed while those windows ran), and that
+window against the mean of the reference before it and one more after it (the host may slow
+during the window itself: a drift over the three windows cancels) -- each past what the
+iterations' own spread lets two medians differ by by chance (`noise_floor`: on a quiet host the
+tolerance decides, on a loaded one the noise) -- the service warns once and re-plans with a
+margin: every instruction the plan slows is modelled
 that much slower (`margin`, grown by twice the excess each time), which tightens the plan by
 the excess it showed while keeping maximum clocks feasible. Margins only grow (hysteresis: no
 oscillation between plans) and at most `MAX_REPLANS` re-plans are made; if the plan still runs
@@ -93,7 +95,8 @@ class PlanCheck:
         self.measured = 0  # iterations measured (from any plan)
         self.references = 0
         self.awaiting = False  # a reference was asked for (or ended): no window until the switch
-        self.confirming = False  # windows over the target asked for a reference: the next one over decides
+        self.confirming = False  # windows over the target asked for a reference: the next one over is suspect
+        self.suspect: tuple[float, float] | None = None  # (median, reference before) of a suspect window
 
     def plan_started(
         self,
@@ -118,6 +121,7 @@ class PlanCheck:
         if reference:
             self.state = REFERENCE
             return
+        self.suspect = None  # another plan: the suspect window's reference never came
         self.target_s = self._target()
         if fallback:
             self.state = FALLBACK
@@ -201,13 +205,34 @@ class PlanCheck:
                 f"plan v{self.version} ran {100 * self.excess:+.1f}% over its target {PERSISTS} windows in a row: "
                 "one window at maximum clocks checks that the host did not slow meanwhile",
             )
+        if self.confirming and self.references < MAX_REFERENCES and self.reference_s is not None:
+            # The host may have slowed during this very window: a reference after it decides.
+            self.references += 1
+            self.awaiting = True
+            self.confirming = False
+            self.over = 0
+            self.suspect = (measured, self.reference_s)
+            return Verdict(
+                REFERENCE,
+                self.excess,
+                measured,
+                target,
+                f"plan v{self.version} ran {100 * self.excess:+.1f}% over a fresh target: one window at maximum "
+                "clocks after it tells the plan's excess from a host that slowed meanwhile",
+            )
         self.confirming = False
         noise_text = f", beyond the iterations' noise of {100 * noise:.1f}%" if noise > self.tolerance else ""
-        what = (
+        return self._correct(
             f"plan v{self.version} runs {100 * self.excess:+.1f}% over its target ({measured:.4f} s against "
             f"{target:.4f} s, median of {WINDOW} iterations, over the tolerance of "
-            f"{100 * self.tolerance:.1f}%{noise_text} {self.over} windows in a row)"
+            f"{100 * self.tolerance:.1f}%{noise_text} {self.over} windows in a row)",
+            measured,
+            target,
         )
+
+    def _correct(self, what: str, measured: float, target: float) -> Verdict:
+        """The plan runs over (`what`, with `self.excess`): re-plan, or fall back past the cap."""
+        assert self.excess is not None
         if self.replans >= MAX_REPLANS:
             self.state = FALLBACK
             self.reason = f"{what}; after {self.replans} re-plans, falling back to maximum clocks"
@@ -219,19 +244,31 @@ class PlanCheck:
         return Verdict(REPLANNING, self.excess, measured, target, self.reason)
 
     def _referenced(self, window: list[float], measured: float) -> Verdict:
-        """A reference window is complete: its median is the target from now on."""
+        """A reference window is complete: its median is the target from now on. After a suspect
+        window, that window against the mean of the references around it decides."""
         self.reference_s, self.reference_end = measured, self.measured
         spread = 1.4826 * statistics.median(abs(t - measured) for t in window) / measured if measured > 0 else 0.0
         self.reference_noise = noise_floor(spread, WINDOW)
         self.target_s = measured * self.scale
         self.awaiting = True
-        return Verdict(
-            RESUME,
-            0.0,
-            measured,
-            self.target_s,
-            f"maximum clocks now take {measured:.4f} s (median of {WINDOW} iterations): the plan's target from now on",
+        reason = (
+            f"maximum clocks now take {measured:.4f} s (median of {WINDOW} iterations): the plan's target from now on"
         )
+        if self.suspect is not None:
+            suspect_s, before_s = self.suspect
+            self.suspect = None
+            around = 0.5 * (before_s + measured) * self.scale
+            self.measured_s, self.excess = suspect_s, suspect_s / around - 1.0
+            if self.excess > max(self.tolerance, self.reference_noise):
+                return self._correct(
+                    f"plan v{self.version} runs {100 * self.excess:+.1f}% over its target ({suspect_s:.4f} s against "
+                    f"{around:.4f} s, the mean of the references before and after it; the {PERSISTS} windows "
+                    "before them ran over too)",
+                    suspect_s,
+                    around,
+                )
+            reason += f"; the plan ran {100 * self.excess:+.1f}% against the references around it: the host slowed"
+        return Verdict(RESUME, 0.0, measured, self.target_s, reason)
 
 
 def grown_margin(margin: float, excess: float, tolerance: float) -> float:

@@ -83,13 +83,15 @@ def test_spans_calibrate_the_model_and_an_overrunning_plan_is_replanned(serve):
         assert wait_until(lambda: (a := clients[0].assignment(start)).plan_version == 3 and a).phase == Phase.PLANNED
         run(3, target * 1.01 * 1.08, SKIP + WINDOW * PERSISTS)  # over: once more after another reference
         run(4, target * 1.01, SKIP + WINDOW)
-        run(5, target * 1.01 * 1.08, SKIP + WINDOW)
-        wait_until(lambda: clients[0].status(job_id).jobs[0].plan_version == 6, timeout_s=30)
+        run(5, target * 1.01 * 1.08, SKIP + WINDOW)  # over again: a reference after it tells plan from host
+        run(6, target * 1.01, SKIP + WINDOW)
+        wait_until(lambda: clients[0].status(job_id).jobs[0].plan_version == 7, timeout_s=30)
         log = served.log()
         assert "one window at maximum clocks measures a fresh one" in log and "did not slow meanwhile" in log
+        assert "tells the plan's excess from a host that slowed" in log and "references before and after" in log
         assert "WARNING" in log and "re-planning (1 of 3)" in log and "+8.0% over its target" in log
         text = status_cli(served.endpoint, "--job", job_id)
-        assert "plan v6" in text and "re-planning (1 of 3)" in text
+        assert "plan v7" in text and "re-planning (1 of 3)" in text
     finally:
         for c in clients:
             c.close()

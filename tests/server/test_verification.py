@@ -35,6 +35,7 @@ from perseus.service.verification import (
     SKIP,
     WINDOW,
     PlanCheck,
+    Verdict,
     grown_margin,
     noise_floor,
 )
@@ -57,20 +58,29 @@ def feed(check: PlanCheck, start: int, values: list[float]):
 def referenced(check: PlanCheck, at: int, values: list[float]) -> int:
     """The reference window the check asked for, switched to at iteration `at`, its iterations
     taking `values` (WINDOW of them); the plan resumes after it. The first iteration counted then."""
+    resume, verdict = reference_window(check, at, values)
+    assert verdict.action == RESUME and verdict.measured_s == pytest.approx(statistics.median(values))
+    return resume
+
+
+def reference_window(check: PlanCheck, at: int, values: list[float]) -> tuple[int, Verdict]:
+    """`referenced`, with the verdict that ends the window: RESUME, or (after a suspect window) a
+    correction; the next plan, resumed or corrected, starts after it."""
     assert check.state != REFERENCE and check.awaiting
     version = check.version
     check.plan_started(version + 1, at, check.baseline_target_s, False, check.noise, check.scale, reference=True)
     assert check.state == REFERENCE and not feed(check, at, [99.0] * SKIP)  # the switch: not counted
     (verdict,) = feed(check, at + SKIP, values)
-    assert verdict.action == RESUME and verdict.measured_s == pytest.approx(statistics.median(values))
     resume = at + SKIP + WINDOW
-    check.plan_started(version + 2, resume, check.baseline_target_s, False, check.noise, check.scale)
-    return resume + SKIP
+    fallback = verdict.action == FALLBACK
+    check.plan_started(version + 2, resume, check.baseline_target_s, fallback, check.noise, check.scale)
+    return resume + SKIP, verdict
 
 
 def drive(check: PlanCheck, at: int, plan_s: float, reference_s: float, windows: int) -> list[str]:
     """`windows` windows of the plan from iteration `at`, each iteration taking `plan_s`, and every
-    reference window the check asks for meanwhile at `reference_s`: the verdicts' actions."""
+    reference window the check asks for meanwhile at `reference_s`: the verdicts' actions (a
+    reference window's own only when it corrects the plan)."""
     return drive_on(check, at, plan_s, reference_s, windows)[0]
 
 
@@ -82,7 +92,9 @@ def drive_on(check: PlanCheck, at: int, plan_s: float, reference_s: float, windo
         at += WINDOW
         actions += [v.action for v in verdicts]
         if verdicts and verdicts[-1].action == REFERENCE:
-            at = referenced(check, at, [reference_s] * WINDOW)
+            at, verdict = reference_window(check, at, [reference_s] * WINDOW)
+            if verdict.action != RESUME:
+                actions.append(verdict.action)
     return actions, at
 
 
@@ -117,8 +129,8 @@ def test_a_plan_held_to_a_baseline_measured_on_a_busier_host_is_corrected():
     passes against it, not against the fresh reference."""
     check = PlanCheck(tolerance=0.01)
     check.plan_started(1, 0, 1.10, fallback=False)
-    assert drive(check, SKIP, 1.05, 1.0, 4) == [REFERENCE, REFERENCE, REPLANNING]
-    assert check.replans == 1 and "+5.0%" in check.reason
+    assert drive(check, SKIP, 1.05, 1.0, 4) == [REFERENCE, REFERENCE, REFERENCE, REPLANNING]
+    assert check.replans == 1 and "+5.0%" in check.reason and "references before and after" in check.reason
 
 
 def test_a_burst_of_host_load_over_two_windows_is_not_the_plans_doing():
@@ -292,14 +304,23 @@ def test_a_job_plans_on_its_calibrated_model_and_corrects_a_plan_that_runs_over(
         report(job, it, fresh * 1.06)
         it += 1
     ((k, verdict),) = job.model.take_verdicts()
+    assert verdict.action == REFERENCE and "host that slowed" in verdict.reason and job.correct(k, verdict) == []
+    job.publish()
+    assert job.plans[0].reference and job.plans[0].version == 6
+    it = job.plans[0].start_iteration + SKIP
+    for _ in range(WINDOW):
+        report(job, it, fresh)  # maximum clocks as fast as before the suspect window: the plan's excess
+        it += 1
+    ((k, verdict),) = job.model.take_verdicts()
     assert verdict.action == REPLANNING and verdict.excess == pytest.approx(0.06)
     assert job.correct(k, verdict) == [key]  # its plan is solved again, with a margin
+    assert not job.plan_book.references  # the reference window ends with it
     state = job.model.calibrations.get(key[0])
     assert state.margin == pytest.approx(0.12)
     ((_, margined),) = job.missing_plans()
     assert margined.points[(0, "forward")][1].time == pytest.approx(prof.points[(0, "forward")][1].time * 1.12)
     solve(job)
-    assert job.plans[0].version == 6
+    assert job.plans[0].version == 7 and not job.plans[0].reference
     status = job.status()
     assert status.pipelines[0].replans == 1 and "re-planning (1 of 3)" in status.pipelines[0].reason
     assert status.calibrations[0].margin == pytest.approx(0.12)
@@ -435,10 +456,11 @@ def test_a_restarted_service_keeps_the_calibration_margin_and_baseline():
 def _over(job: Job):
     """The pipeline's plan 6% over its target, against a fresh reference: the verdict."""
     target = job.status().pipelines[0].target_iteration_time_s
-    assert run_windows(job, target * 1.06, target, 2 + PERSISTS + 1) == [REFERENCE, RESUME, REFERENCE, RESUME]
+    actions = [REFERENCE, RESUME, REFERENCE, RESUME, REFERENCE]
+    assert run_windows(job, target * 1.06, target, 2 + PERSISTS + 2) == actions
     it = job.plans[0].start_iteration + SKIP
     for _ in range(WINDOW):
-        report(job, it, target * 1.06)
+        report(job, it, target)  # the reference after the suspect window
         it += 1
     ((_, verdict),) = job.model.take_verdicts()
     return verdict
@@ -470,7 +492,18 @@ def test_on_a_noisy_host_only_an_excess_beyond_the_references_noise_is_the_plans
     assert verdict.action == REFERENCE
     at = referenced(check, 500, [0.97, 1.03] * (WINDOW // 2))
     (verdict,) = feed(check, at, [1.08] * WINDOW)
-    assert verdict.action == REPLANNING and "beyond the iterations' noise" in verdict.reason
+    assert verdict.action == REFERENCE and "host that slowed" in verdict.reason
+    # The host slowed steadily over the three windows: the plan's 1.08 s lies between maximum
+    # clocks' 1.0 s before and 1.14 s after it, within the tolerance of their mean.
+    at, verdict = reference_window(check, at + WINDOW, [1.13, 1.15] * (WINDOW // 2))
+    assert verdict.action == RESUME and "the host slowed" in verdict.reason and check.replans == 0
+    (verdict,) = feed(check, at, [1.16] * WINDOW * PERSISTS)
+    assert verdict.action == REFERENCE
+    at = referenced(check, 900, [0.97, 1.03] * (WINDOW // 2))
+    (verdict,) = feed(check, at, [1.08] * WINDOW)
+    assert verdict.action == REFERENCE
+    at, verdict = reference_window(check, at + WINDOW, [0.97, 1.03] * (WINDOW // 2))
+    assert verdict.action == REPLANNING and verdict.excess == pytest.approx(0.08)
 
 
 def test_a_straggler_pace_is_planned_padded_against_a_baseline_padded_to_it():
@@ -498,4 +531,4 @@ def test_a_reference_taken_in_a_spike_is_taken_again():
     (verdict,) = feed(check, check.start + SKIP, [1.05] * WINDOW)
     assert verdict.action == REFERENCE and "slower host" in verdict.reason and verdict.excess < -0.15
     at = referenced(check, 500, [1.0] * WINDOW)
-    assert drive(check, at, 1.05, 1.0, 4) == [REFERENCE, REPLANNING]
+    assert drive(check, at, 1.05, 1.0, 4) == [REFERENCE, REFERENCE, REPLANNING]
