@@ -28,7 +28,8 @@ class Assignment:
     or None: leave clocks at maximum/default. `sweep`: the profiling sweep the service designed
     (phase profiling; the rank picks each iteration's step, see perseus.profiler.sweep), else
     None. `spans`: the service asks for this
-    iteration's instruction spans (it is calibrating its model of the job). `sweep_round`: the
+    iteration's instruction spans (it is calibrating its model of the job, or checking it in a
+    reference window). `sweep_round`: the
     service's round of the sweep (Table.sweep_round); a new one asks for a fresh sweep, whatever
     the rank swept before. Shared between calls: do not mutate.
     """
@@ -112,8 +113,10 @@ class RankState:
         plan = None
         previous = old.previous if old is not None else None
         if version and table.frequencies is not None:
-            phase = Phase.REFERENCE if table.reference else Phase.PLANNED
-            plan = Assignment(phase, list(table.frequencies), None, version)
+            if table.reference:  # the service may ask for a reference window's spans
+                plan = Assignment(Phase.REFERENCE, list(table.frequencies), None, version, table.spans)
+            else:
+                plan = Assignment(Phase.PLANNED, list(table.frequencies), None, version)
             if (
                 old is not None
                 and old.plan is not None

@@ -363,7 +363,8 @@ class PerseusRank:
         self._record_spans = (
             assignment is not None
             and bool(getattr(assignment, "spans", False))
-            and phase in (Phase.WARMUP, Phase.PLANNING)  # baseline iterations: default clocks, no profiling
+            # Iterations at default clocks, not profiled: the baseline's, and verification's reference windows.
+            and phase in (Phase.WARMUP, Phase.PLANNING, Phase.REFERENCE)
             and self._span_reports < MAX_SPAN_REPORTS
         )
         if self._progress is not None:

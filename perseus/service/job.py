@@ -163,9 +163,13 @@ class Job:
                 None  # planned for another GPU (the rank came back on a new one): max clocks until its plan is solved
             )
         frequencies = plan.stage_frequencies[info.stage] if plan is not None and plan.version != known_version else None
-        # Baseline spans until the pipeline runs a plan: its model calibrates, its plans are checked on them.
+        # Baseline spans until the pipeline runs a plan (its model calibrates, its plans are checked
+        # on them), and a reference window's (the model is fitted again if the host's speed changed).
+        current = self.plans.get(info.dp_index)
         spans = (
-            not self.error and info.dp_index not in self.plans and self.model.wants_spans(self.models(info.dp_index))
+            not self.error
+            and (current is None or current.reference)
+            and self.model.wants_spans(self.models(info.dp_index))
         )
         profiled = self.profiling.stages_of(info.gpu_model)
         return Table(
@@ -287,9 +291,7 @@ class Job:
             profile = self.pipeline_profile(models)
             pipelines = self.pipelines_of(models)[:1]
             if profile is not None and self.model.due(models, pipelines):
-                timelines = self.model.timelines(pipelines)
-                self.model.calibrations.fitting(models, self.model.added(pipelines))
-                tasks.append((models, profile, timelines))
+                tasks.append((models, profile, self.model.start_fit(models, pipelines)))
         return tasks
 
     def set_calibration(self, models: Models, result: object) -> set[str]:
@@ -298,13 +300,18 @@ class Job:
         GPU models whose profiles no longer fit the workload are dropped, with their plans, and
         profiled again; returned (empty when none was)."""
         inherited = self.profiling.inherited & set(models)
+        state = self.model.calibrations.get(models)
+        refitting, before = state.refitting, state.calibration
         mismatch = self.model.take_fit(models, result, bool(inherited))  # type: ignore[arg-type]
         if mismatch:
             self.drop_profiles(inherited, mismatch)
             return inherited
+        if refitting and state.calibration is not before:
+            # Fitted again on a reference window: its plans are solved again on the new fit.
+            for key in [key for key in self.results if key[0] == models]:
+                del self.plan_book.results[key]
         if not isinstance(result, BaseException):
             self.profiling.inherited -= set(models)  # they fit this run's workload
-        state = self.model.calibrations.get(models)
         if state.state == "failed" and not self.error:
             self.fail(f"no plan: {state.reason}", retryable=True)
         self._changed()
@@ -336,6 +343,7 @@ class Job:
             return []
         references.pop(pipeline, None)
         if verdict.action == RESUME:
+            self.model.refit(models, pipeline, verdict.measured_s)  # if due, solved again once fitted
             return []
         self.model.correct(models, verdict)
         state = self.model.calibrations.get(models)

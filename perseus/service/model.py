@@ -11,6 +11,7 @@ to do (`take_verdicts`) and acts: re-plan with a grown margin, or fall back to m
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable
 
 from perseus.profiler.profile import Profile, ProfilePoint
@@ -118,6 +119,24 @@ class PipelineModels:
     def due(self, models: Models, pipelines: list[int]) -> bool:
         """Whether these models have enough new baseline iterations to be fitted."""
         return self.calibrates and self.calibrations.due(models, self.added(pipelines))
+
+    def start_fit(self, models: Models, pipelines: list[int]) -> list[Timeline]:
+        """A fit of these models starts (they are `due`): the timelines it fits, the baseline
+        iterations of `pipelines` or the reference window it fits again on."""
+        window = self.calibrations.fitting(models, self.added(pipelines))
+        timelines = list(window) or self.timelines(pipelines)
+        self.calibrations.get(models).fitting_compute_s = statistics.median(tl.compute_s for tl in timelines)
+        return timelines
+
+    def refit(self, models: Models, pipeline: int, reference_s: float) -> bool:
+        """Verification's reference window on `pipeline` ended at `reference_s`: whether the models
+        are fitted again on it (see Calibrations.refit), said in the log."""
+        if not self.calibrates:
+            return False
+        why = self.calibrations.refit(models, reference_s, list(self.spans.references[pipeline]))
+        if why:
+            log.info("job %s: pipeline %d: %s", self.job_id, pipeline, why)
+        return bool(why)
 
     def added(self, pipelines: list[int]) -> int:
         """Baseline timelines these pipelines ever completed."""

@@ -59,6 +59,8 @@ class Results:
             self.plan(job)
 
     def _take_calibration(self, job: Job, models: Models, result: object) -> None:
+        if job.model.calibrations.get(models).refitting:
+            self.workers.forget(job.job_id)  # its planners hold the profile of the model fitted before
         dropped = job.set_calibration(models, result)
         if dropped:
             # The profiles no longer fit the workload: neither the planners holding them nor the

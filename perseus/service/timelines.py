@@ -11,6 +11,10 @@ stage reported (the first tensor-parallel rank of each stage speaks for it), and
     uncalibrated                                   (some rank sends no spans: the GPU profile alone)
     overridden                                     (the job spec gives the overheads itself)
 
+A fitted model is fitted again (`Calibrations.refit`) on a verification reference window's
+spans (maximum clocks) when that window ran over REFIT_DRIFT from the iterations the model was
+fitted on: the host's speed changed, and with it the host work and hops the plans were made on.
+
 The fit itself (perseus.service.calibration) runs on a worker thread; nothing here imports it.
 """
 
@@ -25,6 +29,7 @@ from typing import Any
 
 from perseus.service.ranks import Models, bad_field
 from perseus.service.tally import Completed
+from perseus.service.verification import WINDOW
 from perseus.wire.phases import Phase
 from perseus.wire.spans import ReportSpans
 from perseus.wire.spec import JobSpec, RankInfo
@@ -40,8 +45,15 @@ NOISE_SIGNIFICANCE = 2.0
 MIN_EXPLAINED = 0.5
 #: Baseline iterations a calibration needs (beyond the first iteration of the job).
 MIN_ITERATIONS = 8
+#: A reference window at maximum clocks this far from the iterations a model was fitted on (the
+#: host sped up or slowed since: host gaps and hops moved) fits the model again on that window.
+REFIT_DRIFT = 0.05
+#: Fits again on reference windows per set of models and run, at most.
+MAX_REFITS = 2
 #: Baseline iterations kept per pipeline (the latest).
 MAX_TIMELINES = 24
+#: Timelines of a reference window kept per pipeline: the iterations verification counts in it.
+REFERENCE_TIMELINES = WINDOW
 #: Iterations awaiting some stage's spans; older ones are dropped.
 PENDING_LIMIT = 16
 #: Fits tried on more iterations before giving up on a model that does not reproduce the baseline.
@@ -56,6 +68,7 @@ STALE_UNREFERENCED = 0.5
 STALE_SIGNIFICANCE = 3.0
 
 _BASELINE = (Phase.WARMUP.value, Phase.PLANNING.value)
+_REFERENCE = Phase.REFERENCE.value
 
 COLLECTING = "collecting"
 FITTING = "fitting"
@@ -190,11 +203,15 @@ class SpanBook:
         self.pending: dict[tuple[int, int], dict[int, ReportSpans]] = {}
         self.completed = Completed()  # (pipeline, iteration): spans sent again count once
         self.received = 0  # span reports taken (any pipeline)
+        # Each pipeline's latest reference window at maximum clocks (see Calibrations.refit).
+        self.references: list[deque[Timeline]] = [deque(maxlen=REFERENCE_TIMELINES) for _ in range(spec.dp)]
 
     def restart(self) -> None:
         """The ranks run again from iteration 0: iterations in flight are forgotten."""
         self.pending.clear()
         self.completed = Completed()
+        for window in self.references:
+            window.clear()
 
     def new_run(self) -> None:
         """A new run of the job: its baseline is measured anew, an earlier run's is forgotten."""
@@ -211,7 +228,9 @@ class SpanBook:
                 f"rank {info.rank} sent {len(spans.begins_us)} instruction spans for iteration {spans.iteration}, "
                 f"but stage {info.stage} runs {instructions} instructions per iteration"
             )
-        if info.tp_index or spans.iteration == 0 or spans.phase not in _BASELINE or spans.frequency is not None:
+        reference = spans.phase == _REFERENCE
+        measured = reference or spans.phase in _BASELINE  # at maximum clocks, not profiling
+        if info.tp_index or spans.iteration == 0 or not measured or spans.frequency is not None:
             return None  # the first tensor-parallel rank speaks for its stage; iteration 0 warms up
         key = (info.dp_index, spans.iteration)
         if key in self.completed:
@@ -225,6 +244,9 @@ class SpanBook:
             return None
         del self.pending[key]
         self.completed.add(key)
+        if reference:
+            self.references[info.dp_index].append(_timeline(self.spec.pp, stages))
+            return None
         self.timelines[info.dp_index].append(_timeline(self.spec.pp, stages))
         self.added[info.dp_index] += 1
         return info.dp_index
@@ -272,10 +294,22 @@ class ModelState:
     # Per pipeline: (iteration, compute time, noise) measured at the baseline, kept for restarts
     # (noise: the excess the baseline's spread alone may show, see perseus.service.verification).
     baselines: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    # A fit again on a reference window (see `Calibrations.refit`): the median compute time of the
+    # iterations the model was last fitted on, the window's timelines awaiting the fit, whether
+    # it runs, and how many were made. Not kept across restarts.
+    fitted_compute_s: float = 0.0
+    fitting_compute_s: float = 0.0  # of the fit in flight
+    refit: tuple[Timeline, ...] = ()
+    refitting: bool = False
+    refits: int = 0
 
     def to_record(self) -> dict[str, Any]:
         """What a restarted service needs: the fit the plans were made on and verification's state."""
-        doc = {k: v for k, v in asdict(self).items() if k not in ("calibration", "attempts", "fitted_with")}
+        transient = (
+            *("calibration", "attempts", "fitted_with"),
+            *("fitted_compute_s", "fitting_compute_s", "refit", "refitting", "refits"),
+        )
+        doc = {k: v for k, v in asdict(self).items() if k not in transient}
         if self.calibration is not None:
             doc["calibration"] = {
                 **asdict(self.calibration),
@@ -328,8 +362,9 @@ class Calibrations:
             self.states[models] = ModelState(OVERRIDDEN if self.overridden else COLLECTING, reference=old.reference)
 
     def ready(self, models: Models) -> bool:
-        """Whether plans for these models may be solved now."""
-        return self.get(models).state in (FITTED, UNCALIBRATED, OVERRIDDEN)
+        """Whether plans for these models may be solved now (not while a fit again is due or runs)."""
+        state = self.get(models)
+        return state.state in (FITTED, UNCALIBRATED, OVERRIDDEN) and not (state.refit or state.refitting)
 
     def wants_spans(self, models: Models) -> bool:
         """Spans are wanted until a plan is in force (the more baseline iterations, the steadier
@@ -337,21 +372,57 @@ class Calibrations:
         return self.get(models).state in (COLLECTING, FITTING, FITTED)
 
     def due(self, models: Models, timelines: int) -> bool:
-        """Whether enough new timelines are in to fit these models (again); `timelines`: how many
-        their pipelines ever completed."""
+        """Whether enough new timelines are in to fit these models (again), or a reference window
+        to fit them again on; `timelines`: how many their pipelines ever completed."""
         state = self.get(models)
-        return state.state == COLLECTING and timelines >= state.fitted_with + MIN_ITERATIONS
+        return bool(state.refit) or (state.state == COLLECTING and timelines >= state.fitted_with + MIN_ITERATIONS)
 
-    def fitting(self, models: Models, timelines: int) -> None:
-        """A fit of these models starts, `timelines` completed so far."""
+    def refit(self, models: Models, reference_s: float, window: list[Timeline]) -> str:
+        """A reference window ran at maximum clocks in `reference_s` (median compute time): if that
+        is over REFIT_DRIFT from the iterations the fitted model was fitted on, the host's speed
+        changed since, and with it the host gaps and hops the plans were made on; the models are
+        fitted again on the window's timelines, their plans solved again after. Why ("" if not)."""
         state = self.get(models)
+        fitted_s = state.fitted_compute_s
+        if state.state != FITTED or fitted_s <= 0 or state.refits >= MAX_REFITS or len(window) < MIN_ITERATIONS:
+            return ""
+        drift = reference_s / fitted_s - 1.0
+        if abs(drift) <= REFIT_DRIFT:
+            return ""
+        state.refit = tuple(window)
+        state.refits += 1
+        return (
+            f"maximum clocks take {reference_s:.4f} s, {100 * drift:+.1f}% from the {fitted_s:.4f} s the model was "
+            f"fitted on (the host's speed changed): the model is fitted again on that window "
+            f"({state.refits} of {MAX_REFITS})"
+        )
+
+    def fitting(self, models: Models, timelines: int) -> tuple[Timeline, ...]:
+        """A fit of these models starts, `timelines` completed so far: the reference window it fits
+        again on, if that is what it does (else empty: the baseline)."""
+        state = self.get(models)
+        window, state.refit = state.refit, ()
+        if window:
+            state.refitting = True
+            return window
         state.state = FITTING
         state.fitted_with = timelines
         state.attempts += 1
+        return ()
 
     def fitted(self, job_id: str, models: Models, result: Calibration | BaseException) -> bool:
-        """Take a fit; True if the models may now be planned (else they collect more, or failed)."""
+        """Take a fit; True if the models may now be planned (else they collect more, or failed).
+        A fit again that misses keeps the model it would have replaced."""
         state = self.get(models)
+        if state.refitting:
+            state.refitting = False
+            if isinstance(result, BaseException) or result.reason():
+                why = f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else result.reason()
+                log.warning("job %s: fitting %s again missed (%s); its model stays", job_id, model_names(models), why)
+                return True
+            state.calibration, state.fitted_compute_s = result, state.fitting_compute_s
+            log.info("job %s: model fitted again (%s): %s", job_id, model_names(models), result.describe())
+            return True
         if isinstance(result, BaseException):
             state.state, state.reason = FAILED, f"calibration failed: {type(result).__name__}: {result}"
             log.error("job %s: %s", job_id, state.reason, exc_info=result)
@@ -360,6 +431,7 @@ class Calibrations:
         reason = result.reason()
         if not reason:
             state.state, state.reason = FITTED, ""
+            state.fitted_compute_s = state.fitting_compute_s
             log.info("job %s: model calibrated (%s): %s", job_id, model_names(models), result.describe())
             return True
         if result.plannable and state.attempts < MAX_ATTEMPTS:

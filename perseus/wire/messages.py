@@ -136,7 +136,8 @@ class Table(Message):
     among the ranks of its GPU model, stage and tensor-parallel index, whose profiles the
     service shares (omitted on the wire when true, as earlier releases had every rank upload).
     `spans`: the service calibrates the job's model and asks for each iteration's instruction
-    spans (`ReportSpans`) until a plan is in force (omitted on the wire when false).
+    spans (`ReportSpans`) until a plan is in force, and in verification's reference windows (omitted
+    on the wire when false).
     `sweep_round`: the sweep the service asks of the rank's stage; a later round than the one the
     rank uploaded a profile in asks for a fresh sweep (the earlier profile never arrived; sent
     only to ranks asking with sweep_version 3, omitted on the wire when 0).

@@ -28,7 +28,8 @@ def gpu(tmp_path):
 
 
 class SpanClient:
-    """A planner asking for spans: warm-up (0-1), one profiling iteration (2), then planning."""
+    """A planner asking for spans: warm-up (0-1), one profiling iteration (2), planning (3-5),
+    a plan (6), then a verification reference window at maximum clocks (7-9)."""
 
     def __init__(self):
         self.spans: list[ReportSpans] = []
@@ -44,7 +45,11 @@ class SpanClient:
             return Assignment(Phase.WARMUP, None, None, 0, True)
         if iteration == 2:
             return Assignment(Phase.PROFILING, None, 1410, 0, True)
-        return Assignment(Phase.PLANNING, None, None, 0, iteration < 5)
+        if iteration < 6:
+            return Assignment(Phase.PLANNING, None, None, 0, iteration < 5)
+        if iteration == 6:
+            return Assignment(Phase.PLANNED, [1410] * 8, None, 1)
+        return Assignment(Phase.REFERENCE, [1410] * 8, None, 2, iteration < 9)
 
     def upload_profile(self, *args):
         pass
@@ -77,12 +82,14 @@ def run(rank, iterations, host_s=0.0005):
 def test_spans_go_to_the_planner_in_baseline_iterations_it_asks_for(gpu):
     client = SpanClient()
     rank = make_rank(gpu, client, emulate={"forward": Work(0.006), "backward": Work(0.012)})
-    run(rank, 6)
+    run(rank, 10)
     rank.close()
     assert client.info.timeline  # the rank registered as one that sends spans
-    # Warm-up 0-1 and planning 3-4: asked for; profiling (2) and planning 5: not.
-    assert [s.iteration for s in client.spans] == [0, 1, 3, 4]
-    report = client.spans[-1]
+    # Warm-up 0-1, planning 3-4 and the reference window's 7-8: asked for; profiling (2),
+    # planning 5, the plan (6) and reference 9: not.
+    assert [s.iteration for s in client.spans] == [0, 1, 3, 4, 7, 8]
+    assert [s.phase for s in client.spans[-2:]] == ["reference", "reference"]
+    report = client.spans[3]
     assert report.phase == "planning" and report.frequency is None and report.rank == 1
     assert len(report.begins_us) == len(report.ends_us) == len(rank.order)
     durations = [e - b for b, e in zip(report.begins_us, report.ends_us)]

@@ -71,6 +71,7 @@ def test_spans_calibrate_the_model_and_an_overrunning_plan_is_replanned(serve):
         window = wait_until(lambda: (a := clients[0].assignment(start)).plan_version == 2 and a)
         assert set(window.frequencies or ()) == {max(FREQUENCIES)}
         assert window.phase == Phase.REFERENCE  # ranks record its iterations as such, not as the plan's
+        assert window.spans  # and send their spans: the model is fitted again if the host's speed changed
         job = clients[0].status(job_id).jobs[0]
         assert job.predicted_energy_j < job.predicted_baseline_energy_j  # the plan's saving, not the window's
         old = request(served.endpoint, "get_table", job_id=job_id, rank=0, iteration=reached[0], sweep_version=3)

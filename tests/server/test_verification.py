@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import statistics
 
 import pytest
 from server_helpers import FREQUENCIES, job_spec, rank_info, stage_profile
-from timeline_helpers import BLOCKING_W, profile, timelines
+from timeline_helpers import BLOCKING_W, GAP_S, profile, timelines
 
 from perseus.planner import Planner
 from perseus.profiler.profile import Profile, ProfilePoint
@@ -203,13 +204,13 @@ def test_the_fallback_plan_runs_every_instruction_at_its_highest_clock():
     assert fallback.energy_j == solved.baseline_energy_j
 
 
-def spans_of(job: Job, iteration: int, timeline) -> list[ReportSpans]:
+def spans_of(job: Job, iteration: int, timeline, phase: str = "planning") -> list[ReportSpans]:
     return [
         ReportSpans(
             job.job_id,
             s,
             iteration,
-            "planning",
+            phase,
             None,
             round(timeline.steps[s] * 1e6),
             tuple(round(t * 1e6) for t in timeline.begins[s]),
@@ -219,9 +220,9 @@ def spans_of(job: Job, iteration: int, timeline) -> list[ReportSpans]:
     ]
 
 
-def calibrated_job(work_s: float = 0.006) -> Job:
-    """A 4-stage job whose ranks sent enough baseline spans, fitted and planned (as the service's
-    workers would)."""
+def calibrated_job(work_s: float = 0.006, gap_s: float = GAP_S) -> Job:
+    """A 4-stage job whose ranks sent enough baseline spans (`gap_s` of host work between a
+    stage's instructions), fitted and planned (as the service's workers would)."""
     spec = JobSpec(STAGES, STAGES, schedule_name="1f1b", num_microbatches=8, gpu_model="sim-a100")
     job = Job(spec)
     for r in range(STAGES):
@@ -231,7 +232,7 @@ def calibrated_job(work_s: float = 0.006) -> Job:
     for s in range(STAGES):
         job.add_profile(s, s, Profile({k: v for k, v in prof.points.items() if k[0] == s}, 83.64))
     assert job.missing_plans() == [] and job.calibration_tasks() == []  # no spans yet: no plan
-    for i, timeline in enumerate(timelines(job.schedule, prof, count=MIN_ITERATIONS), start=1):
+    for i, timeline in enumerate(timelines(job.schedule, prof, count=MIN_ITERATIONS, gap_s=gap_s), start=1):
         for spans in spans_of(job, i, timeline):
             job.add_spans(spans)
     (task,) = job.calibration_tasks()
@@ -287,6 +288,7 @@ def test_a_job_plans_on_its_calibrated_model_and_corrects_a_plan_that_runs_over(
     ((k, verdict),) = job.model.take_verdicts()
     assert verdict.action == RESUME and verdict.measured_s == pytest.approx(fresh)
     assert job.correct(k, verdict) == []
+    assert job.calibration_tasks() == []  # 2% from the baseline the model was fitted on: no fit again
     job.publish()
     resumed = job.plans[0]
     assert not resumed.reference and resumed.version == 3 and resumed.stage_frequencies == plan.stage_frequencies
@@ -532,3 +534,45 @@ def test_a_reference_taken_in_a_spike_is_taken_again():
     assert verdict.action == REFERENCE and "slower host" in verdict.reason and verdict.excess < -0.15
     at = referenced(check, 500, [1.0] * WINDOW)
     assert drive(check, at, 1.05, 1.0, 4) == [REFERENCE, REFERENCE, REPLANNING]
+
+
+def test_a_reference_window_on_a_host_that_sped_up_fits_the_model_again(caplog):
+    """The baseline ran on a busy host (3 ms of host work between instructions, 5x the usual):
+    the first reference window, on the quiet host, takes over 5% less, so the model is fitted
+    again on that window's spans, and the plan solved again on it."""
+    caplog.set_level(logging.INFO, logger="perseus.service")
+    job = calibrated_job(gap_s=0.003)
+    solve(job)
+    plan = job.plans[0]
+    (before,) = job.status().calibrations
+    target = job.status().pipelines[0].target_iteration_time_s
+    it = plan.start_iteration + SKIP
+    for _ in range(WINDOW):
+        report(job, it, target)
+        it += 1
+    ((k, verdict),) = job.model.take_verdicts()
+    assert verdict.action == REFERENCE and job.correct(k, verdict) == []
+    job.publish()
+    reference = job.plans[0]
+    assert reference.reference and job.table(0, reference.start_iteration, 1).spans  # its spans are asked for
+    quiet = timelines(job.schedule, profile(STAGES), count=SKIP + WINDOW, seed=1)
+    for n, timeline in enumerate(quiet):
+        for spans in spans_of(job, reference.start_iteration + n, timeline, phase="reference"):
+            job.add_spans(spans)
+        report(job, reference.start_iteration + n, timeline.compute_s)
+    ((k, verdict),) = job.model.take_verdicts()
+    assert verdict.action == RESUME and verdict.measured_s < 0.9 * target
+    assert job.correct(k, verdict) == []
+    assert "fitted again on that window (1 of 2)" in caplog.text
+    job.publish()
+    assert not job.plans[0].reference and job.plans[0].version == 3  # the plan runs while the model is fitted
+    assert job.missing_plans() == []
+    ((models, measured, window),) = job.calibration_tasks()
+    assert len(window) == WINDOW and job.missing_plans() == []  # nothing solved on the old fit meanwhile
+    job.set_calibration(models, fit(job.schedule, measured, window))
+    (after,) = job.status().calibrations
+    assert after.measured_s < 0.9 * before.measured_s and abs(after.error) <= 0.01
+    ((key, margined),) = job.missing_plans()  # solved again on the new fit
+    solve(job)
+    assert job.plans[0].version == 4 and job.plans[0].iteration_time_s < 0.9 * plan.iteration_time_s
+    assert job.calibration_tasks() == []

@@ -35,20 +35,22 @@ def profile(num_virtual: int, work_s: float = 0.006) -> Profile:
     return Profile(points, BLOCKING_W)
 
 
-def simulate(schedule: Schedule, prof: Profile, frequencies: dict | None = None, host_s: float = 0.0):
-    """(begin, end) of every instruction in one timeline: each waits GAP_S after its rank's
+def simulate(
+    schedule: Schedule, prof: Profile, frequencies: dict | None = None, host_s: float = 0.0, gap_s: float = GAP_S
+):
+    """(begin, end) of every instruction in one timeline: each waits `gap_s` after its rank's
     previous instruction and HOP_S after an input from another rank; spans take the profile's
     time at their clock (the highest by default) plus `host_s` of host work inside them."""
     graph = build_dag(schedule)
     previous = {b: a for row in schedule.stages for a, b in zip(row, row[1:])}
     begin, end = {}, {}
     for ins in nx.topological_sort(graph):
-        start = begin_floor = GAP_S if ins not in previous else end[previous[ins]] + GAP_S
+        start = begin_floor = gap_s if ins not in previous else end[previous[ins]] + gap_s
         for pred in graph.predecessors(ins):
             if pred.stage != ins.stage:
                 start = max(start, end[pred] + HOP_S)
             elif pred is not previous.get(ins):
-                start = max(start, end[pred] + GAP_S)
+                start = max(start, end[pred] + gap_s)
         start = max(start, begin_floor)
         f = FREQUENCIES[0] if frequencies is None else frequencies[ins]
         begin[ins] = start
@@ -56,13 +58,14 @@ def simulate(schedule: Schedule, prof: Profile, frequencies: dict | None = None,
     return begin, end
 
 
-def timelines(schedule: Schedule, prof: Profile, count: int = 8, seed: int = 0) -> list[Timeline]:
+def timelines(schedule: Schedule, prof: Profile, count: int = 8, seed: int = 0, gap_s: float = GAP_S) -> list[Timeline]:
     """Baseline iterations as ranks send them: each rank's times from its own step start (the
-    ranks start together, give or take a random skew no other rank sees), with noise."""
+    ranks start together, give or take a random skew no other rank sees), with noise; `gap_s`:
+    the host work between a stage's instructions (a busier host: longer)."""
     rng = random.Random(seed)
     out = []
     for _ in range(count):
-        begin, end = simulate(schedule, prof, host_s=0.0001)
+        begin, end = simulate(schedule, prof, host_s=0.0001, gap_s=gap_s)
         begins, ends, steps = [], [], []
         for row in schedule.stages:
             start = -0.0005 - rng.uniform(0.0, 0.0003)
