@@ -391,11 +391,13 @@ class Calibrations:
             return ""
         state.refit = tuple(window)
         state.refits += 1
-        return (
+        why = (
             f"maximum clocks take {reference_s:.4f} s, {100 * drift:+.1f}% from the {fitted_s:.4f} s the model was "
             f"fitted on (the host's speed changed): the model is fitted again on that window "
             f"({state.refits} of {MAX_REFITS})"
         )
+        state.history = (state.history + [why])[-8:]
+        return why
 
     def fitting(self, models: Models, timelines: int) -> tuple[Timeline, ...]:
         """A fit of these models starts, `timelines` completed so far: the reference window it fits
