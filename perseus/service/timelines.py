@@ -12,8 +12,8 @@ stage reported (the first tensor-parallel rank of each stage speaks for it), and
     overridden                                     (the job spec gives the overheads itself)
 
 A fitted model is fitted again (`Calibrations.refit`) on a verification reference window's
-spans (maximum clocks) when that window ran over REFIT_DRIFT from the iterations the model was
-fitted on: the host's speed changed, and with it the host work and hops the plans were made on.
+spans (maximum clocks) when that window ran over REFIT_DRIFT faster than the iterations the
+model was fitted on: the host sped up, and the host work and hops the plans counted on shrank.
 
 The fit itself (perseus.service.calibration) runs on a worker thread; nothing here imports it.
 """
@@ -45,8 +45,8 @@ NOISE_SIGNIFICANCE = 2.0
 MIN_EXPLAINED = 0.5
 #: Baseline iterations a calibration needs (beyond the first iteration of the job).
 MIN_ITERATIONS = 8
-#: A reference window at maximum clocks this far from the iterations a model was fitted on (the
-#: host sped up or slowed since: host gaps and hops moved) fits the model again on that window.
+#: A reference window at maximum clocks this much faster than the iterations a model was fitted
+#: on (the host sped up since: host gaps and hops shrank) fits the model again on that window.
 REFIT_DRIFT = 0.05
 #: Fits again on reference windows per set of models and run, at most.
 MAX_REFITS = 2
@@ -379,22 +379,25 @@ class Calibrations:
 
     def refit(self, models: Models, reference_s: float, window: list[Timeline]) -> str:
         """A reference window ran at maximum clocks in `reference_s` (median compute time): if that
-        is over REFIT_DRIFT from the iterations the fitted model was fitted on, the host's speed
-        changed since, and with it the host gaps and hops the plans were made on; the models are
-        fitted again on the window's timelines, their plans solved again after. Why ("" if not)."""
+        is over REFIT_DRIFT faster than the iterations the model was fitted on, the host sped up
+        since (the baseline ran while other work slowed it), and the host gaps and hops the plans
+        slowed instructions into shrank: the models are fitted again on the window's timelines,
+        their plans solved again after. Why ("" if not). A slower window is not fitted on: a
+        model of a faster host leaves the plans less slack than a slow one has, and a slow window
+        may be a passing spike of other work."""
         state = self.get(models)
         fitted_s = state.fitted_compute_s
         if state.state != FITTED or fitted_s <= 0 or state.refits >= MAX_REFITS or len(window) < MIN_ITERATIONS:
             return ""
         drift = reference_s / fitted_s - 1.0
-        if abs(drift) <= REFIT_DRIFT:
+        if drift >= -REFIT_DRIFT:
             return ""
         state.refit = tuple(window)
         state.refits += 1
         why = (
             f"maximum clocks take {reference_s:.4f} s, {100 * drift:+.1f}% from the {fitted_s:.4f} s the model was "
-            f"fitted on (the host's speed changed): the model is fitted again on that window "
-            f"({state.refits} of {MAX_REFITS})"
+            f"fitted on (the host sped up: less host work between instructions than the plan counted on): the "
+            f"model is fitted again on that window ({state.refits} of {MAX_REFITS})"
         )
         state.history = (state.history + [why])[-8:]
         return why

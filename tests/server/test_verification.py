@@ -22,7 +22,7 @@ from perseus.service.calibration import fit
 from perseus.service.job import Job
 from perseus.service.model import max_clock_result, with_margin
 from perseus.service.planning import PlanResult, plan_pipeline
-from perseus.service.timelines import MIN_ITERATIONS
+from perseus.service.timelines import FITTED, MAX_REFITS, MIN_ITERATIONS, Calibrations
 from perseus.service.verification import (
     FALLBACK,
     FRESH,
@@ -576,3 +576,32 @@ def test_a_reference_window_on_a_host_that_sped_up_fits_the_model_again(caplog):
     solve(job)
     assert job.plans[0].version == 4 and job.plans[0].iteration_time_s < 0.9 * plan.iteration_time_s
     assert job.calibration_tasks() == []
+
+
+def test_only_a_reference_window_faster_than_the_fit_fits_the_model_again():
+    spec = JobSpec(STAGES, STAGES, schedule_name="1f1b", num_microbatches=8, gpu_model="sim-a100")
+    calibrations = Calibrations(spec)
+    models = ("sim-a100",) * STAGES
+    state = calibrations.get(models)
+    state.state, state.fitted_compute_s = FITTED, 1.0
+    window = timelines(build_schedule("1f1b", STAGES, 8), profile(STAGES), count=WINDOW)
+    assert calibrations.refit(models, 1.2, window) == ""  # slower: maybe a passing spike
+    assert calibrations.refit(models, 0.96, window) == ""  # within REFIT_DRIFT
+    assert calibrations.refit(models, 0.9, window[: MIN_ITERATIONS - 1]) == ""  # too few spans
+    for n in range(1, MAX_REFITS + 1):
+        assert "sped up" in calibrations.refit(models, 0.9, window) and not calibrations.ready(models)
+        assert calibrations.due(models, 0) and calibrations.fitting(models, 0) == tuple(window)
+        assert state.refitting and not calibrations.ready(models)  # nothing solved on the old fit meanwhile
+        missed = dataclasses.replace(state.calibration or _some_fit(), model_s=2.0)  # far off: the fit misses
+        assert calibrations.fitted("job", models, missed if n == 1 else _some_fit())
+        assert calibrations.ready(models) and state.state == FITTED
+        assert (state.calibration is None) == (n == 1)  # a missed fit keeps the model it would replace
+    assert calibrations.refit(models, 0.5, window) == ""  # MAX_REFITS made
+
+
+def _some_fit():
+    """A fit that reproduces its baseline."""
+    job = calibrated_job()
+    (calibration,) = job.model.calibrations.states.values()
+    assert calibration.calibration is not None and not calibration.calibration.reason()
+    return calibration.calibration
