@@ -131,10 +131,12 @@ def kill_runs(kind: str, env: dict[str, str], gpu: SimGPU, runs: int) -> list[fl
         if kind == "stop":
             os.kill(proc.pid, signal.SIGSTOP)
         else:
-            os.killpg(proc.pid, signal.SIGKILL)
             if kind == "group+watchdog":
-                for child in children:  # the watchdog: its own session, so only a cgroup kill reaches it
+                # The watchdog (its own session, so only a cgroup kill reaches it) goes first: killed
+                # after the rank, it may see the rank die and reset the GPU in between.
+                for child in children:
                     os.kill(child, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
         timeout = LEFT_LOCKED_AFTER_S if kind == "group+watchdog" else 30.0
         results.append(until_default(gpu, began, timeout))
         os.killpg(proc.pid, signal.SIGKILL)
