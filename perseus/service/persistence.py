@@ -1,7 +1,8 @@
 """A job as its job.json record holds it (see perseus.service.state), and back.
 
 `to_record` is everything a restarted service needs besides the uploaded profiles (saved beside
-it) and the signature cache: measurements are not kept (the ranks report again), but each
+it) and the signature cache: measurements are not kept (the ranks report again), but the job's
+measured baseline (what its saving is measured against: the ranks never run it again) and each
 pipeline model's calibration, verification margin and measured baseline are.
 """
 
@@ -14,6 +15,7 @@ from perseus.exceptions import ConfigError, ServiceError
 from perseus.profiler.profile import Profile
 from perseus.service.planning import job_schedule
 from perseus.service.plans import PublishedPlan, plan_result
+from perseus.service.tally import Mean
 from perseus.service.text import clip
 from perseus.service.timelines import ModelState
 from perseus.wire.spec import RankInfo
@@ -42,6 +44,7 @@ def to_record(job: Job) -> dict[str, Any]:
         "last_version": job.plan_book.last_version,
         "plans": {str(k): job.plan_book.record(k) for k in sorted(job.plans)},
         "declared": {str(k): f for k, f in sorted(job.measurements.declared.items())},
+        "baseline": job.measurements.baseline.to_record(),
         "models": [[list(m), state.to_record()] for m, state in job.model.calibrations.states.items()],
     }
 
@@ -107,4 +110,9 @@ def restore(job: Job, doc: dict[str, Any], stage_profiles: dict[str, Profile], c
     if "inherited" in doc:  # else (an earlier release) every cached profile is checked, as add_cached left it
         profiling.inherited = {str(m) for m in doc["inherited"]}
     job.measurements.restart(job.plans)
+    if doc.get("baseline") is not None:
+        try:
+            job.measurements.baseline = Mean.from_record(doc["baseline"])
+        except (TypeError, ValueError) as e:
+            log.warning("job %s: measured baseline not resumed: %s", job.job_id, e)
     job.model.plans_published(job.plans, sorted(job.plans), job.pipelines_of)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -77,6 +78,19 @@ class Mean:
         self.count += 1
         self._time += m.time_s
         self._energy += m.energy_j
+
+    def to_record(self) -> list[float]:
+        return [self.count, self._time, self._energy]
+
+    @classmethod
+    def from_record(cls, doc: list[float]) -> Mean:
+        """A mean as `to_record` saved it; ValueError for a malformed one."""
+        count, time_s, energy_j = (float(v) for v in doc)
+        if count < 0 or count != int(count) or not (math.isfinite(time_s) and math.isfinite(energy_j)):
+            raise ValueError(f"not a saved mean: {doc!r}")
+        mean = cls()
+        mean.count, mean._time, mean._energy = int(count), time_s, energy_j
+        return mean
 
     @property
     def time_s(self) -> float | None:

@@ -439,12 +439,16 @@ def test_ranks_that_send_no_spans_are_planned_on_the_profile_alone():
 
 def test_a_restarted_service_keeps_the_calibration_margin_and_baseline():
     job = calibrated_job()
+    for it in range(1, MIN_ITERATIONS + 1):
+        report(job, it, 0.2)  # the baseline iterations whose spans the model was fitted on
     solve(job)
     job.correct(0, _over(job))
     solve(job)
     record = json.loads(json.dumps(job.to_record()))  # as job.json holds it
     profiles = {f"stage-{s}": job.profiles[job.spec.gpu_model][s] for s in range(STAGES)}
     again = Job.from_record(record, profiles, {})
+    status = again.status()  # the saving is measured against the baseline measured before the restart
+    assert status.baseline_iterations == MIN_ITERATIONS and status.baseline_iteration_time_s == pytest.approx(0.201)
     models = job.models(0)
     assert again.model.calibrations.get(models).calibration == job.model.calibrations.get(models).calibration
     assert again.model.calibrations.get(models).margin == pytest.approx(0.12)
