@@ -31,7 +31,9 @@ class Assignment:
     iteration's instruction spans (it is calibrating its model of the job, or checking it in a
     reference window). `sweep_round`: the
     service's round of the sweep (Table.sweep_round); a new one asks for a fresh sweep, whatever
-    the rank swept before. Shared between calls: do not mutate.
+    the rank swept before. `profiled_stages`: while the rank waits for its plan, the stages
+    whose profiles the service has (the plan waits for the others). Shared between calls: do not
+    mutate.
     """
 
     phase: Phase
@@ -40,6 +42,7 @@ class Assignment:
     plan_version: int
     spans: bool = False
     sweep_round: int = 0
+    profiled_stages: tuple[int, ...] = ()  # phase planning: the stages profiled so far
 
 
 UNPLANNED = Assignment(Phase.UNPLANNED, None, None, 0)
@@ -145,7 +148,11 @@ class RankState:
             plan_start=table.plan_start_iteration,
             previous=previous,
             warmup=UNPLANNED if failed else Assignment(Phase.WARMUP, None, None, version, spans),
-            waiting=UNPLANNED if failed else Assignment(Phase.PLANNING, None, None, version, spans),
+            waiting=(
+                UNPLANNED
+                if failed
+                else Assignment(Phase.PLANNING, None, None, version, spans, profiled_stages=table.profiled_stages)
+            ),
             upload=table.upload,
             sweep_round=table.sweep_round,
         )

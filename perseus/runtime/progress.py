@@ -16,7 +16,7 @@ class Progress:
     def __init__(self, stream: TextIO | None = None, tty: bool | None = None) -> None:
         self._stream = stream if stream is not None else sys.stderr
         self._tty = self._stream.isatty() if tty is None else tty
-        self._last: tuple[Phase, int | None, int] | None = None
+        self._last: tuple[Phase, int | None, int, tuple[int, ...]] | None = None
         self._open_line = False
 
     def update(
@@ -28,10 +28,12 @@ class Progress:
         total: int | None = None,
         plan_version: int = 0,
         at_most: bool = False,
+        waiting: tuple[int, ...] = (),
     ) -> None:
         """`done`/`total`: progress through the profiling sweep (frequencies profiled / to
         profile); `at_most`: `total` is an upper bound (the sweep may stop early, once lower
-        clocks only cost more). `plan_version`: the plan this iteration runs (phase planned)."""
+        clocks only cost more). `plan_version`: the plan this iteration runs (phase planned).
+        `waiting`: the stages whose profiles the plan still waits for (phase planning)."""
         if phase == Phase.PLANNED and plan_version:
             clock = f"plan v{plan_version}'s clocks"
         elif phase == Phase.REFERENCE:
@@ -40,6 +42,9 @@ class Progress:
             clock = "default clocks" if frequency is None else f"{frequency} MHz"
         bound = "at most " if at_most else ""
         sweep = f" [{done} of {bound}{total} clocks]" if done is not None and total else ""
+        if waiting and phase == Phase.PLANNING:
+            stages = ", ".join(map(str, waiting))
+            sweep += f", waiting for stage{'s' if len(waiting) > 1 else ''} {stages} to be profiled"
         if self._tty:
             bar = ""
             if done is not None and total:
@@ -49,7 +54,7 @@ class Progress:
             self._stream.flush()
             self._open_line = True
             return
-        key = (phase, frequency, plan_version)
+        key = (phase, frequency, plan_version, waiting if phase == Phase.PLANNING else ())
         if key != self._last:
             self._stream.write(f"[perseus] iteration {iteration}: {phase} at {clock}{sweep}\n")
             self._stream.flush()

@@ -382,7 +382,15 @@ class PerseusRank:
                 total if done is not None else None,
                 plan_version=self.plan_version if self._holds_plan else 0,
                 at_most=not known,
+                waiting=self._unprofiled(assignment) if phase is Phase.PLANNING else (),
             )
+
+    def _unprofiled(self, assignment: Any) -> tuple[int, ...]:
+        """The stages the plan still waits for, as the service last said (none if it did not)."""
+        profiled = getattr(assignment, "profiled_stages", None)
+        if not profiled:
+            return ()
+        return tuple(s for s in range(len(self.schedule.stages)) if s not in profiled)
 
     def _follow_round(self, sweep_round: int) -> None:
         """A new round of the service's sweep: the profile of the earlier one never reached it (it

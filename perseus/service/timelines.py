@@ -24,7 +24,7 @@ import logging
 import math
 import statistics
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from perseus.service.ranks import Models, bad_field
@@ -47,7 +47,7 @@ MIN_EXPLAINED = 0.5
 MIN_ITERATIONS = 8
 #: A reference window at maximum clocks this much faster than the iterations a model was fitted
 #: on (the host sped up since: host gaps and hops shrank) fits the model again on that window.
-REFIT_DRIFT = 0.05
+REFIT_DRIFT = 0.10
 #: Fits again on reference windows per set of models and run, at most.
 MAX_REFITS = 2
 #: Baseline iterations kept per pipeline (the latest).
@@ -425,8 +425,13 @@ class Calibrations:
                 why = f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else result.reason()
                 log.warning("job %s: fitting %s again missed (%s); its model stays", job_id, model_names(models), why)
                 return True
-            state.calibration, state.fitted_compute_s = result, state.fitting_compute_s
-            log.info("job %s: model fitted again (%s): %s", job_id, model_names(models), result.describe())
+            before = state.calibration.reserve if state.calibration is not None else {}
+            # Ten iterations of one window tell the host's noise less well than the baseline did:
+            # each row keeps the larger reserve.
+            reserve = {row: max(r, before.get(row, 0.0)) for row, r in result.reserve.items()}
+            state.calibration = replace(result, reserve=reserve)
+            state.fitted_compute_s = state.fitting_compute_s
+            log.info("job %s: model fitted again (%s): %s", job_id, model_names(models), state.calibration.describe())
             return True
         if isinstance(result, BaseException):
             state.state, state.reason = FAILED, f"calibration failed: {type(result).__name__}: {result}"

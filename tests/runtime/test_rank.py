@@ -71,13 +71,12 @@ def make_rank(gpu, client=None, **kwargs):
         SCHEDULE,
         1,
         client=client,
-        progress=False,
         handle_signals=False,
         watchdog=False,
         wait_for_clock=True,
         retry_s=0.01,
         startup_wait_s=0.2,
-        **kwargs,
+        **{"progress": False, **kwargs},
     )
     if isinstance(client, BrokenClient):
         assert client.tried.wait(DEADLINE_S)  # it retries until closed: wait for its first try
@@ -168,12 +167,17 @@ def test_progress_log_lines_only_on_change():
     p.update(3, "profiling", 1410, 0, 3, at_most=True)
     p.update(4, "profiling", 1320, 1, 3, at_most=True)
     p.update(5, "planning", None, 2, 2)
+    p.update(6, "planning", None, 2, 2, waiting=(1, 3))
+    p.update(7, "planning", None, 2, 2, waiting=(1, 3))
+    p.update(8, "planning", None, 2, 2, waiting=(3,))
     lines = out.getvalue().splitlines()
     assert lines == [
         "[perseus] iteration 0: warmup at default clocks",
         "[perseus] iteration 2: profiling at 1410 MHz [0 of at most 3 clocks]",
         "[perseus] iteration 4: profiling at 1320 MHz [1 of at most 3 clocks]",
         "[perseus] iteration 5: planning at default clocks [2 of 2 clocks]",
+        "[perseus] iteration 6: planning at default clocks [2 of 2 clocks], waiting for stages 1, 3 to be profiled",
+        "[perseus] iteration 8: planning at default clocks [2 of 2 clocks], waiting for stage 3 to be profiled",
     ]
 
 

@@ -5,6 +5,7 @@ Simulated GPU on a virtual clock; the tables are the service's, applied by hand.
 
 from __future__ import annotations
 
+import io
 import logging
 
 import pytest
@@ -16,6 +17,7 @@ from perseus.devices.sim import SimGPU
 from perseus.exceptions import ProfileError
 from perseus.profiler.online import OnlineProfiler
 from perseus.runtime import ProfilingSettings
+from perseus.runtime.progress import Progress
 from perseus.service.sweep import design_steps
 from perseus.wire.messages import Table
 from perseus.wire.phases import Phase
@@ -130,3 +132,19 @@ def test_rank_state_sweeps_again_only_for_a_later_round():
     assert state.assignment(6).phase is Phase.PLANNING
     state.apply_table(table(4))
     assert state.assignment(7).phase is Phase.PROFILING
+
+
+def test_the_progress_line_names_the_stages_the_plan_waits_for(gpu):
+    out = io.StringIO()
+    client = TableClient()
+    rank = make_rank(gpu, client, profiling=SETTINGS, progress=Progress(out, tty=False))
+    client.state.apply_table(table(0, profiled=(1,)))  # this rank's stage is profiled, stage 0 is not
+    try:
+        run(rank, gpu, 3)
+        client.state.apply_table(table(0, profiled=(0, 1)))
+        run(rank, gpu, 1)
+    finally:
+        rank.close()
+    lines = out.getvalue().splitlines()
+    assert lines[-2].endswith("planning at default clocks, waiting for stage 0 to be profiled"), lines
+    assert lines[-1].endswith("planning at default clocks"), lines
