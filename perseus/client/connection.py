@@ -3,8 +3,8 @@ not thread-safe), with the queued and in-flight requests, their retries and the 
 
 The training thread hands requests over through a `Handoff` (a queue and a wake-up pipe) and
 never waits on the socket. While the service does not answer, one probe at a time is in flight;
-reliable requests (registrations, uploads) and reports are resent on a fresh socket until answered,
-reports are dropped past a bounded queue, and the rank re-registers if the service forgot it.
+reliable requests (registrations, uploads) are resent on a fresh socket until answered, reports
+are dropped past a bounded queue, and the rank re-registers if the service forgot it.
 """
 
 from __future__ import annotations
@@ -345,13 +345,10 @@ class Connection:
                 "with its current plan" if self.rank.known_plan_version() else "at default clocks",
             )
         self.connected = False
-        unanswered = [o for _, o in sorted(self.inflight.items())]
-        for out in unanswered:
+        resend = [o for _, o in sorted(self.inflight.items()) if o.reliable]
+        for out in self.inflight.values():
             if not out.reliable and out.waiter is not None:
                 out.waiter.set(None)
         self.inflight.clear()
-        self.outbox.extendleft(reversed([o for o in unanswered if o.reliable]))
-        # Reports too: a busy service may have taken them and not answered in time; it counts a
-        # copy of a report once (perseus.service.tally.Completed).
-        self.reports.extendleft(reversed([o for o in unanswered if isinstance(o.message, _REPORTS)]))
+        self.outbox.extendleft(reversed(resend))
         self._open()  # a fresh DEALER: the old one may hold requests for a dead peer

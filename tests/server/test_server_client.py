@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from server_helpers import FREQUENCIES, free_port, job_spec, rank_info, request, wait_until
+from server_helpers import FREQUENCIES, free_port, job_spec, rank_info, request
 
 from perseus.client.planner_client import UNPLANNED, PlannerClient
 from perseus.exceptions import ConfigError, ServiceError
@@ -94,50 +94,3 @@ def test_client_close_is_bounded_when_the_service_is_gone(serve):
     start = time.monotonic()
     client.close()
     assert time.monotonic() - start < 3.0 + 6.0  # one timeout and a margin, not one per queued report (15 s)
-
-
-@pytest.mark.slow
-def test_reports_survive_a_stalled_then_restarted_service_and_count_once(serve, tmp_path):
-    state = tmp_path / "state"
-    served = serve(state)
-    endpoint = served.endpoint
-    clients = [PlannerClient(endpoint, timeout_s=0.3, poll_interval_s=0.05) for _ in range(2)]
-
-    def report(iterations: range) -> None:
-        for it in iterations:
-            for r, client in enumerate(clients):
-                client.report_iteration(job_id, r, it, 0.2, 50.0)
-
-    def baseline_count() -> int:
-        return clients[0].status(job_id).jobs[0].baseline_iterations
-
-    try:
-        job_id = clients[0].register_job(job_spec(warmup_iterations=1000))
-        for r, client in enumerate(clients):
-            client.register_rank(job_id, rank_info(r))
-        report(range(1, 11))
-        assert all(c.flush(5.0) for c in clients)
-        assert wait_until(lambda: baseline_count() == 10)
-
-        # The service stalls past the clients' timeout with their reports in flight: they send
-        # them again, and the service, once it runs again, counts each iteration once.
-        served.proc.send_signal(signal.SIGSTOP)
-        try:
-            report(range(11, 16))
-            time.sleep(1.0)
-        finally:
-            served.proc.send_signal(signal.SIGCONT)
-        assert all(c.flush(10.0) for c in clients)
-        time.sleep(0.5)  # any late copy would land meanwhile
-        assert baseline_count() == 15
-
-        # The service dies with reports in flight: a restarted one (its state on disk) gets them.
-        served.stop(signal.SIGKILL)
-        report(range(16, 21))
-        time.sleep(1.0)
-        served = serve(state, bind=endpoint)
-        assert all(c.flush(10.0) for c in clients)
-        assert wait_until(lambda: baseline_count() == 5)  # measurements start over with the process
-    finally:
-        for c in clients:
-            c.close()
