@@ -148,12 +148,16 @@ def format_job(job: JobStatus) -> str:
     return "\n".join(lines)
 
 
+def _tolerance(tolerance: float | None) -> str:
+    return f", tolerance {100 * tolerance:.1f}%" if tolerance is not None else ""
+
+
 def _calibration(c: CalibrationStatus) -> list[str]:
     head = f"  model of {c.models}: {c.state}"
     if c.model_s is not None and c.measured_s is not None:
         head += (
             f" on {c.iterations} baseline iterations: model {c.model_s:.4f} s vs measured {c.measured_s:.4f} s "
-            f"({_percent(c.error)}); GPU profile alone {_num(c.gpu_only_s)} s "
+            f"({_percent(c.error)}{_tolerance(c.tolerance)}); GPU profile alone {_num(c.gpu_only_s)} s "
             f"({_percent(c.explained, signed=False)} explained); host gap {_ms(c.host_gap_s)}, hop {_ms(c.hop_s)}"
         )
     if c.margin:

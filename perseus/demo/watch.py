@@ -83,8 +83,9 @@ def describe_calibration(c: dict, reason: bool = True) -> str:
     if measured and model is not None:
         line += (
             f" on {c.get('iterations')} baseline iterations: model {model:.4f} s vs measured {measured:.4f} s "
-            f"({100 * (model / measured - 1):+.2f}%)"
+            f"({100 * (model / measured - 1):+.2f}%"
         )
+        line += f", tolerance {100 * c['tolerance']:.1f}%)" if c.get("tolerance") is not None else ")"
         if c.get("explained") is not None and c.get("gpu_only_s") is not None:
             line += f"; GPU profile alone {c['gpu_only_s']:.4f} s ({100 * c['explained']:.0f}% explained)"
         if c.get("host_gap_s") is not None and c.get("hop_s") is not None:

@@ -265,6 +265,7 @@ def _calibration_status(models: Models, state: ModelState, measured_s: float | N
         margin=state.margin,
         reason=reason,
         stages=tuple(StageFitStatus(s.stage, s.measured_s, s.model_s, s.busy_s, s.host_gap_s) for s in c.stages),
+        tolerance=c.tolerance,
     )
 
 

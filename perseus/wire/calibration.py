@@ -39,7 +39,8 @@ class CalibrationStatus(Message):
     """The model of the pipelines with GPU models `models` ("/"-joined per stage, or one name):
     its state (perseus.service.timelines), the baseline it was fitted on, the planner's model of
     it, the GPU profile's share, the fitted host gap and hop, the verification margin, and why
-    it cannot be planned on (`reason`)."""
+    it cannot be planned on (`reason`), and how far the model may be from the baseline to be
+    fitted (`tolerance`: 1%, or the baseline's noise if more)."""
 
     models: str
     state: str
@@ -53,12 +54,13 @@ class CalibrationStatus(Message):
     margin: float = 0.0
     reason: str = ""
     stages: tuple[StageFitStatus, ...] = ()
+    tolerance: float | None = None  # how far the model may be from measured_s to be fitted
 
     def __post_init__(self) -> None:
         check_str(self.models, "calibration.models", 4096)
         check_str(self.state, "calibration.state", 16, choices=CALIBRATION_STATES)
         check_int(self.iterations, "calibration.iterations", 0, 1 << 30)
-        for name in ("measured_s", "model_s", "gpu_only_s", "explained", "host_gap_s", "hop_s"):
+        for name in ("measured_s", "model_s", "gpu_only_s", "explained", "host_gap_s", "hop_s", "tolerance"):
             set_fields(self, **{name: check_opt_float(getattr(self, name), f"calibration.{name}")})
         set_fields(self, margin=check_opt_float(self.margin, "calibration.margin"))
         check_str(self.reason, "calibration.reason", 4096, printable=False)

@@ -169,7 +169,9 @@ def test_demo_profiles_plans_applies_and_saves(demo_and_iterations):
     assert demo["planned"]["iterations"] >= OPTIONS.iterations
     # Calibrated on the job's own timeline, as any client's (the demo gives no overheads), and verified.
     (fit,) = demo["calibration"]
-    assert fit["state"] == "fitted" and abs(fit["model_s"] / fit["measured_s"] - 1) <= 0.01, fit
+    # Within the service's own tolerance: 1%, or the baseline's noise on a loaded host.
+    assert fit["state"] == "fitted" and 0.01 <= fit["tolerance"] < 0.05, fit
+    assert abs(fit["model_s"] / fit["measured_s"] - 1) <= fit["tolerance"], fit
     assert [p["verification"] for p in demo["verification"]] in (["holds"], ["fallback"]), demo["verification"]
     assert demo["service"]["baseline_iterations"] >= 8 and demo["service"]["planned_iterations"] >= 10
     png, data, frontier = demo["plots"]

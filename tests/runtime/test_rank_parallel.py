@@ -204,14 +204,14 @@ def test_a_throttled_pipeline_is_seen_by_compute_time_and_the_other_is_replanned
     assert len(v1) >= 5
     assert compute_gap > 0.05, computes  # the straggler shows in compute_time_s...
     assert abs(time_gap) < compute_gap / 2, (times, computes)  # ...far less in time_s
-    # Pipeline 0's ranks run the re-plan together: slower clocks, less energy than under plan v1.
+    # Pipeline 0's ranks run the re-plan together: other clocks, less energy than under plan v1.
     # Its iteration time is the straggler's under both plans (on a loaded machine, also host
     # delays), so compare the energy beyond idle power over the iteration: the GPU work's own.
+    # The claim is energy, not the clocks' sum: a plan may raise some clocks to lower others.
     assert fast[1].plan_version == version and cluster.ranks[2].plan_version == cluster.ranks[3].plan_version < version
     for r in (0, 1):
         before, after = cluster.planned(r, 1), cluster.planned(r, version)
         assert before and after and before[-1][1] != after[-1][1]
-        assert sum(after[-1][1]) <= sum(before[-1][1])
         work_j = [statistics.median(rec.energy_j - IDLE_W * rec.time_s for rec, _ in runs) for runs in (before, after)]
         assert 0 < work_j[1] < work_j[0]
     assert all(g.sm_clock() == g.max_frequency() for g in cluster.gpus)
