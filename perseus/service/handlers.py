@@ -75,11 +75,12 @@ class Handlers:
             self.admission.add(job, cost)
             self.workers.build(spec)
             log.info(
-                "job %s registered: %s, %d stages x %d microbatches, dp %d, tp %d (world size %d, %s rank mapping), "
+                "job %s registered: %s, %d stages%s x %d microbatches, dp %d, tp %d (world size %d, %s rank mapping), "
                 "GPU %s%s",
                 job.job_id,
                 spec.schedule_name,
                 spec.pp,
+                f" of {spec.num_chunks} chunks ({spec.pp * spec.num_chunks} virtual)" if spec.num_chunks > 1 else "",
                 spec.num_microbatches,
                 spec.dp,
                 spec.tp,

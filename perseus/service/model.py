@@ -224,7 +224,7 @@ class PipelineModels:
         """Act on a verdict against a plan for `models`: a larger margin, or maximum clocks."""
         state = self.calibrations.get(models)
         if verdict.action == REPLANNING:
-            state.margin = grown_margin(state.margin, verdict.excess, self.spec.tolerance)
+            state.margin = grown_margin(state.margin, verdict.margin_excess, self.spec.tolerance)
             state.history.append(f"re-plan with a {100 * state.margin:.0f}% margin: {verdict.reason}")
         elif verdict.action == FALLBACK and not state.fallback:
             state.fallback = True

@@ -19,7 +19,10 @@ iterations' own spread lets two medians differ by by chance (`noise_floor`: on a
 tolerance decides, on a loaded one the noise) -- the service warns once and re-plans with a
 margin: every instruction the plan slows is modelled
 that much slower (`margin`, grown by twice the excess each time), which tightens the plan by
-the excess it showed while keeping maximum clocks feasible. Margins only grow (hysteresis: no
+the excess it showed while keeping maximum clocks feasible. That excess is the least of the
+windows that ran over on the way (`Verdict.sustained`): the plan's own excess shows in each of
+them, a spike of other work in one only, and a margin sized on a spike costs the whole saving
+(a smaller one that still runs over is grown at the next re-plan). Margins only grow (hysteresis: no
 oscillation between plans) and at most `MAX_REPLANS` re-plans are made; if the plan still runs
 over, the pipeline falls back to maximum clocks, with a warning and the reason in its status.
 
@@ -68,6 +71,12 @@ class Verdict:
     measured_s: float
     target_s: float
     reason: str = ""
+    sustained: float | None = None  # a re-plan's: the least excess of the windows that ran over
+
+    @property
+    def margin_excess(self) -> float:
+        """The excess a re-plan's margin is sized on."""
+        return self.excess if self.sustained is None else self.sustained
 
 
 class PlanCheck:
@@ -88,6 +97,7 @@ class PlanCheck:
         self.reason = ""
         self.warned_fallback = False
         self.over = 0  # windows in a row over the tolerance
+        self.overs: list[float] = []  # their excesses, through the reference windows that confirm them
         self.noise = 0.0  # the excess the baseline's spread alone may show (see noise_floor)
         self.reference_s: float | None = None  # the latest reference window's median
         self.reference_noise = 0.0  # its noise_floor against one window
@@ -122,6 +132,8 @@ class PlanCheck:
             self.state = REFERENCE
             return
         self.suspect = None  # another plan: the suspect window's reference never came
+        if not self.confirming:
+            self.overs = []
         self.target_s = self._target()
         if fallback:
             self.state = FALLBACK
@@ -172,6 +184,7 @@ class PlanCheck:
             self.references += 1
             self.awaiting = True
             self.over = 0
+            self.overs = []  # against a stale target
             when = "before the plan" if self.reference_s is None else "on a slower host" if under else "a while ago"
             return Verdict(
                 REFERENCE,
@@ -182,12 +195,13 @@ class PlanCheck:
                 "window at maximum clocks measures a fresh one",
             )
         if not over:
-            self.over, self.confirming = 0, False
+            self.over, self.confirming, self.overs = 0, False, []
             if self.state == HOLDS:
                 return None  # said once per plan
             self.state = HOLDS
             return Verdict(HOLDS, self.excess, measured, target)
         self.over += 1
+        self.overs.append(self.excess)
         if self.over < (1 if self.confirming else PERSISTS):
             return None
         if not self.confirming and self.references < MAX_REFERENCES:
@@ -233,6 +247,8 @@ class PlanCheck:
     def _correct(self, what: str, measured: float, target: float) -> Verdict:
         """The plan runs over (`what`, with `self.excess`): re-plan, or fall back past the cap."""
         assert self.excess is not None
+        sustained = min([*self.overs[:-1], self.excess]) if self.overs else self.excess
+        self.overs = []
         if self.replans >= MAX_REPLANS:
             self.state = FALLBACK
             self.reason = f"{what}; after {self.replans} re-plans, falling back to maximum clocks"
@@ -241,7 +257,9 @@ class PlanCheck:
         self.over = 0
         self.state = REPLANNING
         self.reason = f"{what}; re-planning ({self.replans} of {MAX_REPLANS})"
-        return Verdict(REPLANNING, self.excess, measured, target, self.reason)
+        if sustained < self.excess:
+            self.reason += f" with a margin for {100 * sustained:+.1f}%, the least of the windows that ran over"
+        return Verdict(REPLANNING, self.excess, measured, target, self.reason, sustained)
 
     def _referenced(self, window: list[float], measured: float) -> Verdict:
         """A reference window is complete: its median is the target from now on. After a suspect

@@ -175,6 +175,30 @@ def test_references_are_taken_once_stale_and_at_most_max_references_times():
     assert actions == [REPLANNING]
 
 
+def test_a_replans_margin_is_sized_on_the_least_excess_of_the_windows_that_ran_over():
+    """A plan 4% over, and a spike of other work in the window right after the confirming
+    reference (+30%): the plan is re-planned, with a margin for its 4%, not for the spike."""
+    check = PlanCheck(tolerance=0.01)
+    check.plan_started(1, 0, 1.0, fallback=False)
+    assert drive(check, SKIP, 1.04, 1.0, 1) == [REFERENCE]
+    at = check.start + SKIP
+    assert not feed(check, at, [1.04] * WINDOW)
+    (verdict,) = feed(check, at + WINDOW, [1.05] * WINDOW)
+    assert verdict.action == REFERENCE and "did not slow meanwhile" in verdict.reason
+    at = referenced(check, at + 2 * WINDOW, [1.0] * WINDOW)
+    (verdict,) = feed(check, at, [1.3] * WINDOW)  # the suspect window: a spike
+    assert verdict.action == REFERENCE
+    _, verdict = reference_window(check, at + WINDOW, [1.0] * WINDOW)
+    assert verdict.action == REPLANNING and verdict.excess == pytest.approx(0.3)
+    assert verdict.sustained == pytest.approx(0.04) and verdict.margin_excess == pytest.approx(0.04)
+    assert "margin for +4.0%" in verdict.reason
+    # Without a spike, the decisive window's own excess: the least of them all the same.
+    check = PlanCheck(tolerance=0.01)
+    check.plan_started(1, 0, 1.0, fallback=False)
+    assert drive(check, SKIP, 1.05, 1.0, 5) == [REFERENCE, REFERENCE, REFERENCE, REPLANNING]
+    assert check.replans == 1
+
+
 def test_a_passing_stall_is_not_the_plans_doing():
     check = PlanCheck(tolerance=0.01)
     check.plan_started(1, 0, 1.0, fallback=False)
