@@ -78,6 +78,11 @@ def test_the_text_tells_fit_check_and_saving():
     assert "        1      0.2600   0.2580   -0.8%" in text
     assert "holds" in text and "re-planning (1 of 3)" in text
     assert "saving 7.9% measured (predicted 10.0%)" in text
+    # The tolerance the fit was accepted within, where the service says it (a noisy baseline's).
+    status = job_status()
+    noisy = dataclasses.replace(status.calibrations[0], tolerance=0.016)
+    text = format_job(dataclasses.replace(status, calibrations=(noisy,)))
+    assert "model 0.2800 s vs measured 0.2810 s (-0.4%, tolerance 1.6%)" in text
 
 
 def test_a_profiling_job_names_the_stages_profiled_so_far():
