@@ -183,10 +183,12 @@ class Handlers:
             model = job.ranks[msg.rank].gpu_model
             if msg.stage in job.profiled_stages_of(model):
                 log.info(
-                    "job %s: stage %d profiled on %s (%d of %d)",
+                    "job %s: stage %d profiled on %s by rank %d (pipeline %d) (%d of %d)",
                     job.job_id,
                     msg.stage,
                     model,
+                    msg.rank,
+                    job.ranks[msg.rank].dp_index,
                     len(job.profiled_stages_of(model)),
                     job.spec.pp,
                 )

@@ -151,6 +151,17 @@ class Cluster:
         assert until(), f"the planner never got there in {DEADLINE_S:.0f} s"
         return seen[0] if seen else None
 
+    def history(self, r: int) -> list[tuple[int, str, int]]:
+        """(plan version, phase, iterations) of each run of rank `r`'s iterations, for a failure's message."""
+        runs: list[tuple[int, str, int]] = []
+        for rec, _ in self.logs[r]:
+            key = (rec.plan_version, rec.phase.value)
+            if runs and runs[-1][:2] == key:
+                runs[-1] = (*key, runs[-1][2] + 1)
+            else:
+                runs.append((*key, 1))
+        return runs
+
     def planned(self, r: int, version: int) -> list[tuple]:
         return [(rec, clocks) for rec, clocks in self.logs[r] if rec.phase == "planned" and rec.plan_version == version]
 
@@ -213,7 +224,7 @@ def test_a_throttled_pipeline_is_seen_by_compute_time_and_the_other_is_replanned
         before, after = cluster.planned(r, 1), cluster.planned(r, version)
         assert before and after and before[-1][1] != after[-1][1]
         work_j = [statistics.median(rec.energy_j - IDLE_W * rec.time_s for rec, _ in runs) for runs in (before, after)]
-        assert 0 < work_j[1] < work_j[0]
+        assert 0 < work_j[1] < work_j[0], (work_j, cluster.history(r), record["plans"]["0"], status.pipelines[0])
     assert all(g.sm_clock() == g.max_frequency() for g in cluster.gpus)
     for gpu in cluster.gpus:
         gpu.reset_slowdown()
