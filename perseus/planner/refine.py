@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from perseus.exceptions import PlanError
+from perseus.planner.flow import FlowLP
 from perseus.planner.lp import HullLP, Relaxation
 from perseus.planner.problem import Problem
 
@@ -49,7 +50,7 @@ def _fractional(problem: Problem, duration_s: np.ndarray, free: np.ndarray):
 
 
 def refine(
-    problem: Problem, lp: HullLP, relaxation: Relaxation, deadline_s: float | None, padded: bool = False
+    problem: Problem, lp: HullLP | FlowLP, relaxation: Relaxation, deadline_s: float | None, padded: bool = False
 ) -> Relaxation:
     """Run the rounds starting from `relaxation` (the LP's current optimum at `deadline_s`);
     returns the last relaxation, whose durations are mostly profiled choices. Leaves the LP

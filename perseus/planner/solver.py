@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
-import highspy
 import numpy as np
 
 from perseus.exceptions import ConfigError, PlanError
 from perseus.planner.evaluator import Evaluator
 from perseus.planner.exact import MAX_BINARIES, num_binaries, solve_exact
-from perseus.planner.lp import SEED_MIN_NODES, HullLP, Relaxation
+from perseus.planner.flow import relaxation_lp, second_vertex_lp
+from perseus.planner.lp import SEED_MIN_NODES, Relaxation
 from perseus.planner.plan import Plan
 from perseus.planner.problem import Problem
 from perseus.planner.refine import refine
@@ -48,7 +48,7 @@ REFINE_MAX_NODES = 16384
 _REMEMBERED = 8
 
 # A deadline's plain relaxation, its basis, and each relaxation to round with the deadline it is rounded for.
-_Relaxed = tuple[Relaxation, highspy.HighsBasis, tuple[tuple[Relaxation, float | None], ...]]
+_Relaxed = tuple[Relaxation, object, tuple[tuple[Relaxation, float | None], ...]]
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -75,7 +75,8 @@ class Planner:
         self.problem = Problem.build(schedule, profile)
         self.evaluator = Evaluator(self.problem.dag, profile)
         self._walker = Walker(self.problem)
-        self._lp = HullLP(self.problem)
+        self._lp = relaxation_lp(self.problem)
+        self._second = second_vertex_lp(self.problem)
         self._exact = num_binaries(self.problem) <= MAX_BINARIES
         # Index 0 of every profiled choice table is the highest clock.
         max_times, max_energies = self.evaluator.times_energies(np.zeros(self.problem.num_nodes, dtype=np.int64))
@@ -183,7 +184,18 @@ class Planner:
         if deadline_s is None or deadline_s >= self.max_frequency_time_s:
             candidates.append(self._max_frequency_dominated)
         refining = refined and self.problem.num_nodes <= REFINE_MAX_NODES
-        return self._best(candidates, deadline_s, bound, padded, _EXCHANGED if refining else 1)
+        plan = self._best(candidates, deadline_s, bound, padded, _EXCHANGED if refining else 1)
+        if self._second is not None:
+            # Another optimal vertex of the same relaxation rounds to other plans: keep the
+            # better (apart, as pair exchanges on one candidate set can end worse for more).
+            vertex = self._second.solve(deadline_s, padded=padded)
+            try:
+                rival = self._best(self._round(vertex, deadline_s), deadline_s, bound, padded, 1)
+            except PlanError:
+                return plan
+            if (rival.energy_j, rival.iteration_time_s) < (plan.energy_j, plan.iteration_time_s):
+                return rival
+        return plan
 
     def _relaxations(self, deadline_s: float | None, warm: bool, refined: bool) -> _Relaxed:
         """The relaxation over every profiled choice at the plain (unpadded) objective, and each
@@ -216,9 +228,7 @@ class Planner:
             _remember(self._relaxed, key, result)
         return result
 
-    def _own_relaxation(
-        self, deadline_s: float, padded: bool, restrict: bool, plain: highspy.HighsBasis | None
-    ) -> Relaxation | None:
+    def _own_relaxation(self, deadline_s: float, padded: bool, restrict: bool, plain: Any) -> Relaxation | None:
         """The relaxation of the plan's own objective (padded or not, restricted to the choices
         the deadline allows if `restrict`), or None where that is the plain one. Unrestricted
         (large DAGs), the padded LP is the plain one with no cost on T: where the deadline binds
@@ -232,7 +242,7 @@ class Planner:
             problem = self.problem.restricted(deadline_s) if restrict else self.problem
             own = None
             if restrict and (padded or problem is not self.problem):
-                own = HullLP(problem).solve(deadline_s, padded=padded)
+                own = relaxation_lp(problem).solve(deadline_s, padded=padded)
             elif padded:
                 own = self._lp.solve(deadline_s, padded=True, start=plain)
             _remember(self._own, key, own)

@@ -1,0 +1,114 @@
+"""The relaxation as a min-cost flow (perseus.planner.flow, network simplex in C): the same optimum
+as HiGHS on the same LP, at every deadline, padded or not, with durations pinned, warm or cold."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import numpy as np
+import pytest
+from test_solver import GPT3, random_profile
+
+from perseus.exceptions import PlanError
+from perseus.planner import Planner, flow
+from perseus.planner.lp import HullLP
+from perseus.planner.problem import Problem
+from perseus.profiler import load_profile
+from perseus.schedules import build_schedule
+
+built = pytest.mark.skipif(flow._flow is None, reason="the network simplex extension is not built here")
+CASES = [("1f1b", 4, 16, 1), ("gpipe", 3, 8, 2), ("zb-h1", 3, 8, 3), ("interleaved-1f1b", 2, 8, 4), ("1f1b", 6, 24, 5)]
+
+
+def problem_of(name: str, stages: int, microbatches: int, seed: int) -> Problem:
+    kwargs = {"num_chunks": 2} if name == "interleaved-1f1b" else {}
+    schedule = build_schedule(name, stages, microbatches, **kwargs)
+    return Problem.build(schedule, random_profile(seed, stages, 10))
+
+
+def assert_same_optimum(highs, simplex, problem: Problem) -> None:
+    assert simplex.lower_bound_j == pytest.approx(highs.lower_bound_j, rel=1e-9)
+    # Another optimal vertex may place the instructions differently; it is a schedule all the same.
+    finish = simplex.start_s + simplex.duration_s
+    dag = problem.dag
+    assert (simplex.start_s >= -1e-9).all()
+    assert (finish[dag.src] <= simplex.start_s[dag.dst] + 1e-9).all()
+    assert finish.max() <= simplex.iteration_time_s + 1e-9
+
+
+def test_extension_is_built_where_a_compiler_is():
+    # pip builds it with the package; without a compiler the planner falls back to HiGHS alone.
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert flow._flow is not None, f"perseus.planner._flow was not built for {sys.executable}"
+
+
+@built
+@pytest.mark.parametrize("name,stages,microbatches,seed", CASES)
+def test_same_optimum_as_highs_at_every_deadline(name, stages, microbatches, seed):
+    problem = problem_of(name, stages, microbatches, seed)
+    fastest = problem.iteration_time(problem.times(problem.fastest()))
+    highs, simplex = HullLP(problem), flow.FlowLP(problem)
+    for deadline in (fastest, 1.05 * fastest, 1.2 * fastest, 2.0 * fastest, None):
+        for padded in (False, True) if deadline is not None else (False,):
+            ours = simplex.solve(deadline, padded=padded)
+            assert_same_optimum(highs.solve(deadline, padded=padded), ours, problem)
+            if deadline is not None:
+                assert ours.iteration_time_s <= deadline * (1 + 1e-12)
+
+
+@built
+def test_warm_pinned_and_restarted_solves_match_highs():
+    problem = problem_of("1f1b", 4, 16, 7)
+    fastest = problem.iteration_time(problem.times(problem.fastest()))
+    highs, simplex = HullLP(problem), flow.FlowLP(problem)
+    first = simplex.solve(1.1 * fastest)
+    basis = simplex.basis()
+    nodes = np.arange(0, problem.num_nodes, 3)
+    durations = first.duration_s[nodes]
+    for lp in (highs, simplex):
+        lp.fix_durations(nodes, durations)
+    assert_same_optimum(highs.solve(1.1 * fastest, warm=True), simplex.solve(1.1 * fastest, warm=True), problem)
+    pinned = simplex.solve(1.1 * fastest, warm=True)
+    assert np.allclose(pinned.duration_s[nodes], durations)
+    for lp in (highs, simplex):
+        lp.release_durations()
+    # From the kept basis, and on from there to other deadlines: the optimum of each deadline.
+    assert_same_optimum(highs.solve(1.1 * fastest), simplex.solve(1.1 * fastest, start=basis), problem)
+    for deadline in (1.3 * fastest, fastest, 1.02 * fastest):
+        assert_same_optimum(highs.solve(deadline), simplex.solve(deadline, warm=True), problem)
+
+
+@built
+def test_a_deadline_no_plan_meets_is_refused():
+    problem = problem_of("gpipe", 3, 8, 2)
+    fastest = problem.iteration_time(problem.times(problem.fastest()))
+    with pytest.raises(PlanError, match="no plan can finish within"):
+        flow.FlowLP(problem).solve(0.99 * fastest)
+
+
+@built
+def test_past_the_pivot_limit_highs_solves(monkeypatch):
+    problem = problem_of("1f1b", 4, 16, 1)
+    fastest = problem.iteration_time(problem.times(problem.fastest()))
+    monkeypatch.setattr(flow, "_PIVOTS_PER_ARC", 0)
+    simplex = flow.FlowLP(problem)
+    simplex.fix_durations(np.array([0]), np.array([problem.times(problem.fastest())[0]]))
+    highs = HullLP(problem)
+    highs.fix_durations(np.array([0]), np.array([problem.times(problem.fastest())[0]]))
+    assert_same_optimum(highs.solve(1.1 * fastest), simplex.solve(1.1 * fastest), problem)
+
+
+@built
+@pytest.mark.skipif(not GPT3.exists(), reason="shared Perseus profiles not present")
+def test_gpt3_8x96_is_solved_by_network_simplex_with_the_same_bound():
+    # 1,536 instructions: between FLOW_MIN_NODES and FLOW_MAX_NODES, the planner's own LP.
+    schedule = build_schedule("1f1b", 8, 96)
+    planner = Planner(schedule, load_profile(GPT3, 83.64))
+    assert isinstance(planner._lp, flow.FlowLP)
+    highs = HullLP(planner.problem)
+    for factor in (1.0, 1.1):
+        deadline = factor * planner.max_frequency_time_s
+        assert_same_optimum(highs.solve(deadline), planner._lp.solve(deadline), planner.problem)
+    plan = planner.plan(max_slowdown=1.0)
+    assert plan.iteration_time_s <= planner.max_frequency_time_s and 0 <= plan.gap < 0.005
