@@ -31,6 +31,7 @@ from collections import defaultdict
 # the outermost phase (refine's LP solves are LP; exchange's own walks are exchange).
 PHASES = (
     ("lp", "perseus.planner.lp", "HullLP", "solve"),
+    ("lp", "perseus.planner.flow", "FlowLP", "solve"),
     ("exchange", "perseus.planner.solver", None, "exchange"),
     ("rounding", "perseus.planner.solver", None, "round_down"),
     ("rounding", "perseus.planner.solver", None, "fill_slack"),

@@ -298,14 +298,16 @@ class Job:
         """A fit from the worker (or what it raised); no plan at all if the model cannot be planned
         on. A fit on profiles this run did not measure first checks them against its spans: the
         GPU models whose profiles no longer fit the workload are dropped, with their plans, and
-        profiled again; returned (empty when none was)."""
+        profiled again; returned (empty when none was). So are, once, profiles this run measured
+        that its baseline contradicts (see perseus.service.model.PipelineModels.take_fit)."""
         inherited = self.profiling.inherited & set(models)
         state = self.model.calibrations.get(models)
         refitting, before = state.refitting, state.calibration
         mismatch = self.model.take_fit(models, result, bool(inherited))  # type: ignore[arg-type]
         if mismatch:
-            self.drop_profiles(inherited, mismatch)
-            return inherited
+            dropped = inherited or set(models)
+            self.drop_profiles(dropped, mismatch)
+            return dropped
         if refitting and state.calibration is not before:
             # Fitted again on a reference window: its plans are solved again on the new fit.
             for key in [key for key in self.results if key[0] == models]:

@@ -25,6 +25,7 @@ from perseus.service.timelines import (
     FAILED,
     FITTED,
     FITTING,
+    STALE_TOLERANCE,
     UNCALIBRATED,
     Calibration,
     Calibrations,
@@ -40,6 +41,9 @@ from perseus.wire.spans import ReportSpans
 from perseus.wire.spec import JobSpec, RankInfo
 
 log = logging.getLogger(__name__)
+
+# How a profile of this run measured again ends its reason (and tells it was, in the history).
+REMEASURED = "the profile was measured under other conditions than the job's baseline (a slowdown while it swept)"
 
 
 class PipelineModels:
@@ -146,10 +150,15 @@ class PipelineModels:
         """Take a fit from the worker (or what it raised). A fit on a profile an earlier run (or
         the signature cache) measured, `inherited`, is first checked against this run's spans:
         if the profile no longer fits the workload, the models collect again (to be fitted once
-        profiled anew) and the reason is returned; "" otherwise."""
+        profiled anew) and the reason is returned; "" otherwise. So is, once, a profile this run
+        measured whose fit misses the baseline while its spans moved from the profile's times
+        (see `_remeasure`)."""
         state = self.calibrations.get(models)
         if isinstance(result, Calibration):
-            mismatch = profile_mismatch(result, state.reference) if inherited else ""
+            if inherited:
+                mismatch = profile_mismatch(result, state.reference)
+            else:
+                mismatch = _remeasure(result, state)
             if mismatch:
                 reason = f"{mismatch}; its profile and plans are dropped and the job is profiled again"
                 log.warning("job %s: %s: %s", self.job_id, model_names(models), reason)
@@ -307,3 +316,16 @@ def max_clock_result(schedule: Schedule, profile: Profile, solved: PlanResult) -
         baseline_iteration_time_s=solved.baseline_iteration_time_s,
         baseline_energy_j=solved.baseline_energy_j,
     )
+
+
+def _remeasure(result: Calibration, state: ModelState) -> str:
+    """Why this run's own profile should be measured again ("" if not): the model fitted on it
+    misses the baseline (a model that could be planned on), and some stage's spans at the top
+    clock moved more than STALE_TOLERANCE from the profile's times there. Spans and profile are
+    the same work on the same GPUs, so the sweep ran under other conditions (host load, a
+    throttled GPU while it swept) and a fit cannot mend it. Once per model set: a second such
+    profile fails the fit as any miss does."""
+    again = any(REMEASURED in h for h in state.history)
+    if not result.plannable or not result.reason() or state.refitting or again:
+        return ""
+    return profile_mismatch(result, (), STALE_TOLERANCE, REMEASURED)

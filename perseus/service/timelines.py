@@ -446,6 +446,7 @@ class Calibrations:
             return True
         if result.plannable and state.attempts < MAX_ATTEMPTS:
             state.state = COLLECTING
+            state.reason = f"calibration attempt {state.attempts} missed ({reason}); fitting again on more iterations"
             log.info(
                 "job %s: calibration attempt %d missed (%s); fitting again on more iterations",
                 job_id,
@@ -458,11 +459,17 @@ class Calibrations:
         return False
 
 
-def profile_mismatch(calibration: Calibration, reference: tuple[tuple[float, float], ...]) -> str:
+def profile_mismatch(
+    calibration: Calibration,
+    reference: tuple[tuple[float, float], ...],
+    unreferenced: float = STALE_UNREFERENCED,
+    cause: str = "the workload changed under the same job signature",
+) -> str:
     """Why the profile a fit was made on no longer fits the workload its spans measured ("" when
     it does): some stage's spans against the profile's times at the top clock moved past
     STALE_TOLERANCE (and the two runs' spread) from `reference`, the fit of the run that
-    measured the profile; with no reference, past STALE_UNREFERENCED from the profile's times."""
+    measured the profile; with no reference, past `unreferenced` from the profile's times. `cause`
+    ends the reason."""
     worst = []
     for fit in calibration.stages:
         if len(reference) == len(calibration.stages):
@@ -470,7 +477,7 @@ def profile_mismatch(calibration: Calibration, reference: tuple[tuple[float, flo
             tolerance = max(STALE_TOLERANCE, STALE_SIGNIFICANCE * (spread + fit.span_spread))
             basis = f"{expected:.2f}x when the profile was measured"
         else:
-            expected, tolerance, basis = 1.0, STALE_UNREFERENCED, "a profile of this workload: about 1x"
+            expected, tolerance, basis = 1.0, unreferenced, "a profile of this workload: about 1x"
         if expected > 0:
             change = fit.span_ratio / expected - 1.0
         else:  # spans of no length when the profile was measured
@@ -483,7 +490,7 @@ def profile_mismatch(calibration: Calibration, reference: tuple[tuple[float, flo
     return (
         f"the measured timeline no longer matches the job's profile: stage {stage}'s instructions take "
         f"{ratio:.2f}x the profile's time at the top clock ({basis}; {len(worst)} of {len(calibration.stages)} "
-        "stages moved): the workload changed under the same job signature"
+        f"stages moved): {cause}"
     )
 
 

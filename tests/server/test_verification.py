@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import statistics
 
 import pytest
@@ -20,7 +21,7 @@ from perseus.profiler.profile import Profile, ProfilePoint
 from perseus.schedules import build_schedule
 from perseus.service.calibration import fit
 from perseus.service.job import Job
-from perseus.service.model import max_clock_result, with_margin
+from perseus.service.model import REMEASURED, max_clock_result, with_margin
 from perseus.service.planning import PlanResult, plan_pipeline
 from perseus.service.timelines import FITTED, MAX_REFITS, MIN_ITERATIONS, Calibrations
 from perseus.service.verification import (
@@ -424,6 +425,36 @@ def test_a_new_run_is_fitted_on_its_own_baseline_and_a_profile_it_outgrew_is_mea
     assert status.phase == "planned" and status.calibrations[0].state == "fitted"
     target = status.pipelines[0].target_iteration_time_s
     assert target == pytest.approx(old_target, rel=0.02) if work_s == 0.006 else target > 2.5 * old_target
+
+
+@pytest.mark.parametrize("again_s", [0.006, 0.0072])
+def test_a_profile_its_own_baseline_contradicts_is_measured_again_once(again_s):
+    # The sweep ran 20% slow (host load, a throttled GPU while it swept): the spans of the
+    # baseline take 0.83x the profile's times at the top clock, and no fit can mend that.
+    spec = JobSpec(STAGES, STAGES, schedule_name="1f1b", num_microbatches=8, gpu_model="sim-a100")
+    job = Job(spec)
+    for r in range(STAGES):
+        job.add_rank(rank_info(r, timeline=True))
+    slow = profile(STAGES, 0.0072)
+    for s in range(STAGES):
+        job.add_profile(s, s, Profile({k: v for k, v in slow.points.items() if k[0] == s}, 83.64))
+    workload = profile(STAGES, 0.006)
+    baseline_of(job, workload)
+    assert fit_due(job) == {"sim-a100"} and job.phase.value == "profiling" and not job.profiled_stages
+    (calibration,) = job.status().calibrations
+    assert calibration.state == "collecting" and REMEASURED in calibration.reason
+    assert re.search(r"0\.8\dx the profile's time", calibration.reason) and job.table(0, 0, 0).sweep_steps
+    again = profile(STAGES, again_s)
+    for s in range(STAGES):
+        job.add_profile(s, s, Profile({k: v for k, v in again.points.items() if k[0] == s}, 83.64))
+    assert fit_due(job) == set()  # once: a second such profile is not dropped again
+    (calibration,) = job.status().calibrations
+    if again_s == 0.006:  # measured right this time: planned
+        solve(job)
+        assert job.status().phase == "planned" and calibration.state == "fitted"
+    else:  # the fit misses as any fit does: more baseline iterations, then no plan
+        assert calibration.state == "collecting" and calibration.reason.startswith("calibration attempt 1 missed")
+        assert job.profiled_stages
 
 
 def test_a_job_that_failed_on_what_a_run_measured_gets_a_fresh_chance_but_not_an_invalid_spec():
