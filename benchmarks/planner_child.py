@@ -52,7 +52,10 @@ class PhaseClock:
 
     def install(self) -> None:
         for phase, module_name, class_name, name in PHASES:
-            owner = importlib.import_module(module_name)
+            try:
+                owner = importlib.import_module(module_name)
+            except ModuleNotFoundError:  # a tree from before that module
+                continue
             owner = getattr(owner, class_name, None) if class_name else owner
             if owner is not None and hasattr(owner, name):
                 setattr(owner, name, self._timed(phase, getattr(owner, name)))
