@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from interruptible import default_sigint
 
 from perseus.cli.main import main
 from perseus.devices.sim import sim_gpus
@@ -60,6 +61,7 @@ def start(env, *args: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_sigint,
     )
 
 

@@ -12,6 +12,7 @@ import textwrap
 import time
 
 import pytest
+from interruptible import default_sigint
 
 from perseus.devices.sim import SimGPU
 
@@ -49,7 +50,11 @@ def gpu(tmp_path, monkeypatch):
 
 def start(mode: str) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-c", TRAINER, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", TRAINER, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
     )
     line = proc.stdout.readline()
     assert line == "locked\n", proc.stderr.read()

@@ -177,6 +177,9 @@ def test_a_throttled_pipeline_is_seen_by_compute_time_and_the_other_is_replanned
         works=LONG_WORKS,
         dp=2,
         rank_mapping="torch",
+        # Verification's own tests are elsewhere: here a plan that host load slows by up to 50%
+        # is not re-planned with a margin, so the versions are the intrinsic and straggler plans.
+        tolerance=0.5,
     )
     for gpu in cluster.gpus[2:]:
         gpu.set_slowdown(1.2)
