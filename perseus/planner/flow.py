@@ -44,8 +44,9 @@ _AT_LOWER, _IN_TREE, _AT_UPPER = 1, 0, -1  # arc states (_flow.c)
 # 0.31-0.38 s and a whole plan half the time; at 16 x 256 (8,192) the spanning tree is deep
 # (chains of thousands of instructions), every pivot moves about 1,200 nodes' potentials, and
 # iterative rounding's re-solves take 10.6 s against HiGHS' 3.7 s. Below FLOW_MIN_NODES HiGHS
-# solves in milliseconds and stays the planner's LP (so its plans are what they were); the
-# simplex's vertex is rounded as one more candidate there (`second_vertex_lp`).
+# solves in milliseconds and stays the planner's LP, so plans are what they were: the simplex
+# reaches another optimal vertex of the same LP, which rounds to other plans (on the test's
+# random DAGs of 4 x 16, from 0.44% less energy to 0.49% more; on GPT-3 8 x 96, within 0.02%).
 FLOW_MIN_NODES = 1024
 FLOW_MAX_NODES = 4096
 # Pivots per arc before giving up on the network simplex (then HiGHS solves this LP).
@@ -58,12 +59,6 @@ def relaxation_lp(problem: Problem) -> HullLP | FlowLP:
     if _flow is not None and FLOW_MIN_NODES < problem.num_nodes <= FLOW_MAX_NODES:
         return FlowLP(problem)
     return HullLP(problem)
-
-
-def second_vertex_lp(problem: Problem) -> FlowLP | None:
-    """Up to FLOW_MIN_NODES instructions, network simplex beside HiGHS: the same optimum at
-    another vertex, whose rounding is one more candidate plan (None without the extension)."""
-    return FlowLP(problem) if _flow is not None and problem.num_nodes <= FLOW_MIN_NODES else None
 
 
 class FlowLP:

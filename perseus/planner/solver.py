@@ -20,7 +20,7 @@ import numpy as np
 from perseus.exceptions import ConfigError, PlanError
 from perseus.planner.evaluator import Evaluator
 from perseus.planner.exact import MAX_BINARIES, num_binaries, solve_exact
-from perseus.planner.flow import relaxation_lp, second_vertex_lp
+from perseus.planner.flow import relaxation_lp
 from perseus.planner.lp import SEED_MIN_NODES, Relaxation
 from perseus.planner.plan import Plan
 from perseus.planner.problem import Problem
@@ -76,7 +76,6 @@ class Planner:
         self.evaluator = Evaluator(self.problem.dag, profile)
         self._walker = Walker(self.problem)
         self._lp = relaxation_lp(self.problem)
-        self._second = second_vertex_lp(self.problem)
         self._exact = num_binaries(self.problem) <= MAX_BINARIES
         # Index 0 of every profiled choice table is the highest clock.
         max_times, max_energies = self.evaluator.times_energies(np.zeros(self.problem.num_nodes, dtype=np.int64))
@@ -184,18 +183,7 @@ class Planner:
         if deadline_s is None or deadline_s >= self.max_frequency_time_s:
             candidates.append(self._max_frequency_dominated)
         refining = refined and self.problem.num_nodes <= REFINE_MAX_NODES
-        plan = self._best(candidates, deadline_s, bound, padded, _EXCHANGED if refining else 1)
-        if self._second is not None:
-            # Another optimal vertex of the same relaxation rounds to other plans: keep the
-            # better (apart, as pair exchanges on one candidate set can end worse for more).
-            vertex = self._second.solve(deadline_s, padded=padded)
-            try:
-                rival = self._best(self._round(vertex, deadline_s), deadline_s, bound, padded, 1)
-            except PlanError:
-                return plan
-            if (rival.energy_j, rival.iteration_time_s) < (plan.energy_j, plan.iteration_time_s):
-                return rival
-        return plan
+        return self._best(candidates, deadline_s, bound, padded, _EXCHANGED if refining else 1)
 
     def _relaxations(self, deadline_s: float | None, warm: bool, refined: bool) -> _Relaxed:
         """The relaxation over every profiled choice at the plain (unpadded) objective, and each
