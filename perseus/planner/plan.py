@@ -26,7 +26,7 @@ class Plan:
     plan's own `iteration_time_s` until then, as when a straggler sets the pace).
     """
 
-    frequencies: dict[Instruction, int]
+    frequencies: dict[Instruction, int] = field(repr=False)  # thousands of entries in a large job
     iteration_time_s: float
     energy_j: float
     lower_bound_j: float
