@@ -135,9 +135,12 @@ class FlowLP:
         self._src[real:] = np.arange(nodes_all)  # node -> root: only the origin's is ever in the tree
         self._dst[real:] = nodes_all
         self._t_cost = problem.blocking_power_w * problem.num_stages / _MS
+        _, slowest = dag.longest_path(t_max)
         # No deadline: one no plan reaches (every instruction at its slowest, along the longest path).
-        self._no_deadline_ms = 2.0 * float(dag.longest_path(t_max)[1].max()) + 1.0
+        self._no_deadline_ms = 2.0 * float(slowest.max()) + 1.0
         self._tree = _Tree(real + nodes_all, nodes_all + 1)
+        self._crash(slowest)
+        self._first = self._tree.copy()  # where every cold solve starts: it depends on no cost
         self._valid = False
         self._pinned = np.full(n, np.nan)  # a fixed duration (ms) per node, NaN where free
         self._fallback: HullLP | None = None
@@ -175,7 +178,7 @@ class FlowLP:
         if start is not None:
             self._tree.load(start)
         elif not (warm and self._valid):
-            self._crash()
+            self._tree.load(self._first)
         tree = self._tree
         status, _ = _flow.network_simplex(
             self._real,
@@ -207,11 +210,11 @@ class FlowLP:
         bound = self._hull_cost(duration) + self._t_cost * (deadline_ms if padded else end)
         return Relaxation(float(bound), end / _MS, begin / _MS, duration / _MS)
 
-    def _crash(self) -> None:
+    def _crash(self, finish: np.ndarray) -> None:
         """A first feasible tree: every instruction at its slowest (the hull's kinks saturated,
         the rest of its first slope's flow on its t_max arc), each hanging from the predecessor
-        that ends last in that schedule, and the blocking power's flow from T back to the
-        origin along the critical path it ends."""
+        that ends last in that schedule (`finish`: its instructions' ends), and the blocking
+        power's flow from T back to the origin along the critical path it ends."""
         n, m, dag = self._n, self._real, self.problem.dag
         origin, end, root = self._origin, self._end, 2 * n + 2
         tree = self._tree
@@ -219,9 +222,8 @@ class FlowLP:
         tree.state[:] = _AT_LOWER
         tree.state[self._kink_arcs] = _AT_UPPER
         tree.flow[self._kink_arcs] = self._cap[self._kink_arcs]
-        _, finish = dag.longest_path(self._t_max)
-        padded = np.append(finish, -np.inf)
-        chosen = dag.pred_pad[np.arange(n), np.argmax(padded[dag.pred_pad], axis=1)]  # n: a source
+        ends = np.append(finish, -np.inf)  # slot n: pred_pad's padding
+        chosen = dag.pred_pad[np.arange(n), np.argmax(ends[dag.pred_pad], axis=1)]  # n: a source
         last = int(self._sinks[np.argmax(finish[self._sinks])])
         on_path = np.zeros(n, dtype=bool)
         i = last
@@ -298,7 +300,6 @@ class _Tree:
 
     def link_children(self) -> None:
         """The child lists (first, next, prev) of the parent array."""
-        nodes = len(self.parent)
         self.first[:] = -1
         self.next[:] = -1
         self.prev[:] = -1
@@ -311,7 +312,6 @@ class _Tree:
         heads = np.ones(len(order), dtype=bool)
         heads[1:] = ~same
         self.first[parents[heads]] = order[heads]
-        assert nodes == len(self.first)
 
     def copy(self) -> _Tree:
         other = _Tree.__new__(_Tree)
