@@ -144,10 +144,11 @@ def test_two_ranks_profile_get_planned_and_keep_the_plan_when_the_service_dies(s
         assert all(c in gpus[s].supported_frequencies() for c in plan)
         # ...and each rank keeps its plan, never waiting on the dead service (a step that did
         # would take the client's whole timeout).
-        # (verification may have re-planned between the last step logged and the kill: one plan, kept)
-        kept = after[s][0][1]
-        assert [clocks for _, clocks, _ in after[s]] == [kept] * 5
-        assert all(c in gpus[s].supported_frequencies() for c in kept)
+        # (verification may have re-planned before the kill: a plan published with its start a few
+        # iterations ahead is switched to once, after the kill, and kept)
+        runs = [clocks for _, clocks, _ in after[s]]
+        assert sum(a != b for a, b in zip(runs, runs[1:])) <= 1, runs
+        assert all(c in gpus[s].supported_frequencies() for clocks in runs for c in clocks)
         assert max(began for _, _, began in after[s]) < STALL_S < CLIENT_TIMEOUT_S
         assert gpus[s].sm_clock() == gpus[s].max_frequency()  # reset on close
     # The lighter stage 0 has slack: the plan slows some of its instructions down.
