@@ -141,7 +141,8 @@ class FlowLP:
         self._tree = _Tree(real + nodes_all, nodes_all + 1)
         self._crash(slowest)
         self._first = self._tree.copy()  # where every cold solve starts: it depends on no cost
-        self._valid = False
+        self._valid = False  # the tree is the last solve's optimum
+        self._feasible = False  # the tree is a feasible basis to continue from
         self._pinned = np.full(n, np.nan)  # a fixed duration (ms) per node, NaN where free
         self._fallback: HullLP | None = None
 
@@ -177,7 +178,7 @@ class FlowLP:
         cost[self._deadline_arc + 1] = -deadline_ms if padded else 0.0
         if start is not None:
             self._tree.load(start)
-        elif not (warm and self._valid):
+        elif not (warm and self._feasible):
             self._tree.load(self._first)
         tree = self._tree
         status, _ = _flow.network_simplex(
@@ -199,6 +200,9 @@ class FlowLP:
             _PIVOTS_PER_ARC * len(self._src),
         )
         self._valid = status == _OPTIMAL
+        # A pivot that finds no finite residual returns before changing the tree, and costs are
+        # all a solve changes: the next warm solve (refine's retry) continues from here.
+        self._feasible = status in (_OPTIMAL, _UNBOUNDED)
         if status == _UNBOUNDED:
             raise PlanError(f"no plan can finish within {deadline_s:.6g} s, even at the fastest frequencies")
         if status != _OPTIMAL:

@@ -12,6 +12,7 @@ the evaluator, and only plans that meet the deadline there are returned.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -158,18 +159,27 @@ class Planner:
                 f"no plan finishes within {deadline_s:.6g} s: even the fastest frequencies take "
                 f"{self.fastest_time_s:.6g} s per iteration; relax the deadline"
             )
-        relaxation, basis, rounded = self._relaxations(deadline_s, warm, refined)
-        candidates = []
-        for relaxed, target_s in rounded:
-            candidates += self._round(relaxed, target_s)
-        bound = relaxation
+        own_key, restricted = None, None
         if deadline_s is not None and (refined or padded):
             # The objective's own relaxation certifies the plan: padded if asked, and without the
             # choices no plan within the deadline can take (a tighter hull where room is short).
             # Its rounding is one more candidate.
             restrict = refined and self.problem.num_nodes <= RESTRICT_MAX_NODES
-            binds = relaxation.iteration_time_s >= deadline_s * (1 - 1e-9)
-            own = self._own_relaxation(deadline_s, padded, restrict, basis if binds else None)
+            own_key = (deadline_s, padded, restrict)
+            if restrict and own_key not in self._own:
+                # A separate LP that needs nothing from the plain one: solved on another core
+                # meanwhile (both solvers release the GIL), a cold solve as long as the plain one.
+                pool = ThreadPoolExecutor(max_workers=1)
+                restricted = pool.submit(self._restricted_relaxation, deadline_s, padded)
+                pool.shutdown(wait=False)
+        relaxation, basis, rounded = self._relaxations(deadline_s, warm, refined)
+        candidates = []
+        for relaxed, target_s in rounded:
+            candidates += self._round(relaxed, target_s)
+        bound = relaxation
+        if own_key is not None:
+            binds = relaxation.iteration_time_s >= own_key[0] * (1 - 1e-9)
+            own = self._own_relaxation(own_key, restricted, basis if binds else None)
             if own is not None:
                 bound = own
                 candidates += self._round(own, deadline_s)
@@ -216,25 +226,34 @@ class Planner:
             _remember(self._relaxed, key, result)
         return result
 
-    def _own_relaxation(self, deadline_s: float, padded: bool, restrict: bool, plain: Any) -> Relaxation | None:
+    def _own_relaxation(
+        self, key: tuple[float, bool, bool], restricted: Future[Relaxation | None] | None, plain: Any
+    ) -> Relaxation | None:
         """The relaxation of the plan's own objective (padded or not, restricted to the choices
-        the deadline allows if `restrict`), or None where that is the plain one. Unrestricted
-        (large DAGs), the padded LP is the plain one with no cost on T: where the deadline binds
-        the plain optimum, it starts from that optimum's basis (`plain`, primal feasible and
-        optimal but for T's cost), where a cold start runs for seconds; past the least-energy
-        time the padded optimum moves T to the deadline, far from it, so a cold start is
-        quicker (`plain` None). Either way a function of the deadline and the flags, kept for
-        the last few as `_relaxations` is."""
-        key = (deadline_s, padded, restrict)
+        the deadline allows if `restrict`), or None where that is the plain one: `restricted`'s
+        result when restricted. Unrestricted (large DAGs), the padded LP is the plain one with no
+        cost on T: where the deadline binds the plain optimum, it starts from that optimum's basis
+        (`plain`, primal feasible and optimal but for T's cost), where a cold start runs for
+        seconds; past the least-energy time the padded optimum moves T to the deadline, far from
+        it, so a cold start is quicker (`plain` None). Either way a function of the deadline and
+        the flags `key` holds, kept for the last few as `_relaxations` is."""
         if key not in self._own:
-            problem = self.problem.restricted(deadline_s) if restrict else self.problem
+            deadline_s, padded, restrict = key
             own = None
-            if restrict and (padded or problem is not self.problem):
-                own = relaxation_lp(problem).solve(deadline_s, padded=padded)
-            elif padded:
+            if restricted is not None:
+                own = restricted.result()
+            elif padded and not restrict:
                 own = self._lp.solve(deadline_s, padded=True, start=plain)
             _remember(self._own, key, own)
         return self._own[key]
+
+    def _restricted_relaxation(self, deadline_s: float, padded: bool) -> Relaxation | None:
+        """The relaxation of the problem without the choices `deadline_s` rules out, or None
+        where it rules out none and the objective is the plain one."""
+        problem = self.problem.restricted(deadline_s)
+        if padded or problem is not self.problem:
+            return relaxation_lp(problem).solve(deadline_s, padded=padded)
+        return None
 
     def _round(self, relaxation: Relaxation, deadline_s: float | None) -> list[np.ndarray]:
         rounded = round_down(self.problem, relaxation.finish_s, _LP_SLACK_S, self._walker)

@@ -88,6 +88,27 @@ def test_a_deadline_no_plan_meets_is_refused():
 
 
 @built
+def test_a_warm_solve_after_an_infeasible_one_continues_to_the_optimum():
+    # Iterative rounding pins durations that may break the deadline, then pins faster ones and
+    # re-solves warm: from the tree the infeasible solve stopped at, not from a new one.
+    problem = problem_of("1f1b", 4, 16, 8)
+    fastest_times = problem.times(problem.fastest())
+    fastest = problem.iteration_time(fastest_times)
+    highs, simplex = HullLP(problem), flow.FlowLP(problem)
+    simplex.solve(1.05 * fastest)
+    slowest = np.array([problem.node_options(i).time[-1] for i in range(problem.num_nodes)])
+    nodes = np.arange(problem.num_nodes)
+    simplex.fix_durations(nodes, slowest)
+    with pytest.raises(PlanError, match="no plan can finish within"):
+        simplex.solve(1.05 * fastest, warm=True)
+    half = nodes[::2]
+    for lp in (simplex, highs):
+        lp.release_durations()
+        lp.fix_durations(half, fastest_times[half])
+    assert_same_optimum(highs.solve(1.05 * fastest), simplex.solve(1.05 * fastest, warm=True), problem)
+
+
+@built
 def test_past_the_pivot_limit_highs_solves(monkeypatch):
     problem = problem_of("1f1b", 4, 16, 1)
     fastest = problem.iteration_time(problem.times(problem.fastest()))
