@@ -53,12 +53,15 @@ FLOW_MAX_NODES = 4096
 _PIVOTS_PER_ARC = 50
 
 
+def uses_flow(problem: Problem) -> bool:
+    """Whether network simplex solves this problem's relaxation: from FLOW_MIN_NODES to
+    FLOW_MAX_NODES instructions, where its extension is built."""
+    return _flow is not None and FLOW_MIN_NODES < problem.num_nodes <= FLOW_MAX_NODES
+
+
 def relaxation_lp(problem: Problem) -> HullLP | FlowLP:
-    """The relaxation's solver: network simplex from FLOW_MIN_NODES to FLOW_MAX_NODES
-    instructions where its extension is built, else HiGHS."""
-    if _flow is not None and FLOW_MIN_NODES < problem.num_nodes <= FLOW_MAX_NODES:
-        return FlowLP(problem)
-    return HullLP(problem)
+    """The relaxation's solver: network simplex where `uses_flow`, else HiGHS."""
+    return FlowLP(problem) if uses_flow(problem) else HullLP(problem)
 
 
 class FlowLP:

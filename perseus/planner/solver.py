@@ -21,7 +21,7 @@ import numpy as np
 from perseus.exceptions import ConfigError, PlanError
 from perseus.planner.evaluator import Evaluator
 from perseus.planner.exact import MAX_BINARIES, num_binaries, solve_exact
-from perseus.planner.flow import relaxation_lp
+from perseus.planner.flow import relaxation_lp, uses_flow
 from perseus.planner.lp import SEED_MIN_NODES, Relaxation
 from perseus.planner.plan import Plan
 from perseus.planner.problem import Problem
@@ -166,9 +166,10 @@ class Planner:
             # Its rounding is one more candidate.
             restrict = refined and self.problem.num_nodes <= RESTRICT_MAX_NODES
             own_key = (deadline_s, padded, restrict)
-            if restrict and own_key not in self._own:
-                # A separate LP that needs nothing from the plain one: solved on another core
-                # meanwhile (both solvers release the GIL), a cold solve as long as the plain one.
+            if restrict and own_key not in self._own and uses_flow(self.problem):
+                # A separate LP that needs nothing from the plain one: network simplex solves it
+                # on another core meanwhile (it releases the GIL and shares nothing), a cold solve
+                # as long as the plain one. HiGHS' small LPs take milliseconds inline.
                 pool = ThreadPoolExecutor(max_workers=1)
                 restricted = pool.submit(self._restricted_relaxation, deadline_s, padded)
                 pool.shutdown(wait=False)
@@ -230,19 +231,22 @@ class Planner:
         self, key: tuple[float, bool, bool], restricted: Future[Relaxation | None] | None, plain: Any
     ) -> Relaxation | None:
         """The relaxation of the plan's own objective (padded or not, restricted to the choices
-        the deadline allows if `restrict`), or None where that is the plain one: `restricted`'s
-        result when restricted. Unrestricted (large DAGs), the padded LP is the plain one with no
-        cost on T: where the deadline binds the plain optimum, it starts from that optimum's basis
-        (`plain`, primal feasible and optimal but for T's cost), where a cold start runs for
-        seconds; past the least-energy time the padded optimum moves T to the deadline, far from
-        it, so a cold start is quicker (`plain` None). Either way a function of the deadline and
-        the flags `key` holds, kept for the last few as `_relaxations` is."""
+        the deadline allows if `restrict`), or None where that is the plain one. Restricted, it
+        may be solving already (`restricted`, see `_solve`). Unrestricted (large DAGs), the
+        padded LP is the plain one with no cost on T: where the deadline binds the plain optimum,
+        it starts from that optimum's basis (`plain`, primal feasible and optimal but for T's
+        cost), where a cold start runs for seconds; past the least-energy time the padded optimum
+        moves T to the deadline, far from it, so a cold start is quicker (`plain` None). Either
+        way a function of the deadline and the flags `key` holds, kept for the last few as
+        `_relaxations` is."""
         if key not in self._own:
             deadline_s, padded, restrict = key
             own = None
             if restricted is not None:
                 own = restricted.result()
-            elif padded and not restrict:
+            elif restrict:
+                own = self._restricted_relaxation(deadline_s, padded)
+            elif padded:
                 own = self._lp.solve(deadline_s, padded=True, start=plain)
             _remember(self._own, key, own)
         return self._own[key]

@@ -133,3 +133,20 @@ def test_gpt3_8x96_is_solved_by_network_simplex_with_the_same_bound():
         assert_same_optimum(highs.solve(deadline), planner._lp.solve(deadline), planner.problem)
     plan = planner.plan(max_slowdown=1.0)
     assert plan.iteration_time_s <= planner.max_frequency_time_s and 0 <= plan.gap < 0.005
+
+
+@built
+@pytest.mark.skipif(not GPT3.exists(), reason="shared Perseus profiles not present")
+def test_the_restricted_relaxation_solved_beside_the_plain_one_certifies_the_same_plan():
+    # At network simplex sizes the restricted relaxation runs on a second thread during the
+    # plain one: the plan and its bound are those of solving it first, on this thread.
+    schedule = build_schedule("1f1b", 8, 96)
+    profile = load_profile(GPT3, 83.64)
+    planner = Planner(schedule, profile)
+    deadline = 1.05 * planner.max_frequency_time_s
+    beside = planner.plan(deadline=deadline, padded=True)
+    inline = Planner(schedule, profile)
+    inline._own[(deadline, True, True)] = inline._restricted_relaxation(deadline, True)
+    assert inline.plan(deadline=deadline, padded=True) == beside
+    restricted = flow.FlowLP(planner.problem.restricted(deadline)).solve(deadline, padded=True)
+    assert beside.lower_bound_j == pytest.approx(restricted.lower_bound_j, rel=1e-12)
