@@ -174,12 +174,32 @@ class Evaluator:
             return float(T), float(E)
         return np.asarray(T), np.asarray(E)  # already arrays (k plans); asarray only tells the type
 
-    def time_energy(self, frequencies: Mapping[Instruction, int]) -> tuple[float, float]:
-        """(T, E) of a plan, the same floats as `evaluate`'s, without its timeline and per-stage
-        statistics (the planner checks every plan it returns this way: a frontier is 50 plans)."""
-        t, e = self.times_energies(self.choice_indices(frequencies))
+    def time_energy(self, frequencies: np.ndarray) -> tuple[float, float]:
+        """(T, E) of a plan given as each node's frequency (MHz, node order), the same floats as
+        `evaluate`'s, without its timeline and per-stage statistics (the planner checks every
+        plan it returns this way: a frontier is 50 plans, so no dict of instructions)."""
+        t, e = self.times_energies(self.frequency_indices(frequencies))
         _, end = self.arrays.longest_path(t)
         return self._time_energy(t, e, end)
+
+    def frequency_indices(self, frequencies: np.ndarray) -> np.ndarray:
+        """`choice_indices` for each node's frequency in node order (ConfigError on one not
+        profiled for its node)."""
+        frequencies = np.asarray(frequencies)
+        out = np.empty(len(frequencies), dtype=np.int64)
+        for c, choices in enumerate(self.choices):
+            nodes = np.flatnonzero(self.choice_of == c)
+            ascending = choices.frequency[::-1]
+            at = np.searchsorted(ascending, frequencies[nodes])
+            found = (at < len(ascending)) & (ascending[np.minimum(at, len(ascending) - 1)] == frequencies[nodes])
+            if not found.all():
+                i = int(nodes[np.argmin(found)])
+                raise ConfigError(
+                    f"instruction {self.arrays.nodes[i]}: frequency {frequencies[i]} MHz is not in the profile of "
+                    f"stage {self.choice_keys[c][0]} {self.choice_keys[c][1]}; use one of the profiled frequencies"
+                )
+            out[nodes] = len(ascending) - 1 - at
+        return out
 
     def _time_energy(self, t: np.ndarray, e: np.ndarray, end: np.ndarray) -> tuple[float, float]:
         T = float(end.max())

@@ -13,7 +13,7 @@ import numpy as np
 from perseus.planner.dag import DagArrays, dag_arrays
 from perseus.planner.options import Options, pareto_options
 from perseus.profiler.profile import Profile
-from perseus.schedules.instruction import Instruction, Schedule
+from perseus.schedules.instruction import Schedule
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,6 @@ class Problem:
         t = self.iteration_time(self.times(choice))
         return t, float(self.costs(choice).sum()) + self.blocking_power_w * self.num_stages * t
 
-    def frequencies(self, choice: np.ndarray) -> dict[Instruction, int]:
-        freq = self._per_node("frequency", choice)
-        return {ins: int(f) for ins, f in zip(self.dag.nodes, freq)}
+    def frequencies(self, choice: np.ndarray) -> np.ndarray:
+        """Each node's frequency (MHz) for a choice vector."""
+        return self._per_node("frequency", choice).astype(np.int64)

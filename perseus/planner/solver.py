@@ -344,7 +344,7 @@ class Planner:
             energy += self.evaluator.blocking_power_w * self.evaluator.num_stages * (deadline_s - iteration_time_s)
         bound = min(relaxation.lower_bound_j, energy)
         return Plan(
-            frequencies=frequencies,
+            frequencies=dict(zip(self.problem.dag.nodes, frequencies.tolist())),
             iteration_time_s=iteration_time_s,
             energy_j=energy,
             lower_bound_j=bound,

@@ -98,6 +98,25 @@ def test_array_path_agrees_and_batches():
     assert ev.frequencies_of(slow) == uniform_frequencies(s, hand_profile(), 500)
 
 
+def test_time_energy_of_node_frequencies_is_evaluate_s():
+    # The planner's check of every plan: each node's MHz in node order, no dict of instructions.
+    s = build_schedule("1f1b", 2, 2)
+    ev = Evaluator(s, hand_profile())
+    plan = max_frequencies(s, hand_profile())
+    plan[ins("B0@s0")] = 500
+    plan[ins("F1@s1")] = 500
+    result = ev.evaluate(plan)
+    frequencies = np.array([plan[i] for i in ev.nodes])
+    assert ev.time_energy(frequencies) == (result.iteration_time_s, result.energy_j)
+    assert np.array_equal(ev.frequency_indices(frequencies), ev.choice_indices(plan))
+    frequencies[ev.nodes.index(ins("B1@s1"))] = 750
+    with pytest.raises(ConfigError, match=r"B1@s1: frequency 750 MHz is not in the profile of stage 1 backward"):
+        ev.time_energy(frequencies)
+    frequencies[ev.nodes.index(ins("B1@s1"))] = 2000  # above every profiled one
+    with pytest.raises(ConfigError, match="frequency 2000 MHz"):
+        ev.time_energy(frequencies)
+
+
 def test_unknown_frequency_and_missing_instruction():
     s = build_schedule("1f1b", 2, 2)
     plan = max_frequencies(s, hand_profile())
