@@ -63,6 +63,11 @@ class FrontierPoint:
     lower_bound_j: float
     plan: Plan
 
+    @property
+    def gap(self) -> float:
+        """Relative distance of this point's energy to its bound, as `Plan.gap`."""
+        return _gap(self.energy_j, self.lower_bound_j)
+
 
 class Planner:
     """Plans for one (schedule, profile). Pure: no I/O, no clocks; same inputs, same plans.
@@ -106,6 +111,12 @@ class Planner:
         past T* the plan uses the slack. The plan's energy and bound are then for an iteration of
         the deadline (`Plan.padded`)."""
         deadline_s = self._deadline(deadline, max_slowdown)
+        if max_slowdown is not None and deadline_s < self.fastest_time_s:
+            raise PlanError(
+                f"max_slowdown {max_slowdown:g} asks for {deadline_s:.6g} s per iteration, but even the fastest "
+                f"frequencies take {self.fastest_time_s:.6g} s: the factor must be at least "
+                f"{self.fastest_time_s / self.max_frequency_time_s:.6g} (1.0 = no slowdown against maximum clocks)"
+            )
         with self._lock:
             return self._solve(deadline_s, warm=False, refined=True, padded=padded)
 

@@ -255,10 +255,20 @@ def test_large_dag_minimum_energy_targets_start_cold(monkeypatch):
     assert other.min_energy_plan().energy_j <= planner.max_frequency_energy_j
 
 
+def test_frontier_points_state_their_gap():
+    planner = Planner(build_schedule("1f1b", 2, 4), random_profile(2, 2, 5))
+    for point in planner.frontier(num_points=4):
+        assert point.gap == pytest.approx((point.energy_j - point.lower_bound_j) / point.lower_bound_j)
+        assert point.gap == point.plan.gap
+
+
 def test_bad_deadlines():
     planner = Planner(build_schedule("1f1b", 2, 3), random_profile(1, 2, 3))
     with pytest.raises(PlanError, match="fastest"):
         planner.plan(deadline=0.5 * planner.fastest_time_s)
+    smallest = planner.fastest_time_s / planner.max_frequency_time_s
+    with pytest.raises(PlanError, match=rf"max_slowdown 0.5 .* the factor must be at least {smallest:.6g} "):
+        planner.plan(max_slowdown=0.5)
     with pytest.raises(ConfigError, match="either"):
         planner.plan(deadline=1.0, max_slowdown=1.1)
     with pytest.raises(ConfigError):
