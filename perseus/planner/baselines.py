@@ -46,7 +46,8 @@ def uniform_plan(evaluator: Evaluator, deadline_s: float) -> BaselinePlan:
     freqs = shared_frequencies(evaluator.schedule, evaluator.profile)
     if not freqs:
         raise PlanError("no frequency is profiled for every instruction, so no uniform clock exists")
-    choices = np.array([evaluator.choice_indices(dict.fromkeys(evaluator.nodes, f)) for f in freqs])
+    n = len(evaluator.nodes)
+    choices = np.array([evaluator.frequency_indices(np.full(n, f)) for f in freqs])
     T, E = evaluator.evaluate_arrays(*evaluator.times_energies(choices))
     assert isinstance(T, np.ndarray) and isinstance(E, np.ndarray)  # one plan per row of `choices`
     ok = np.flatnonzero(T <= deadline_s)
