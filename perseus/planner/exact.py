@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from perseus.planner.problem import Problem
 
@@ -31,6 +30,9 @@ def solve_exact(problem: Problem, deadline_s: float | None, padded: bool = False
     """Optimal choice vector with T <= deadline_s (None: no deadline), or None if the solver
     finds none; the best found if MAX_NODES runs out first. Deterministic (HiGHS, zero gap).
     `padded`: the iteration lasts deadline_s anyway, so T costs nothing."""
+    # Imported here: a third of a second that only plans of small DAGs need.
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     n = problem.num_nodes
     dag = problem.dag
     sizes = np.array([len(problem.node_options(i)) for i in range(n)])
