@@ -129,23 +129,12 @@ class Evaluator:
 
     def choice_indices(self, frequencies: Mapping[Instruction, int]) -> np.ndarray:
         """For each node, the index of its frequency among its choices (0 = highest)."""
-        out = np.empty(len(self.arrays.nodes), dtype=np.int64)
-        for i, ins in enumerate(self.arrays.nodes):
+        for ins in self.arrays.nodes:
             if ins not in frequencies:
                 raise ConfigError(
                     f"no frequency given for instruction {ins}; the plan must cover every instruction of the schedule"
                 )
-            f = frequencies[ins]
-            k = self._choice_index[self.choice_of[i]].get(int(f)) if float(f) == int(f) else None
-            if k is None:
-                stage, kind = self.choice_keys[self.choice_of[i]]
-                freqs = self.choices[self.choice_of[i]].frequency
-                raise ConfigError(
-                    f"instruction {ins}: frequency {f} MHz is not in the profile of stage {stage} {kind} "
-                    f"(profiled {freqs[-1]}..{freqs[0]} MHz); use one of the profiled frequencies"
-                )
-            out[i] = k
-        return out
+        return self.frequency_indices(np.array([float(frequencies[ins]) for ins in self.arrays.nodes]))
 
     def times_energies(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Node time and energy arrays for per-node choice indices (as from `choice_indices`),
@@ -194,9 +183,11 @@ class Evaluator:
             found = (at < len(ascending)) & (ascending[np.minimum(at, len(ascending) - 1)] == frequencies[nodes])
             if not found.all():
                 i = int(nodes[np.argmin(found)])
+                stage, kind = self.choice_keys[c]
                 raise ConfigError(
-                    f"instruction {self.arrays.nodes[i]}: frequency {frequencies[i]} MHz is not in the profile of "
-                    f"stage {self.choice_keys[c][0]} {self.choice_keys[c][1]}; use one of the profiled frequencies"
+                    f"instruction {self.arrays.nodes[i]}: frequency {frequencies[i]:g} MHz is not in the profile of "
+                    f"stage {stage} {kind} (profiled {ascending[0]}..{ascending[-1]} MHz); use one of the profiled "
+                    "frequencies"
                 )
             out[nodes] = len(ascending) - 1 - at
         return out
