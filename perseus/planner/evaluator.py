@@ -113,7 +113,9 @@ class Evaluator:
                     np.array([p.energy for p in pts], dtype=float),
                 )
             )
-        self._choice_index = [{int(f): k for k, f in enumerate(o.frequency)} for o in self.choices]
+        # Nodes of each choice set, and its frequencies lowest first: `frequency_indices` per plan.
+        self._nodes_of = [np.flatnonzero(self.choice_of == c) for c in range(len(self.choices))]
+        self._ascending = [c.frequency[::-1] for c in self.choices]
         # All choice tables end to end, so that a plan's times are one gather.
         starts = np.cumsum([0] + [len(c.time) for c in self.choices])
         self._offset = starts[self.choice_of]
@@ -176,9 +178,7 @@ class Evaluator:
         profiled for its node)."""
         frequencies = np.asarray(frequencies)
         out = np.empty(len(frequencies), dtype=np.int64)
-        for c, choices in enumerate(self.choices):
-            nodes = np.flatnonzero(self.choice_of == c)
-            ascending = choices.frequency[::-1]
+        for c, (nodes, ascending) in enumerate(zip(self._nodes_of, self._ascending)):
             at = np.searchsorted(ascending, frequencies[nodes])
             found = (at < len(ascending)) & (ascending[np.minimum(at, len(ascending) - 1)] == frequencies[nodes])
             if not found.all():
