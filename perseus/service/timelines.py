@@ -6,7 +6,8 @@ stage reported (the first tensor-parallel rank of each stage speaks for it), and
 `Calibrations` tracks, per pipeline GPU models, where its model stands:
 
     collecting -> fitting -> fitted                (a plan may be made on the calibrated model)
-                          -> collecting            (the fit missed: more iterations, up to MAX_ATTEMPTS)
+                          -> collecting            (the fit missed: more iterations, up to MAX_ATTEMPTS;
+                                                    then each later fit on a fresh window, see `wait`)
                           -> failed                (no plan: the profile explains too little, or no fit)
     uncalibrated                                   (some rank sends no spans: the GPU profile alone)
     overridden                                     (the job spec gives the overheads itself)
@@ -56,7 +57,10 @@ MAX_TIMELINES = 24
 REFERENCE_TIMELINES = WINDOW
 #: Iterations awaiting some stage's spans; older ones are dropped.
 PENDING_LIMIT = 16
-#: Fits tried on more iterations before giving up on a model that does not reproduce the baseline.
+#: Fits tried on more iterations of the baseline (the latest MAX_TIMELINES) while the model misses
+#: it; past these, each fit waits for a fresh window of MAX_TIMELINES iterations, twice as many
+#: after each miss (host load that outlasts a window is seldom steady for long; a fit costs the
+#: ranks nothing and the job runs at maximum clocks meanwhile).
 MAX_ATTEMPTS = 3
 #: A profile from an earlier run (or the signature cache) no longer fits the job's workload when a
 #: stage's measured spans moved this much against the profile's times, compared with the fit of
@@ -174,7 +178,7 @@ class Calibration:
                 f"the calibrated model does not reproduce the measured baseline iteration: {self.model_s:.4f} s "
                 f"against {self.measured_s:.4f} s measured ({100 * self.error:+.1f}%, tolerance "
                 f"{100 * self.tolerance:.1f}%: {100 * TOLERANCE:.0f}%, or the baseline's noise if more); the job "
-                "runs at maximum clocks; its next run (the script started again) calibrates afresh"
+                "runs at maximum clocks until a fit on later baseline iterations does"
             )
         return ""
 
@@ -375,7 +379,8 @@ class Calibrations:
         """Whether enough new timelines are in to fit these models (again), or a reference window
         to fit them again on; `timelines`: how many their pipelines ever completed."""
         state = self.get(models)
-        return bool(state.refit) or (state.state == COLLECTING and timelines >= state.fitted_with + MIN_ITERATIONS)
+        collected = timelines >= state.fitted_with + wait(state.attempts)
+        return bool(state.refit) or (state.state == COLLECTING and collected)
 
     def refit(self, models: Models, reference_s: float, window: list[Timeline]) -> str:
         """A reference window ran at maximum clocks in `reference_s` (median compute time): if that
@@ -444,19 +449,29 @@ class Calibrations:
             state.fitted_compute_s = state.fitting_compute_s
             log.info("job %s: model calibrated (%s): %s", job_id, model_names(models), result.describe())
             return True
-        if result.plannable and state.attempts < MAX_ATTEMPTS:
+        if result.plannable:
             state.state = COLLECTING
-            state.reason = f"calibration attempt {state.attempts} missed ({reason}); fitting again on more iterations"
-            log.info(
-                "job %s: calibration attempt %d missed (%s); fitting again on more iterations",
-                job_id,
-                state.attempts,
-                reason,
+            if state.attempts < MAX_ATTEMPTS:
+                then = "fitting again on more iterations"
+            else:
+                then = f"no plan yet: fitting again on the next {wait(state.attempts)} baseline iterations"
+            state.reason = f"calibration attempt {state.attempts} missed ({reason}); {then}"
+            # A miss on the full window is what a user must hear of (the job runs at maximum clocks).
+            level = logging.INFO if state.attempts < MAX_ATTEMPTS else logging.WARNING
+            log.log(
+                level, "job %s: calibration attempt %d missed: %s; %s", job_id, state.attempts, result.describe(), then
             )
             return False
         state.state, state.reason = FAILED, reason
         log.warning("job %s: no plan: %s", job_id, reason)
         return False
+
+
+def wait(attempts: int) -> int:
+    """New baseline iterations the next fit waits for after `attempts` fits (see MAX_ATTEMPTS)."""
+    if attempts < MAX_ATTEMPTS:
+        return MIN_ITERATIONS
+    return MAX_TIMELINES * 2 ** (attempts - MAX_ATTEMPTS)
 
 
 def profile_mismatch(

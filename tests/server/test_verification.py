@@ -23,7 +23,7 @@ from perseus.service.calibration import fit
 from perseus.service.job import Job
 from perseus.service.model import REMEASURED, max_clock_result, with_margin
 from perseus.service.planning import PlanResult, plan_pipeline
-from perseus.service.timelines import FITTED, MAX_REFITS, MIN_ITERATIONS, Calibrations
+from perseus.service.timelines import FITTED, MAX_ATTEMPTS, MAX_REFITS, MAX_TIMELINES, MIN_ITERATIONS, Calibrations
 from perseus.service.verification import (
     FALLBACK,
     FRESH,
@@ -455,6 +455,48 @@ def test_a_profile_its_own_baseline_contradicts_is_measured_again_once(again_s):
     else:  # the fit misses as any fit does: more baseline iterations, then no plan
         assert calibration.state == "collecting" and calibration.reason.startswith("calibration attempt 1 missed")
         assert job.profiled_stages
+
+
+def test_a_baseline_the_model_misses_throughout_is_fitted_again_on_fresh_windows(caplog):
+    # Host load that spoils the whole baseline: the last rank's steps run 6% past the first
+    # rank's (the iteration), after its instructions, which no model of them reproduces. Three
+    # fits miss (8, 16, then 24 iterations), the job stays at maximum clocks with a WARNING, and
+    # a fresh window of quiet iterations (none of the spoiled ones) is fitted and planned on.
+    spec = JobSpec(STAGES, STAGES, schedule_name="1f1b", num_microbatches=8, gpu_model="sim-a100")
+    job = Job(spec)
+    for r in range(STAGES):
+        job.add_rank(rank_info(r, timeline=True))
+    prof = profile(STAGES)
+    for s in range(STAGES):
+        job.add_profile(s, s, Profile({k: v for k, v in prof.points.items() if k[0] == s}, 83.64))
+    quiet = timelines(job.schedule, prof, count=3 * MAX_TIMELINES)
+    spoiled = [dataclasses.replace(tl, steps=(*tl.steps[:-1], 1.06 * tl.steps[0])) for tl in quiet[:MAX_TIMELINES]]
+    iteration = 0
+
+    def send(lines) -> None:
+        nonlocal iteration
+        for timeline in lines:
+            iteration += 1
+            for spans in spans_of(job, iteration, timeline):
+                job.add_spans(spans)
+
+    with caplog.at_level(logging.INFO, logger="perseus.service.timelines"):
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            send(spoiled[(attempt - 1) * MIN_ITERATIONS : attempt * MIN_ITERATIONS])
+            assert fit_due(job) == set() and not job.missing_plans()
+            (calibration,) = job.status().calibrations
+            assert calibration.state == "collecting" and f"calibration attempt {attempt} missed" in calibration.reason
+    assert "does not reproduce the measured baseline" in calibration.reason
+    assert f"no plan yet: fitting again on the next {MAX_TIMELINES} baseline iterations" in calibration.reason
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "attempt 3 missed" in r.getMessage()]
+    assert len(warned) == 1 and "model " in warned[0].getMessage()  # the fit's figures, for whoever reads the log
+    send(quiet[MAX_TIMELINES : 2 * MAX_TIMELINES - 1])
+    assert job.calibration_tasks() == []  # a window that still holds a spoiled iteration is not fitted
+    send(quiet[2 * MAX_TIMELINES - 1 : 2 * MAX_TIMELINES])
+    assert fit_due(job) == set()
+    solve(job)
+    status = job.status()
+    assert status.phase == "planned" and status.calibrations[0].state == "fitted"
 
 
 def test_a_job_that_failed_on_what_a_run_measured_gets_a_fresh_chance_but_not_an_invalid_spec():
