@@ -39,14 +39,14 @@ from perseus.devices.select import ENV_VAR, parse_gpu_spec
 from perseus.devices.sim import SIM_DIR_ENV
 from perseus.devices.sim_presets import get_preset
 from perseus.exceptions import ConfigError, PerseusError
-from perseus.service.timelines import MAX_ATTEMPTS, MIN_ITERATIONS, wait
+from perseus.service.timelines import MAX_ATTEMPTS, MIN_ITERATIONS, fit_interval
 from perseus.service.verification import MAX_REPLANS, PERSISTS, SKIP, WINDOW
 
 MAX_PROCESSES = 8  # torchrun ranks in all
 #: Iterations at default clocks the service may take to calibrate its model after profiling
 #: (a fit on MIN_ITERATIONS of them, tried again on more up to MAX_ATTEMPTS times, then once on
-#: a fresh window: see perseus.service.timelines.wait).
-CALIBRATION_ITERATIONS = MIN_ITERATIONS * MAX_ATTEMPTS + wait(MAX_ATTEMPTS)
+#: a fresh window: see perseus.service.timelines.fit_interval).
+CALIBRATION_ITERATIONS = MIN_ITERATIONS * MAX_ATTEMPTS + fit_interval(MAX_ATTEMPTS)
 #: Planned iterations the service's verification may take to decide: a plan's first window, a
 #: reference window at maximum clocks and the plan again (twice: once more when the reference has
 #: gone stale), re-planned up to MAX_REPLANS times, each after PERSISTS windows over its target and

@@ -7,7 +7,7 @@ stage reported (the first tensor-parallel rank of each stage speaks for it), and
 
     collecting -> fitting -> fitted                (a plan may be made on the calibrated model)
                           -> collecting            (the fit missed: more iterations, up to MAX_ATTEMPTS;
-                                                    then each later fit on a fresh window, see `wait`)
+                                                    then each later fit on a fresh window, see `fit_interval`)
                           -> failed                (no plan: the profile explains too little, or no fit)
     uncalibrated                                   (some rank sends no spans: the GPU profile alone)
     overridden                                     (the job spec gives the overheads itself)
@@ -379,7 +379,7 @@ class Calibrations:
         """Whether enough new timelines are in to fit these models (again), or a reference window
         to fit them again on; `timelines`: how many their pipelines ever completed."""
         state = self.get(models)
-        collected = timelines >= state.fitted_with + wait(state.attempts)
+        collected = timelines >= state.fitted_with + fit_interval(state.attempts)
         return bool(state.refit) or (state.state == COLLECTING and collected)
 
     def refit(self, models: Models, reference_s: float, window: list[Timeline]) -> str:
@@ -454,7 +454,7 @@ class Calibrations:
             if state.attempts < MAX_ATTEMPTS:
                 then = "fitting again on more iterations"
             else:
-                then = f"no plan yet: fitting again on the next {wait(state.attempts)} baseline iterations"
+                then = f"no plan yet: fitting again on the next {fit_interval(state.attempts)} baseline iterations"
             state.reason = f"calibration attempt {state.attempts} missed ({reason}); {then}"
             # A miss on the full window is what a user must hear of (the job runs at maximum clocks).
             level = logging.INFO if state.attempts < MAX_ATTEMPTS else logging.WARNING
@@ -467,7 +467,7 @@ class Calibrations:
         return False
 
 
-def wait(attempts: int) -> int:
+def fit_interval(attempts: int) -> int:
     """New baseline iterations the next fit waits for after `attempts` fits (see MAX_ATTEMPTS)."""
     if attempts < MAX_ATTEMPTS:
         return MIN_ITERATIONS
