@@ -32,6 +32,8 @@ from perseus.wire.spans import ReportSpans
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_REPORTS = 4096
+#: Seconds a rank waits for rank 0 to register the job before it warns.
+NO_JOB_WARNING_S = 60.0
 _RETRY_CODES = (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_RANK.value, ErrorCode.NOT_READY.value)
 _RANK_REQUESTS = (RegisterRank, GetTable, UploadProfile, ReportIteration, ReportSpans)  # retried on _RETRY_CODES
 _REPORTS = (ReportIteration, ReportSpans)  # sent while connected, dropped past MAX_QUEUED_REPORTS
@@ -129,6 +131,7 @@ class Connection:
         self.connected: bool | None = None  # None: not tried yet
         self.rank_registered = False
         self.register_due: float | None = None  # re-register the rank at this time
+        self.no_job_since: float | None = None  # when the service first said it knows no such job
         self.next_poll = 0.0
         self.socket: zmq.Socket | None = None
         self.poller = zmq.Poller()
@@ -304,6 +307,22 @@ class Connection:
                     body = ServiceError(ErrorCode.INTERNAL.value, f"malformed reply: {e}")
             self._on_reply(out, body)
 
+    def _no_job(self, why: str) -> None:
+        """The service does not know this rank's job: normal while the ranks start (rank 0
+        registers it), worth a WARNING once that has lasted NO_JOB_WARNING_S."""
+        now = time.monotonic()
+        if self.no_job_since is None:
+            self.no_job_since = now
+            log.info("job %s: waiting for rank 0 to register it with the planner service (%s)", self.rank.job_id, why)
+        elif now - self.no_job_since >= NO_JOB_WARNING_S and self.rank.first_time("no-job"):
+            log.warning(
+                "job %s is still not registered with the planner service after %.0f s; is rank 0 running Perseus "
+                "against the same service (PERSEUS_PLANNER)? Training runs at default clocks meanwhile (%s)",
+                self.rank.job_id,
+                now - self.no_job_since,
+                why,
+            )
+
     def _on_reply(self, out: Outgoing, reply: Message | ServiceError) -> None:
         rank = self.rank
         message = out.message
@@ -315,12 +334,8 @@ class Connection:
             self.register_due = self.register_due or time.monotonic() + self.poll_interval_s
             if isinstance(message, UploadProfile):
                 self.delayed.append((time.monotonic() + self.poll_interval_s, out))
-            if isinstance(message, RegisterRank) and rank.spec is None and rank.first_time("no-job"):
-                log.warning(
-                    "job %s is not registered with the planner service yet; waiting for rank 0 (%s)",
-                    rank.job_id,
-                    reply.message,
-                )
+            if isinstance(message, RegisterRank) and rank.spec is None:
+                self._no_job(reply.message)
             return
         if out.waiter is not None:
             out.waiter.set(reply)

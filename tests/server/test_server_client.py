@@ -9,6 +9,7 @@ import time
 import pytest
 from server_helpers import FREQUENCIES, free_port, job_spec, rank_info, request
 
+from perseus.client import connection
 from perseus.client.planner_client import UNPLANNED, PlannerClient
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.wire.phases import Phase
@@ -69,9 +70,10 @@ def test_client_raises_only_for_what_the_user_must_fix(serve):
             client.upload_profile("job-00", 0, None)  # type: ignore[arg-type]
 
 
-def test_rank_registered_before_its_job_waits_for_rank_0(serve):
+def test_rank_registered_before_its_job_waits_for_rank_0(serve, caplog):
     served = serve()
     spec = job_spec()
+    caplog.set_level(logging.INFO, logger="perseus.client.connection")
     with PlannerClient(served.endpoint, timeout_s=0.3, poll_interval_s=0.05) as c1:
         c1.register_rank(spec.job_id(), rank_info(1))  # the job is unknown yet: retried in the background
         assert c1.assignment(0) is UNPLANNED
@@ -81,6 +83,30 @@ def test_rank_registered_before_its_job_waits_for_rank_0(serve):
             while c1.assignment(0).phase != Phase.WARMUP:
                 assert time.monotonic() < deadline, "rank 1 never registered"
                 time.sleep(0.02)
+    # Normal while the ranks start: said at INFO, not as a WARNING.
+    waiting = [r for r in caplog.records if "waiting for rank 0 to register it" in r.getMessage()]
+    assert [r.levelno for r in waiting] == [logging.INFO]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "rank 0" in r.getMessage()]
+
+
+def test_a_job_rank_0_never_registers_is_warned_of_once(serve, caplog, monkeypatch):
+    monkeypatch.setattr(connection, "NO_JOB_WARNING_S", 0.0)
+    served = serve()
+    caplog.set_level(logging.INFO, logger="perseus.client.connection")
+
+    def warned():
+        return [r for r in caplog.records if r.levelno == logging.WARNING and "still not registered" in r.getMessage()]
+
+    with PlannerClient(served.endpoint, timeout_s=0.3, poll_interval_s=0.05) as c1:
+        c1.register_rank(job_spec().job_id(), rank_info(1))
+        deadline = time.monotonic() + 10
+        while not warned():
+            assert time.monotonic() < deadline, "no warning while the job stayed unregistered"
+            time.sleep(0.02)
+        time.sleep(0.3)  # several more retries (every 0.05 s), each unanswered: the warning stays one
+        assert c1.assignment(0) is UNPLANNED
+    (warning,) = warned()
+    assert "PERSEUS_PLANNER" in warning.getMessage() and "default clocks" in warning.getMessage()
 
 
 def test_client_close_is_bounded_when_the_service_is_gone(serve):
