@@ -100,6 +100,11 @@ class Sweep:
         return [f for f in self.plan.frequencies if f in self._energy]
 
     @property
+    def repeats(self) -> int:
+        """Blocks run (or running) again after the main sweep, where energy was still uncertain."""
+        return sum(self._repeats.values())
+
+    @property
     def frequency_count(self) -> tuple[int, bool]:
         """How many frequencies the sweep profiles, and whether that is known: the plan's count
         (an upper bound: the main sweep may stop early) until the main sweep is over, then the

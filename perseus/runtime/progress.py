@@ -29,11 +29,14 @@ class Progress:
         plan_version: int = 0,
         at_most: bool = False,
         waiting: tuple[int, ...] = (),
+        repeats: int = 0,
     ) -> None:
         """`done`/`total`: progress through the profiling sweep (frequencies profiled / to
         profile); `at_most`: `total` is an upper bound (the sweep may stop early, once lower
-        clocks only cost more). `plan_version`: the plan this iteration runs (phase planned).
-        `waiting`: the stages whose profiles the plan still waits for (phase planning)."""
+        clocks only cost more); `repeats`: clocks profiled again since, where their energy was
+        still uncertain (so a line at "28 of 28" that moves on is not stuck). `plan_version`: the
+        plan this iteration runs (phase planned). `waiting`: the stages whose profiles the plan
+        still waits for (phase planning)."""
         if phase == Phase.PLANNED and plan_version:
             clock = f"plan v{plan_version}'s clocks"
         elif phase == Phase.REFERENCE:
@@ -41,7 +44,8 @@ class Progress:
         else:
             clock = "default clocks" if frequency is None else f"{frequency} MHz"
         bound = "at most " if at_most else ""
-        sweep = f" [{done} of {bound}{total} clocks]" if done is not None and total else ""
+        again = f", {repeats} again where energy is uncertain" if repeats and phase == Phase.PROFILING else ""
+        sweep = f" [{done} of {bound}{total} clocks{again}]" if done is not None and total else ""
         if waiting and phase == Phase.PLANNING:
             stages = ", ".join(map(str, waiting))
             sweep += f", waiting for stage{'s' if len(waiting) > 1 else ''} {stages} to be profiled"

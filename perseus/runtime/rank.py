@@ -383,6 +383,7 @@ class PerseusRank:
                 plan_version=self.plan_version if self._holds_plan else 0,
                 at_most=not known,
                 waiting=self._unprofiled(assignment) if phase is Phase.PLANNING else (),
+                repeats=self.sweep.repeats,
             )
 
     def _unprofiled(self, assignment: Any) -> tuple[int, ...]:

@@ -85,9 +85,11 @@ def test_uncertain_frequencies_are_profiled_again_within_bounds():
     ran = walk(sweep, lambda f: f / 1000, error=lambda f: 0.05 if f == 990 else 0.001)
     assert ran[:15] == list(range(15))
     assert ran[15:] == [6, 7, 8, 6, 7, 8]  # 990's block twice more, then the bound stops it
+    assert sweep.repeats == 2  # what rank 0's progress line counts once every clock is profiled
     bounded = Sweep(0, target_error=0.01, max_repeats=5, max_extra_fraction=0.2)
     bounded.follow(plan(FREQS, 3))
     assert walk(bounded, lambda f: f / 1000, error=lambda f: 0.05)[15:] == [0, 1, 2]  # 3 of 15 * 0.2
+    assert bounded.repeats == 1
 
 
 def test_a_changed_plan_and_bad_settings_are_refused():

@@ -166,6 +166,7 @@ def test_progress_log_lines_only_on_change():
     p.update(2, "profiling", 1410, 0, 3, at_most=True)
     p.update(3, "profiling", 1410, 0, 3, at_most=True)
     p.update(4, "profiling", 1320, 1, 3, at_most=True)
+    p.update(5, "profiling", 1410, 2, 2, repeats=1)  # the main sweep over: 1410 MHz again
     p.update(5, "planning", None, 2, 2)
     p.update(6, "planning", None, 2, 2, waiting=(1, 3))
     p.update(7, "planning", None, 2, 2, waiting=(1, 3))
@@ -175,6 +176,7 @@ def test_progress_log_lines_only_on_change():
         "[perseus] iteration 0: warmup at default clocks",
         "[perseus] iteration 2: profiling at 1410 MHz [0 of at most 3 clocks]",
         "[perseus] iteration 4: profiling at 1320 MHz [1 of at most 3 clocks]",
+        "[perseus] iteration 5: profiling at 1410 MHz [2 of 2 clocks, 1 again where energy is uncertain]",
         "[perseus] iteration 5: planning at default clocks [2 of 2 clocks]",
         "[perseus] iteration 6: planning at default clocks [2 of 2 clocks], waiting for stages 1, 3 to be profiled",
         "[perseus] iteration 8: planning at default clocks [2 of 2 clocks], waiting for stage 3 to be profiled",
