@@ -110,11 +110,16 @@ def _min_energy_frequency(evaluator: Evaluator, stage: int) -> int:
 
 
 def _critical_path(arrays, start: np.ndarray, end: np.ndarray) -> list[int]:
-    """Node indices of one longest path, last node first."""
+    """Node indices of one longest path, last node first: from the node that ends last, each
+    node's predecessor that ends last (the first such in predecessor order), found for every
+    node at once (a walk of one argmax per node took half of EnvPipe's time at 32 x 512)."""
+    ends = np.append(end, -np.inf)  # the padding slot never ends last
+    pad = arrays.pred_pad
+    latest = pad[np.arange(len(end)), np.argmax(ends[pad], axis=1)].tolist()
+    starts = start.tolist()
     i = int(np.argmax(end))
     path = [i]
-    while start[i] > 0.0:
-        preds = arrays.preds(i)
-        i = int(preds[np.argmax(end[preds])])
+    while starts[i] > 0.0:
+        i = latest[i]
         path.append(i)
     return path
