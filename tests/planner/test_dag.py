@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from perseus.exceptions import ScheduleError
+from perseus.planner import dag
 from perseus.planner.dag import build_dag, dag_arrays
 from perseus.schedules import Instruction, Kind, Schedule, build_schedule
 
@@ -161,3 +162,27 @@ def test_longest_path_of_one_assignment_with_many_predecessors():
     for k in range(2):
         single_start, single_end = a.longest_path(times[k])
         assert np.array_equal(single_end, end[k]) and np.array_equal(single_start, start[k])
+
+
+@pytest.mark.skipif(dag._flow is None, reason="the planner's C extension is not built here")
+def test_the_c_longest_path_gives_the_python_loops_bits_and_refuses_a_bad_order():
+    """One assignment's longest path runs in C where the extension is built; the Python loop
+    (a build without a compiler) must give the same bits, on in-degrees up to 4 too."""
+    graph = build_dag(build_schedule("zb-h1", 4, 8))
+    order = list(nx.topological_sort(graph))
+    rng = np.random.default_rng(2)
+    for v in order[4:]:
+        for u in rng.choice(order[: order.index(v)], size=int(rng.integers(0, 3)), replace=False):
+            graph.add_edge(u, v)
+    a = dag_arrays(graph)
+    for times in rng.uniform(0.0, 2.0, size=(4, a.num_nodes)):
+        c_start, c_end = a.longest_path(times)
+        py_start, py_end = a._longest_path_loop(times)
+        assert np.array_equal(c_start, py_start) and np.array_equal(c_end, py_end)
+    ptr, idx = a._pred_csr32
+    backwards = idx.copy()
+    backwards[-1] = a.num_nodes - 1  # the last node listed as its own predecessor: not topological
+    with pytest.raises(ValueError, match="all before it"):
+        dag._flow.longest_path(ptr, backwards, times, np.empty(a.num_nodes), np.empty(a.num_nodes))
+    with pytest.raises(ValueError, match="pred_ptr must be a writable contiguous 1-d array"):
+        dag._flow.longest_path(ptr, idx, times[:-1], np.empty(a.num_nodes), np.empty(a.num_nodes))
