@@ -18,3 +18,6 @@ def network_simplex(
     pi: np.ndarray,
     max_pivots: int,
 ) -> tuple[int, int]: ...
+def longest_path(
+    pred_ptr: np.ndarray, pred_idx: np.ndarray, times: np.ndarray, start: np.ndarray, end: np.ndarray
+) -> None: ...
