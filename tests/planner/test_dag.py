@@ -146,16 +146,22 @@ def test_every_built_schedule_is_acyclic():
                     assert nx.is_directed_acyclic_graph(graph)
 
 
-def test_longest_path_of_one_assignment_with_many_predecessors():
-    """The scalar longest path reads two predecessors directly and takes max() over more: a DAG
-    with in-degrees up to 4 (extra forward edges) gives the same bits as the batched one."""
-    graph = build_dag(build_schedule("1f1b", 3, 6))
+def with_extra_edges(schedule: Schedule, rng: np.random.Generator):
+    """The schedule's DAG arrays with up to 2 random forward edges into each node past the 4th:
+    in-degrees past the two a schedule gives."""
+    graph = build_dag(schedule)
     order = list(nx.topological_sort(graph))
-    rng = np.random.default_rng(1)
     for v in order[4:]:
         for u in rng.choice(order[: order.index(v)], size=int(rng.integers(0, 3)), replace=False):
             graph.add_edge(u, v)
-    a = dag_arrays(graph)
+    return dag_arrays(graph)
+
+
+def test_longest_path_of_one_assignment_with_many_predecessors():
+    """The scalar longest path reads two predecessors directly and takes max() over more: a DAG
+    with in-degrees up to 4 (extra forward edges) gives the same bits as the batched one."""
+    rng = np.random.default_rng(1)
+    a = with_extra_edges(build_schedule("1f1b", 3, 6), rng)
     assert np.diff(a.pred_ptr).max() >= 4
     times = rng.uniform(0.5, 2.0, size=(2, a.num_nodes))
     start, end = a.longest_path(times)
@@ -168,13 +174,8 @@ def test_longest_path_of_one_assignment_with_many_predecessors():
 def test_the_c_longest_path_gives_the_python_loops_bits_and_refuses_a_bad_order():
     """One assignment's longest path runs in C where the extension is built; the Python loop
     (a build without a compiler) must give the same bits, on in-degrees up to 4 too."""
-    graph = build_dag(build_schedule("zb-h1", 4, 8))
-    order = list(nx.topological_sort(graph))
     rng = np.random.default_rng(2)
-    for v in order[4:]:
-        for u in rng.choice(order[: order.index(v)], size=int(rng.integers(0, 3)), replace=False):
-            graph.add_edge(u, v)
-    a = dag_arrays(graph)
+    a = with_extra_edges(build_schedule("zb-h1", 4, 8), rng)
     for times in rng.uniform(0.0, 2.0, size=(4, a.num_nodes)):
         c_start, c_end = a.longest_path(times)
         py_start, py_end = a._longest_path_loop(times)
