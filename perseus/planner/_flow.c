@@ -304,17 +304,17 @@ static PyObject *longest_path(PyObject *self, PyObject *args) {
     const int *ptr = views[0].buf, *idx = views[1].buf;
     const double *times = views[2].buf;
     double *start = views[3].buf, *end = views[4].buf;
-    /* Every predecessor must come before its node (reads stay in bounds, order is topological). */
+    /* Every predecessor must come before its node (reads stay in bounds, order is topological):
+     * checked as it is read, in the same pass. */
     if (ptr[0] != 0 || ptr[n] != edges) goto bad;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (ptr[i + 1] < ptr[i]) goto bad;
-        for (int k = ptr[i]; k < ptr[i + 1]; k++)
-            if (idx[k] < 0 || idx[k] >= i) goto bad;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
+        if (ptr[i + 1] < ptr[i] || ptr[i + 1] > edges) goto bad;
         double s = 0.0;
-        for (int k = ptr[i]; k < ptr[i + 1]; k++)
-            if (k == ptr[i] || end[idx[k]] > s) s = end[idx[k]];
+        for (int k = ptr[i]; k < ptr[i + 1]; k++) {
+            int j = idx[k];
+            if (j < 0 || j >= i) goto bad;
+            if (k == ptr[i] || end[j] > s) s = end[j];
+        }
         start[i] = s;
         end[i] = s + times[i];
     }
