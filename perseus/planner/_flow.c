@@ -15,7 +15,9 @@
  *
  * The module also holds the DAG's longest path for one assignment of node times (`longest_path`,
  * perseus.planner.dag), which the evaluator and the EnvPipe baseline run hundreds of times on a
- * large pipeline: a Python loop over 32,768 instructions takes milliseconds each time.
+ * large pipeline: a Python loop over 32,768 instructions takes milliseconds each time; and the
+ * rounding's scalar passes over the DAG (`walk`, `latest_finish`, `exchange`: perseus.planner.rounding),
+ * with the same float operations as their Python versions, so the same plans.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -327,7 +329,304 @@ fail:
     return NULL;
 }
 
+/* ---- The rounding's passes (perseus.planner.rounding) ----
+ * Choices per node type: `time` and `cost` hold `width` columns per type, fastest (costliest)
+ * first, padded with +inf; `count` says how many are real. Node i at choice k takes
+ * time[node_type[i] * width + k]. Predecessors and successors in CSR form; nodes in topological order. */
+
+typedef struct {
+    Py_ssize_t n, edges, types;
+    int width;
+    const int *pred_ptr, *pred_idx, *succ_ptr, *succ_idx, *node_type, *count;
+    const double *time, *cost;
+} Graph;
+
+/* How many of a row's choices end by `limit` when started at `start`: times rise along the row, so
+ * those that do (start + time <= limit, exactly that float test) are a prefix. */
+static int fitting(const double *row, int width, double start, double limit) {
+    int lo = 0, hi = width;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (start + row[mid] <= limit)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static void walk_nodes(const Graph *g, const double *limit, int *choice, double *end) {
+    for (Py_ssize_t i = 0; i < g->n; i++) {
+        double s = 0.0;
+        for (int k = g->pred_ptr[i]; k < g->pred_ptr[i + 1]; k++)
+            if (k == g->pred_ptr[i] || end[g->pred_idx[k]] > s) s = end[g->pred_idx[k]];
+        const double *row = g->time + (Py_ssize_t)g->node_type[i] * g->width;
+        int c = fitting(row, g->width, s, limit[i]) - 1;
+        if (c < 0) c = 0;
+        choice[i] = c;
+        end[i] = s + row[c];
+    }
+}
+
+static void latest_nodes(const Graph *g, const int *choice, double deadline, double *latest) {
+    for (Py_ssize_t i = g->n - 1; i >= 0; i--) {
+        double v = deadline;
+        for (int k = g->succ_ptr[i]; k < g->succ_ptr[i + 1]; k++) {
+            int j = g->succ_idx[k];
+            double w = latest[j] - g->time[(Py_ssize_t)g->node_type[j] * g->width + choice[j]];
+            if (w < v) v = w;
+        }
+        latest[i] = v;
+    }
+}
+
+/* One sweep of pair moves (see rounding._pair_sweep, the same moves): every input is a value of
+ * the sweep's start state (`k`, `lf`), as a moved pair locks itself and its neighbours. */
+static int sweep(const Graph *g, int *choice, const int *k, const double *lf, char *locked, double deadline,
+                 int reach) {
+    const int w = g->width;
+    int moves = 0;
+    memset(locked, 0, (size_t)g->n);
+    for (Py_ssize_t i = 0; i < g->n; i++) {
+        if (locked[i] || g->succ_ptr[i] == g->succ_ptr[i + 1]) continue;
+        double start_i = 0.0;
+        for (int p = g->pred_ptr[i]; p < g->pred_ptr[i + 1]; p++)
+            if (lf[g->pred_idx[p]] > start_i) start_i = lf[g->pred_idx[p]];
+        const int ti = g->node_type[i];
+        const double *time_i = g->time + (Py_ssize_t)ti * w, *cost_i = g->cost + (Py_ssize_t)ti * w;
+        const double ci = cost_i[k[i]];
+        int best_j = -1, best_a = 0, best_b = 0;
+        double best = 0.0;
+        for (int e = g->succ_ptr[i]; e < g->succ_ptr[i + 1]; e++) {
+            const int j = g->succ_idx[e];
+            if (locked[j]) continue;
+            /* i must end before its other successors must start, and by the deadline. */
+            double limit_i = INFINITY;
+            for (int f = g->succ_ptr[i]; f < g->succ_ptr[i + 1]; f++) {
+                int s = g->succ_idx[f];
+                if (s == j) continue;
+                double room = lf[s] - g->time[(Py_ssize_t)g->node_type[s] * w + k[s]];
+                if (room < limit_i) limit_i = room;
+            }
+            if (deadline < limit_i) limit_i = deadline;
+            double others = 0.0;
+            for (int p = g->pred_ptr[j]; p < g->pred_ptr[j + 1]; p++) {
+                int q = g->pred_idx[p];
+                if (q != i && lf[q] > others) others = lf[q];
+            }
+            const int tj = g->node_type[j];
+            const double *time_j = g->time + (Py_ssize_t)tj * w, *cost_j = g->cost + (Py_ssize_t)tj * w;
+            const double cj = cost_j[k[j]];
+            int cap_b = k[j] + reach < g->count[tj] - 1 ? k[j] + reach : g->count[tj] - 1;
+            double pair_best = -INFINITY;
+            int pair_a = 0, pair_b = 0;
+            for (int a = k[i] - reach; a <= k[i] + reach; a++) {
+                if (a < 0 || a >= g->count[ti]) continue;
+                double end_i = start_i + time_i[a];
+                if (!(end_i <= limit_i)) continue;
+                double start_j = end_i > others ? end_i : others;
+                int b = fitting(time_j, w, start_j, lf[j]) - 1;
+                if (b > cap_b) b = cap_b;
+                if (b < 0) continue;
+                double gain = (ci - cost_i[a]) + (cj - cost_j[b]);
+                if (gain > pair_best) {
+                    pair_best = gain;
+                    pair_a = a;
+                    pair_b = b;
+                }
+            }
+            if (pair_best > 1e-9 && (best_j < 0 || pair_best > best)) {
+                best = pair_best;
+                best_j = j;
+                best_a = pair_a;
+                best_b = pair_b;
+            }
+        }
+        if (best_j < 0) continue;
+        choice[i] = best_a;
+        choice[best_j] = best_b;
+        moves++;
+        const int pair[2] = {(int)i, best_j};
+        for (int x = 0; x < 2; x++) {
+            int u = pair[x];
+            locked[u] = 1;
+            for (int p = g->pred_ptr[u]; p < g->pred_ptr[u + 1]; p++) locked[g->pred_idx[p]] = 1;
+            for (int s = g->succ_ptr[u]; s < g->succ_ptr[u + 1]; s++) locked[g->succ_idx[s]] = 1;
+        }
+    }
+    return moves;
+}
+
+/* Parse (pred_ptr, pred_idx, succ_ptr, succ_idx, node_type, time, cost, count, width) and check that
+ * every index read stays in bounds: CSR pointers rise to the edge count, predecessors come before
+ * their node and successors after it, types and widths fit the tables. */
+#define GRAPH_ARRAYS 8
+static int get_graph(PyObject **objs, int width, Py_buffer *views, int *got, Graph *g) {
+    static const char *names[GRAPH_ARRAYS] = {"pred_ptr", "pred_idx", "succ_ptr", "succ_idx",
+                                              "node_type", "time", "cost", "count"};
+    static const char *formats[GRAPH_ARRAYS] = {"i", "i", "i", "i", "i", "d", "d", "i"};
+    Py_ssize_t n = PyObject_Length(objs[4]), edges = PyObject_Length(objs[1]), cells = PyObject_Length(objs[5]);
+    Py_ssize_t types = PyObject_Length(objs[7]);
+    if (n < 0 || edges < 0 || cells < 0 || types < 0) return -1;
+    if (width < 1 || cells != types * width) {
+        PyErr_SetString(PyExc_ValueError, "time and cost must hold `width` choices per type (count has one per type)");
+        return -1;
+    }
+    Py_ssize_t lengths[GRAPH_ARRAYS] = {n + 1, edges, n + 1, edges, n, cells, cells, types};
+    for (*got = 0; *got < GRAPH_ARRAYS; (*got)++)
+        if (get_array(objs[*got], &views[*got], formats[*got], lengths[*got], names[*got]) < 0) return -1;
+    *g = (Graph){n, edges, types, width, views[0].buf, views[1].buf, views[2].buf, views[3].buf,
+                 views[4].buf, views[7].buf, views[5].buf, views[6].buf};
+    for (int side = 0; side < 2; side++) {
+        const int *ptr = side ? g->succ_ptr : g->pred_ptr, *idx = side ? g->succ_idx : g->pred_idx;
+        if (ptr[0] != 0 || ptr[n] != edges) goto bad;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (ptr[i + 1] < ptr[i] || ptr[i + 1] > edges) goto bad;
+            for (int k = ptr[i]; k < ptr[i + 1]; k++)
+                if (side ? idx[k] <= i || idx[k] >= n : idx[k] < 0 || idx[k] >= i) goto bad;
+        }
+    }
+    for (Py_ssize_t t = 0; t < types; t++)
+        if (g->count[t] < 1 || g->count[t] > width) {
+            PyErr_SetString(PyExc_ValueError, "count must be between 1 and width for every type");
+            return -1;
+        }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (g->node_type[i] < 0 || g->node_type[i] >= types) {
+            PyErr_SetString(PyExc_ValueError, "node_type must index the types of count");
+            return -1;
+        }
+    return 0;
+bad:
+    PyErr_SetString(PyExc_ValueError,
+                    "pred_ptr/pred_idx and succ_ptr/succ_idx must list each node's predecessors (all before it) and "
+                    "successors (all after it)");
+    return -1;
+}
+
+static int check_choice(const Graph *g, const int *choice) {
+    for (Py_ssize_t i = 0; i < g->n; i++)
+        if (choice[i] < 0 || choice[i] >= g->count[g->node_type[i]]) {
+            PyErr_Format(PyExc_ValueError, "choice[%zd] = %d is not a choice of its type", i, choice[i]);
+            return -1;
+        }
+    return 0;
+}
+
+/* Shared by the three entry points: the graph, then `extra` more arrays of the given formats. */
+static PyObject *rounding_call(PyObject *args, int op) {
+    PyObject *objs[GRAPH_ARRAYS + 2];
+    int width, reach = 0;
+    double number = 0.0;
+    int ok;
+    if (op == 0)
+        ok = PyArg_ParseTuple(args, "OOOOOOOOiOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                              &objs[6], &objs[7], &width, &objs[8], &objs[9]);
+    else if (op == 1)
+        ok = PyArg_ParseTuple(args, "OOOOOOOOiOdO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                              &objs[6], &objs[7], &width, &objs[8], &number, &objs[9]);
+    else
+        ok = PyArg_ParseTuple(args, "OOOOOOOOiOdi", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                              &objs[6], &objs[7], &width, &objs[8], &number, &reach);
+    if (!ok) return NULL;
+    Py_buffer views[GRAPH_ARRAYS + 2];
+    int got = 0, extra = 0;
+    Graph g;
+    PyObject *result = NULL;
+    if (get_graph(objs, width, views, &got, &g) < 0) goto done;
+    /* walk: limit (d), choice out (i); latest_finish: choice (i), latest out (d); exchange: choice (i). */
+    static const char *formats[3][2] = {{"d", "i"}, {"i", "d"}, {"i", ""}};
+    static const char *names[3][2] = {{"limit", "choice"}, {"choice", "latest"}, {"choice", ""}};
+    for (; extra < (op == 2 ? 1 : 2); extra++)
+        if (get_array(objs[GRAPH_ARRAYS + extra], &views[GRAPH_ARRAYS + extra], formats[op][extra], g.n,
+                      names[op][extra]) < 0)
+            goto done;
+    if (op == 0) {
+        double *end = malloc(sizeof(double) * (size_t)(g.n + 1));
+        if (!end) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        walk_nodes(&g, views[GRAPH_ARRAYS].buf, views[GRAPH_ARRAYS + 1].buf, end);
+        Py_END_ALLOW_THREADS
+        free(end);
+        result = Py_NewRef(Py_None);
+    } else if (op == 1) {
+        if (check_choice(&g, views[GRAPH_ARRAYS].buf) < 0) goto done;
+        Py_BEGIN_ALLOW_THREADS
+        latest_nodes(&g, views[GRAPH_ARRAYS].buf, number, views[GRAPH_ARRAYS + 1].buf);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    } else {
+        int *choice = views[GRAPH_ARRAYS].buf;
+        if (check_choice(&g, choice) < 0) goto done;
+        if (reach < 0) {
+            PyErr_SetString(PyExc_ValueError, "reach must be at least 0");
+            goto done;
+        }
+        size_t n = (size_t)g.n + 1;
+        int *k = malloc(sizeof(int) * n);
+        double *lf = malloc(sizeof(double) * n);
+        char *locked = malloc(n);
+        if (!k || !lf || !locked) {
+            free(k);
+            free(lf);
+            free(locked);
+            PyErr_NoMemory();
+            goto done;
+        }
+        long long moves = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (;;) {
+            latest_nodes(&g, choice, number, lf);
+            memcpy(k, choice, sizeof(int) * (size_t)g.n);
+            int made = sweep(&g, choice, k, lf, locked, number, reach);
+            if (!made) break;
+            moves += made;
+        }
+        Py_END_ALLOW_THREADS
+        free(k);
+        free(lf);
+        free(locked);
+        result = PyLong_FromLongLong(moves);
+    }
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    for (int i = 0; i < extra; i++) PyBuffer_Release(&views[GRAPH_ARRAYS + i]);
+    return result;
+}
+
+static PyObject *walk(PyObject *self, PyObject *args) {
+    (void)self;
+    return rounding_call(args, 0);
+}
+
+static PyObject *latest_finish(PyObject *self, PyObject *args) {
+    (void)self;
+    return rounding_call(args, 1);
+}
+
+static PyObject *exchange(PyObject *self, PyObject *args) {
+    (void)self;
+    return rounding_call(args, 2);
+}
+
 static PyMethodDef methods[] = {
+    {"walk", walk, METH_VARARGS,
+     "walk(pred_ptr, pred_idx, succ_ptr, succ_idx, node_type, time, cost, count, width, limit, choice) -> None\n\n"
+     "Topological pass: each node starts when its predecessors end and takes the slowest choice that ends by "
+     "limit[i] (its fastest if none does); written to choice (int32) in place."},
+    {"latest_finish", latest_finish, METH_VARARGS,
+     "latest_finish(pred_ptr, pred_idx, succ_ptr, succ_idx, node_type, time, cost, count, width, choice, deadline, "
+     "latest) -> None\n\n"
+     "Latest end of every node such that, with its successors at their choices, the iteration ends by the "
+     "deadline; written to latest (float64) in place."},
+    {"exchange", exchange, METH_VARARGS,
+     "exchange(pred_ptr, pred_idx, succ_ptr, succ_idx, node_type, time, cost, count, width, choice, deadline, "
+     "reach) -> moves\n\n"
+     "Sweeps of improving pair moves (rounding._pair_sweep's) on choice (int32, in place) until one makes "
+     "none; the number of moves made."},
     {"longest_path", longest_path, METH_VARARGS,
      "longest_path(pred_ptr, pred_idx, times, start, end) -> None\n\n"
      "Earliest start and end of every node of a DAG in topological order (predecessors in CSR form, int32), "
@@ -345,7 +644,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_flow", "The planner's network simplex and the DAG's longest path.", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_flow", "The planner's network simplex, the DAG's longest path and the rounding's passes.", -1,
                                     methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__flow(void) { return PyModule_Create(&module); }

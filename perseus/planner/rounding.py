@@ -5,16 +5,27 @@ predecessors end (exactly as the evaluator does, so the floating-point times agr
 and give it the cheapest choice that still ends by a per-node limit. Cheaper is slower on the
 Pareto set, so "cheapest within a limit" is "slowest within a limit". `exchange` then trades time
 between dependent pairs, and ends with such a walk, so its result is checked the same way.
+
+The passes run in the planner's C extension where it is built (the walks and pair sweeps were
+about half of a re-plan's time at 8 x 96 in Python), with the same float operations as the Python
+versions kept here for builds without a compiler, so the same plans either way.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 
 from perseus.planner.problem import Problem
+
+_flow: ModuleType | None
+try:
+    from perseus.planner import _flow
+except ImportError:  # built without a C compiler: the passes run in Python
+    _flow = None
 
 
 @dataclass(frozen=True)
@@ -55,8 +66,9 @@ class PairArrays:
 
 
 class Walker:
-    """Plain-Python views of a Problem's arrays (built once per Problem): the passes are scalar
-    loops, and over lists those beat per-element numpy calls."""
+    """The rounding's passes over one Problem's DAG: in C where the extension is built (`graph`:
+    its arrays as the C functions take them), else scalar Python loops over plain lists (over
+    lists those beat per-element numpy calls)."""
 
     def __init__(self, problem: Problem) -> None:
         dag = problem.dag
@@ -68,11 +80,39 @@ class Walker:
         type_costs = [opts.cost.tolist() for opts in problem.options]
         self.times = [type_times[k] for k in problem.node_type.tolist()]
         self.costs = [type_costs[k] for k in problem.node_type.tolist()]
-        self.arrays = PairArrays.build(problem)
+        self.arrays = a = PairArrays.build(problem)
+        self.graph: tuple | None = None
+        if _flow is not None:
+            # Successors in pair order (by node, then successor), as the Python sweep ranks ties.
+            i32 = np.int32
+            self.graph = (
+                *(x.astype(i32) for x in (dag.pred_ptr, dag.pred_idx, dag.succ_ptr, a.pair_j, a.node_type)),
+                np.ascontiguousarray(a.time).ravel(),
+                np.ascontiguousarray(a.cost).ravel(),
+                a.count.astype(i32),
+                a.time.shape[1],
+            )
 
-    def walk(self, limit: list[float]) -> list[int]:
+    def walk(self, limit: np.ndarray) -> np.ndarray:
         """Topological pass: node i takes the slowest choice that ends by limit[i] (the fastest
         if none does; the caller re-checks the deadline)."""
+        limit = np.ascontiguousarray(limit, dtype=float)
+        if self.graph is None:
+            return np.array(self._walk_loop(limit.tolist()), dtype=np.int64)
+        choice = np.empty(len(self.times), dtype=np.int32)
+        _flow.walk(*self.graph, limit, choice)  # type: ignore[union-attr]
+        return choice.astype(np.int64)
+
+    def latest_finish(self, choice: np.ndarray, deadline_s: float) -> np.ndarray:
+        """Latest end of every node such that, with successors at their current choices, the
+        iteration still ends by the deadline."""
+        if self.graph is None:
+            return np.array(self._latest_finish_loop(np.asarray(choice).tolist(), deadline_s))
+        latest = np.empty(len(self.times))
+        _flow.latest_finish(*self.graph, np.asarray(choice, dtype=np.int32), float(deadline_s), latest)  # type: ignore[union-attr]
+        return latest
+
+    def _walk_loop(self, limit: list[float]) -> list[int]:
         n = len(self.times)
         end = [0.0] * n
         out = [0] * n
@@ -99,9 +139,7 @@ class Walker:
             end[i] = start + times[k]
         return out
 
-    def latest_finish(self, choice: list[int], deadline_s: float) -> list[float]:
-        """Latest end of every node such that, with successors at their current choices, the
-        iteration still ends by the deadline."""
+    def _latest_finish_loop(self, choice: list[int], deadline_s: float) -> list[float]:
         n = len(self.times)
         latest = [deadline_s] * n
         for i in range(n - 1, -1, -1):
@@ -118,17 +156,14 @@ def round_down(
     """Each node at the slowest choice that ends by its relaxed finish time (plus `slack_s`, a
     tolerance for the LP's own rounding). Nodes start no later than in the relaxation."""
     walker = walker or Walker(problem)
-    limit = (np.asarray(finish_s) + slack_s).tolist()
-    return np.array(walker.walk(limit), dtype=np.int64)
+    return walker.walk(np.asarray(finish_s) + slack_s)
 
 
 def fill_slack(problem: Problem, choice: np.ndarray, deadline_s: float, walker: Walker | None = None) -> np.ndarray:
     """Slow every node down into the slack the deadline leaves it, earliest nodes first. A plan
     that met the deadline still meets it; each node is at least as slow (as cheap) as before."""
     walker = walker or Walker(problem)
-    current = choice.tolist()
-    latest = walker.latest_finish(current, deadline_s)
-    return np.array(walker.walk(latest), dtype=np.int64)
+    return walker.walk(walker.latest_finish(choice, deadline_s))
 
 
 def exchange(
@@ -140,6 +175,10 @@ def exchange(
     a pair can fill them. Sweeps until no pair improves, then fills any slack left. A plan that
     met `deadline_s` still meets it."""
     walker = walker or Walker(problem)
+    if walker.graph is not None:
+        moved = choice.astype(np.int32)
+        _flow.exchange(*walker.graph, moved, float(deadline_s), reach)  # type: ignore[union-attr]
+        return fill_slack(problem, moved.astype(np.int64), deadline_s, walker)
     current = choice.tolist()
     while _pair_sweep(walker, current, deadline_s, reach):
         pass
@@ -157,7 +196,7 @@ def _pair_sweep(walker: Walker, choice: list[int], deadline_s: float, reach: int
     and only the improving ones are walked in order to apply the locks."""
     a = walker.arrays
     k = np.asarray(choice, dtype=np.int64)
-    lf = np.array(walker.latest_finish(choice, deadline_s) + [-np.inf])
+    lf = np.append(walker.latest_finish(np.array(choice), deadline_s), -np.inf)
     dur = a.time[a.node_type, k]
     i, j = a.pair_i, a.pair_j
     # Start of i: its predecessors' latest finishes; of j: those of its predecessors but i.

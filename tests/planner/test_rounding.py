@@ -1,5 +1,6 @@
 """Pair exchanges: the vectorized sweep makes exactly the moves of a plain sequential sweep (the
-planner's former implementation, kept here as the oracle), so plans never get worse for it."""
+planner's former implementation, kept here as the oracle), so plans never get worse for it; and
+the C passes (walk, latest finish, pair sweeps) give the Python ones' bits."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import numpy as np
 import pytest
 from test_solver import GPT3, random_profile
 
-from perseus.planner import Planner
+from perseus.planner import Planner, rounding
 from perseus.planner.lp import HullLP
-from perseus.planner.rounding import Walker, _pair_sweep, fill_slack, round_down
+from perseus.planner.rounding import Walker, _pair_sweep, exchange, fill_slack, round_down
 from perseus.profiler import load_profile
 from perseus.schedules import build_schedule
 
@@ -97,3 +98,56 @@ def test_vectorized_sweep_makes_the_sequential_moves(name, stages, microbatches)
 def test_vectorized_sweep_on_gpt3():
     planner = Planner(build_schedule("1f1b", 8, 12), load_profile(GPT3, 83.64))
     assert sum(sweep_both(planner, f * planner.max_frequency_time_s) for f in (1.0, 1.1)) > 0
+
+
+def python_exchange(walker: Walker, choice: np.ndarray, deadline: float) -> np.ndarray:
+    current = choice.tolist()
+    while _pair_sweep(walker, current, deadline, 3):
+        pass
+    return np.array(current)
+
+
+@pytest.mark.skipif(rounding._flow is None, reason="the planner's C extension is not built here")
+@pytest.mark.parametrize("name,stages,microbatches", [("1f1b", 4, 12), ("zb-h1", 3, 6), ("interleaved-1f1b", 2, 4)])
+def test_c_passes_give_the_python_bits(name, stages, microbatches):
+    schedule = build_schedule(name, stages, microbatches, num_chunks=2 if name.startswith("interleaved") else 1)
+    moved = 0
+    for seed in range(4):
+        planner = Planner(schedule, random_profile(seed, stages, 12))
+        problem = planner.problem
+        walker = Walker(problem)
+        for slowdown in (1.0, 1.05, 1.2):
+            deadline = slowdown * planner.max_frequency_time_s
+            limit = np.asarray(HullLP(problem).solve(deadline).finish_s) + 1e-9
+            walked = walker.walk(limit)
+            assert walked.tolist() == walker._walk_loop(limit.tolist())
+            latest = walker.latest_finish(walked, deadline)
+            assert latest.tobytes() == np.array(walker._latest_finish_loop(walked.tolist(), deadline)).tobytes()
+            start = fill_slack(problem, walked, deadline, walker)
+            in_c = start.astype(np.int32)
+            rounding._flow.exchange(*walker.graph, in_c, deadline, 3)
+            assert in_c.tolist() == python_exchange(walker, start, deadline).tolist()
+            assert (
+                exchange(problem, start, deadline, walker).tolist()
+                == fill_slack(problem, in_c.astype(np.int64), deadline, walker).tolist()
+            )
+            moved += int((in_c != start).sum())
+    assert moved > 0
+
+
+@pytest.mark.skipif(rounding._flow is None, reason="the planner's C extension is not built here")
+def test_c_passes_refuse_arrays_that_would_read_out_of_bounds():
+    walker = Walker(Planner(build_schedule("1f1b", 2, 4), random_profile(0, 2, 6)).problem)
+    n = len(walker.times)
+    pred_ptr, pred_idx, succ_ptr, succ_idx, node_type, time, cost, count, width = walker.graph
+    choice = np.zeros(n, dtype=np.int32)
+    with pytest.raises(ValueError, match="predecessors"):
+        rounding._flow.walk(
+            pred_ptr, pred_idx[::-1].copy(), succ_ptr, succ_idx, node_type, time, cost, count, width, np.ones(n), choice
+        )
+    with pytest.raises(ValueError, match="node_type"):
+        rounding._flow.walk(*walker.graph[:4], node_type + 100, *walker.graph[5:], np.ones(n), choice)
+    with pytest.raises(ValueError, match="not a choice"):
+        rounding._flow.exchange(*walker.graph, np.full(n, width, dtype=np.int32), 1.0, 3)
+    with pytest.raises(ValueError, match="limit"):
+        rounding._flow.walk(*walker.graph, np.ones(n - 1), choice)
