@@ -47,6 +47,11 @@ RESTRICT_MAX_NODES = 4096
 REFINE_MAX_NODES = 16384
 # Deadlines whose cold LP results a Planner keeps (`Planner._relaxations`).
 _REMEMBERED = 8
+# Network simplex solves at deadlines above the all-max time and up to this factor of it start
+# from the no-slowdown optimum instead of the crash tree (every instruction at its slowest). At
+# 8 x 96 on the A100 and A40 profiles: 18-49 ms against 108-159 ms cold at 1.02x, 38-108 ms
+# against 92-119 ms at 1.05x, but 76-147 ms against 60-109 ms at 1.08x.
+NEAR_NO_SLOWDOWN = 1.06
 
 # A deadline's plain relaxation, its basis, and each relaxation to round with the deadline it is rounded for.
 _Relaxed = tuple[Relaxation, object, tuple[tuple[Relaxation, float | None], ...]]
@@ -97,6 +102,7 @@ class Planner:
             within = np.searchsorted(opts.time, max_times[nodes], side="right") - 1
             self._max_frequency_dominated[nodes] = np.maximum(within, 0)
         self._min_energy: Plan | None = None
+        self._no_slowdown_basis: Any = None
         self._relaxed: dict[tuple[float | None, bool], _Relaxed] = {}
         self._own: dict[tuple[float, bool, bool], Relaxation | None] = {}
         self._lock = threading.Lock()
@@ -170,6 +176,7 @@ class Planner:
                 f"no plan finishes within {deadline_s:.6g} s: even the fastest frequencies take "
                 f"{self.fastest_time_s:.6g} s per iteration; relax the deadline"
             )
+        start = self._start(deadline_s) if not warm else None
         own_key, restricted = None, None
         if deadline_s is not None and (refined or padded):
             # The objective's own relaxation certifies the plan: padded if asked, and without the
@@ -182,9 +189,9 @@ class Planner:
                 # on another core meanwhile (it releases the GIL and shares nothing), a cold solve
                 # as long as the plain one. HiGHS' small LPs take milliseconds inline.
                 pool = ThreadPoolExecutor(max_workers=1)
-                restricted = pool.submit(self._restricted_relaxation, deadline_s, padded)
+                restricted = pool.submit(self._restricted_relaxation, deadline_s, padded, start)
                 pool.shutdown(wait=False)
-        relaxation, basis, rounded = self._relaxations(deadline_s, warm, refined)
+        relaxation, basis, rounded = self._relaxations(deadline_s, warm, refined, start)
         candidates = []
         for relaxed, target_s in rounded:
             candidates += self._round(relaxed, target_s)
@@ -207,7 +214,22 @@ class Planner:
         refining = refined and self.problem.num_nodes <= REFINE_MAX_NODES
         return self._best(candidates, deadline_s, bound, padded, _EXCHANGED if refining else 1)
 
-    def _relaxations(self, deadline_s: float | None, warm: bool, refined: bool) -> _Relaxed:
+    def _start(self, deadline_s: float | None) -> Any:
+        """Where a cold network-simplex solve at `deadline_s` starts: the no-slowdown optimum
+        just past the all-max time (`NEAR_NO_SLOWDOWN`), else None (the crash tree). Either is a
+        function of the problem and the deadline, so plans do not depend on earlier calls."""
+        if (
+            deadline_s is None
+            or not uses_flow(self.problem)
+            or not self.max_frequency_time_s < deadline_s <= NEAR_NO_SLOWDOWN * self.max_frequency_time_s
+        ):
+            return None
+        if self._no_slowdown_basis is None:
+            self._lp.solve(self.max_frequency_time_s)
+            self._no_slowdown_basis = self._lp.basis()
+        return self._no_slowdown_basis
+
+    def _relaxations(self, deadline_s: float | None, warm: bool, refined: bool, start: Any = None) -> _Relaxed:
         """The relaxation over every profiled choice at the plain (unpadded) objective, and each
         relaxation to round with the deadline it is rounded for: its own, iterative rounding's and
         the minimum-energy targets', the candidates the planner always had (so no plan is ever
@@ -217,8 +239,10 @@ class Planner:
         key = (deadline_s, refined)
         if not warm and key in self._relaxed:
             return self._relaxed[key]
-        relaxation = self._lp.solve(deadline_s, warm=warm)
+        relaxation = self._lp.solve(deadline_s, warm=warm, start=start)
         basis = self._lp.basis()
+        if deadline_s == self.max_frequency_time_s and not warm and uses_flow(self.problem):
+            self._no_slowdown_basis = basis
         rounded = [(relaxation, deadline_s)]
         if refined and self.problem.num_nodes <= REFINE_MAX_NODES:
             rounded.append((refine(self.problem, self._lp, relaxation, deadline_s), deadline_s))
@@ -262,12 +286,15 @@ class Planner:
             _remember(self._own, key, own)
         return self._own[key]
 
-    def _restricted_relaxation(self, deadline_s: float, padded: bool) -> Relaxation | None:
+    def _restricted_relaxation(self, deadline_s: float, padded: bool, start: Any = None) -> Relaxation | None:
         """The relaxation of the problem without the choices `deadline_s` rules out, or None
-        where it rules out none and the objective is the plain one."""
+        where it rules out none and the objective is the plain one. Where it rules out none, it
+        is the plain LP's network and starts where that one does (`start`)."""
         problem = self.problem.restricted(deadline_s)
-        if padded or problem is not self.problem:
+        if problem is not self.problem:
             return relaxation_lp(problem).solve(deadline_s, padded=padded)
+        if padded:
+            return relaxation_lp(problem).solve(deadline_s, padded=True, start=start)
         return None
 
     def _round(self, relaxation: Relaxation, deadline_s: float | None) -> list[np.ndarray]:

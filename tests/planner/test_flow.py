@@ -146,7 +146,42 @@ def test_the_restricted_relaxation_solved_beside_the_plain_one_certifies_the_sam
     deadline = 1.05 * planner.max_frequency_time_s
     beside = planner.plan(deadline=deadline, padded=True)
     inline = Planner(schedule, profile)
-    inline._own[(deadline, True, True)] = inline._restricted_relaxation(deadline, True)
+    inline._own[(deadline, True, True)] = inline._restricted_relaxation(deadline, True, inline._start(deadline))
     assert inline.plan(deadline=deadline, padded=True) == beside
     restricted = flow.FlowLP(planner.problem.restricted(deadline)).solve(deadline, padded=True)
     assert beside.lower_bound_j == pytest.approx(restricted.lower_bound_j, rel=1e-12)
+
+
+@built
+def test_a_solve_just_past_no_slowdown_starts_from_its_optimum_and_plans_alike_whatever_came_before(monkeypatch):
+    """Deadlines up to NEAR_NO_SLOWDOWN x the all-max time start the simplex from the no-slowdown
+    optimum (fewer pivots there than from the crash tree), further ones from the crash tree; either
+    start is a function of the deadline, so a plan is the same on a fresh Planner and after others."""
+    schedule = build_schedule("1f1b", 4, 160)  # 1,280 instructions: network simplex
+    profile = random_profile(3, 4, 10)
+    starts = []
+    solve = flow.FlowLP.solve
+
+    def recorded(self, deadline_s, warm=False, padded=False, start=None):
+        if not warm:
+            starts.append((deadline_s, start is not None))
+        return solve(self, deadline_s, warm=warm, padded=padded, start=start)
+
+    monkeypatch.setattr(flow.FlowLP, "solve", recorded)
+    fresh = Planner(schedule, profile)
+    assert isinstance(fresh._lp, flow.FlowLP)
+    near = 1.03 * fresh.max_frequency_time_s
+    plan = fresh.plan(deadline=near, padded=True)
+    assert plan.iteration_time_s <= near and plan.lower_bound_j <= plan.energy_j
+    # The no-slowdown optimum first (cold), then this deadline's plain and padded LPs from it.
+    assert starts[0] == (fresh.max_frequency_time_s, False)
+    assert sorted(starts[1:]) == [(near, True), (near, True)]
+    starts.clear()
+    fresh.plan(max_slowdown=1.2, padded=True)
+    assert [started for _, started in starts] == [False, False]
+    used = Planner(schedule, profile)
+    used.frontier(num_points=4)
+    used.plan(max_slowdown=1.2, padded=True)
+    used.plan(max_slowdown=1.0)
+    assert used.plan(deadline=near, padded=True) == plan
+    assert used.plan(deadline=near) == Planner(schedule, profile).plan(deadline=near)
