@@ -136,6 +136,11 @@ def stage_run(
         j = k + 1
         while j < len(force) and force[j][2] <= begin:  # asked for before it started (asked in order)
             j += 1
+        if j == k + 1:  # the clock in force runs all of it (most instructions): the loop below, unrolled
+            t, e = table[_at_least(table, force[k][1])]
+            times.append((begin + t) - begin)
+            energies.append(e)
+            continue
         later = force[k + 1 : j]
         pieces = [force[k][1]] + [clock for _, clock, _ in later]
         untils = [at for at, _, _ in later] + [math.inf]
@@ -221,8 +226,8 @@ class _Replay:
             merged = False
             for s, nodes in enumerate(self.nodes):
                 k = 0
+                spans = segments(self.clocks[s])  # again after each move taken
                 while trials < MERGE_TRIALS:
-                    spans = segments(self.clocks[s])
                     if k >= len(spans):
                         break
                     short = float(t[nodes[spans[k].start : spans[k].stop]].sum()) < window_s[s]
@@ -249,6 +254,7 @@ class _Replay:
                         k += 1
                         continue
                     self.clocks[s] = best[1]
+                    spans = segments(self.clocks[s])
                     t = self.nominal()
                     start, end = self.arrays.longest_path(t)
                     through = start + self.arrays.longest_tail(t)
