@@ -16,8 +16,9 @@
  * The module also holds the DAG's longest path for one assignment of node times (`longest_path`,
  * perseus.planner.dag), which the evaluator and the EnvPipe baseline run hundreds of times on a
  * large pipeline: a Python loop over 32,768 instructions takes milliseconds each time; and the
- * rounding's scalar passes over the DAG (`walk`, `latest_finish`, `exchange`: perseus.planner.rounding),
- * with the same float operations as their Python versions, so the same plans.
+ * rounding's scalar passes over the DAG (`walk`, `latest_finish`, `exchange`: perseus.planner.rounding)
+ * and a stage's replay with clock switch latencies (`replay`: perseus.planner.switches), with the
+ * same float operations as their Python versions, so the same plans.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -612,7 +613,144 @@ static PyObject *exchange(PyObject *self, PyObject *args) {
     return rounding_call(args, 2);
 }
 
+/* ---- A stage's replay with clock switch latencies (perseus.planner.switches.stage_run) ----
+ * Clocks are columns of the stage's tables (ascending MHz, so comparing columns compares clocks);
+ * lat[c] and lead[c] are the switch latency to clock c and how early a change up to it is asked. */
+
+typedef struct {
+    double since, asked;
+    int column;
+} Force;
+
+static Py_ssize_t clock_changes_c(Py_ssize_t n, const int *col, const double *start, const double *lat,
+                                  const double *lead, Force *calls, Force *force) {
+    /* Calls: one per segment whose clock differs from the one before it (the first segment's
+     * "before" is the last instruction's: the plan repeats). */
+    Py_ssize_t m = 0, prev_start = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i > 0 && col[i] == col[i - 1]) continue;
+        int target = col[i], previous = col[i == 0 ? n - 1 : i - 1];
+        Py_ssize_t segment_before = prev_start;
+        prev_start = i;
+        if (target == previous) continue;
+        double at = start[i];
+        if (target > previous) {
+            at -= lead[target];
+            if (segment_before >= 0 && !(start[segment_before] <= at)) at = start[segment_before];
+        }
+        /* Stable insertion by asked time (calls come nearly in order). */
+        Py_ssize_t k = m++;
+        while (k > 0 && calls[k - 1].asked > at) {
+            calls[k] = calls[k - 1];
+            k--;
+        }
+        calls[k].asked = at;
+        calls[k].column = target;
+    }
+    Py_ssize_t f = 0;
+    force[f++] = (Force){-INFINITY, -INFINITY, n ? col[n - 1] : 0};
+    int pending = 0;
+    Force last = {0, 0, 0};
+    for (Py_ssize_t k = 0; k < m; k++) {
+        if (pending && last.since <= calls[k].asked) force[f++] = last;
+        last = (Force){calls[k].asked + lat[calls[k].column], calls[k].asked, calls[k].column};
+        pending = 1;
+    }
+    if (pending) force[f++] = last;
+    return f;
+}
+
+static void replay_stage(Py_ssize_t n, Py_ssize_t cols, const int *col, const double *start, const double *lat,
+                         const double *lead, const double *time, const double *energy, Force *calls, Force *force,
+                         double *times, double *energies) {
+    Py_ssize_t f = clock_changes_c(n, col, start, lat, lead, calls, force), k = 0;
+    for (Py_ssize_t p = 0; p < n; p++) {
+        double begin = start[p];
+        while (k + 1 < f && force[k + 1].since <= begin) k++;
+        Py_ssize_t j = k + 1;
+        while (j < f && force[j].asked <= begin) j++;
+        double now = begin, left = 1.0, e_sum = 0.0;
+        for (Py_ssize_t q = k; q < j; q++) {
+            double until = q + 1 < j ? force[q + 1].since : INFINITY;
+            double t = time[p * cols + force[q].column], e = energy[p * cols + force[q].column];
+            if (now + left * t <= until) {
+                e_sum += left * e;
+                now += left * t;
+                break;
+            }
+            double done = (until - now) / t;
+            left -= done;
+            e_sum += done * e;
+            now = until;
+        }
+        times[p] = now - begin;
+        energies[p] = e_sum;
+    }
+}
+
+static PyObject *replay(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objs[8];
+    int queue = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOOOO|p", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &objs[6],
+                          &objs[7], &queue))
+        return NULL;
+    Py_ssize_t n = PyObject_Length(objs[0]), cols = PyObject_Length(objs[2]);
+    if (n < 0 || cols < 0) return NULL;
+    static const char *names[8] = {"column", "start", "latency", "lead", "time", "energy", "times", "energies"};
+    static const char *formats[8] = {"i", "d", "d", "d", "d", "d", "d", "d"};
+    Py_ssize_t lengths[8] = {n, n, cols, cols, n * cols, n * cols, n, n};
+    Py_buffer views[8];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 8; got++)
+        if (get_array(objs[got], &views[got], formats[got], lengths[got], names[got]) < 0) goto done;
+    const int *col = views[0].buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (col[i] < 0 || col[i] >= cols) {
+            PyErr_Format(PyExc_ValueError, "column[%zd] = %d is not a column of the tables", i, col[i]);
+            goto done;
+        }
+    Force *calls = malloc(sizeof(Force) * (size_t)(n + 1)), *force = malloc(sizeof(Force) * (size_t)(n + 2));
+    double *begin = malloc(sizeof(double) * (size_t)(n + 1));
+    if (!calls || !force || !begin) {
+        free(calls);
+        free(force);
+        free(begin);
+        PyErr_NoMemory();
+        goto done;
+    }
+    const double *start = views[1].buf, *time = views[4].buf;
+    if (queue) {
+        /* Each instruction starts at its start or when the one before it ends at its planned clock,
+         * whichever is later (a trial that slows instructions pushes the ones after them). */
+        double free_at = -INFINITY;
+        for (Py_ssize_t p = 0; p < n; p++) {
+            double b = start[p];
+            if (free_at > b) b = free_at;
+            begin[p] = b;
+            free_at = b + time[p * cols + col[p]];
+        }
+        start = begin;
+    }
+    replay_stage(n, cols, col, start, views[2].buf, views[3].buf, time, views[5].buf, calls, force, views[6].buf,
+                 views[7].buf);
+    free(calls);
+    free(force);
+    free(begin);
+    result = Py_NewRef(Py_None);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"replay", replay, METH_VARARGS,
+     "replay(column, start, latency, lead, time, energy, times, energies, queue=False) -> None\n\n"
+     "A stage's instructions run at clock columns `column` (int32) from `start` with clock changes that take "
+     "latency[c] (asked lead[c] early when the clock rises), as perseus.planner.switches.stage_run; time and "
+     "energy are (instructions x columns) tables; each instruction's time and energy written to times and "
+     "energies in place. `queue`: each starts no earlier than the one before it ends at its planned clock."},
     {"walk", walk, METH_VARARGS,
      "walk(pred_ptr, pred_idx, succ_ptr, succ_idx, node_type, time, cost, count, width, limit, choice) -> None\n\n"
      "Topological pass: each node starts when its predecessors end and takes the slowest choice that ends by "
@@ -644,7 +782,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_flow", "The planner's network simplex, the DAG's longest path and the rounding's passes.", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_flow", "The planner's network simplex, the DAG's longest path, the rounding's passes and the switch replay.", -1,
                                     methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__flow(void) { return PyModule_Create(&module); }

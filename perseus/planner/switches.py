@@ -22,12 +22,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from perseus.controller.latency import early_lead_s
 from perseus.planner.plan import Plan
+
+_flow: ModuleType | None
+try:
+    from perseus.planner import _flow
+except ImportError:  # built without a C compiler: stages replay in Python
+    _flow = None
 
 if TYPE_CHECKING:
     from perseus.planner.solver import Planner
@@ -176,22 +183,72 @@ class _Replay:
         ]
         self.tables = [[by_choice[int(evaluator.choice_of[i])] for i in row] for row in self.nodes]
         self.clocks = [[int(frequencies[ins]) for ins in row] for row in planner.schedule.stages]
+        # Per instruction, its time at every clock of the plan (`_at_least` resolved once per kind).
+        clocks = {f for row in self.clocks for f in row}
+        resolved = {id(t): {f: t[_at_least(t, f)][0] for f in clocks} for t in by_choice}
+        self.time_at = [[resolved[id(table)] for table in row] for row in self.tables]
+        if _flow is not None:
+            self._columns = [self._replay_tables(s) for s in range(len(self.nodes))]
+
+    def _replay_tables(self, s: int) -> tuple[dict[int, int], tuple[np.ndarray, ...]]:
+        """Stage `s` as the C replay reads it: a column per clock (ascending, those of its tables
+        and its plan), each row's (time, energy) there as `_at_least` picks them, and each
+        column's latency and early lead."""
+        tables = self.tables[s]
+        clocks = sorted({f for table in tables for f in table} | set(self.clocks[s]))
+        # Instructions of one kind share a table: one row each, then one per instruction.
+        distinct = {id(table): table for table in tables}
+        cells = np.array([[table[_at_least(table, f)] for f in clocks] for table in distinct.values()], dtype=float)
+        cells = cells.reshape(len(distinct), len(clocks), 2)
+        rows = np.array([list(distinct).index(id(table)) for table in tables], dtype=np.int64)
+        latency = self.latencies[s]
+        lat = np.array([latency(f) for f in clocks], dtype=float)
+        lead = np.array([early_lead_s(latency(f)) for f in clocks], dtype=float)
+        time = np.ascontiguousarray(cells[rows, :, 0]).ravel()
+        energy = np.ascontiguousarray(cells[rows, :, 1]).ravel()
+        return {f: c for c, f in enumerate(clocks)}, (lat, lead, time, energy)
 
     def nominal(self, stage: int | None = None, clocks: Sequence[int] = ()) -> np.ndarray:
         """Node times at the planned clocks (stage `stage` at `clocks` instead)."""
         t = np.empty(self.arrays.num_nodes)
         for s, row in enumerate(self.nodes):
             use = clocks if s == stage else self.clocks[s]
-            t[row] = [table[_at_least(table, f)][0] for table, f in zip(self.tables[s], use)]
+            t[row] = [time_at[f] for time_at, f in zip(self.time_at[s], use)]
         return t
 
     def stage(self, s: int, clocks: Sequence[int], start: np.ndarray) -> tuple[list[float], list[float]]:
-        return stage_run(self.tables[s], clocks, start[self.nodes[s]].tolist(), self.latencies[s])
+        return self._run(s, clocks, start[self.nodes[s]].tolist())
+
+    def _run(
+        self, s: int, clocks: Sequence[int], starts: list[float], queue: Sequence[float] | None = None
+    ) -> tuple[list[float], list[float]]:
+        """`stage_run` of stage `s` from `starts`, or with `queue` (each instruction's time at its
+        clock) from when the one before it ends, if later: in C where the extension is built (the
+        same float operations; a merge replays its stage for every move it tries), else in Python."""
+        if _flow is None:
+            if queue is not None:
+                begins, free = [], -math.inf
+                for begin, took in zip(starts, queue):
+                    begin = max(begin, free)
+                    begins.append(begin)
+                    free = begin + took
+                starts = begins
+            return stage_run(self.tables[s], clocks, starts, self.latencies[s])
+        column, arrays = self._columns[s]
+        n = len(starts)
+        times, energies = np.empty(n), np.empty(n)
+        cols = np.fromiter(map(column.__getitem__, clocks), dtype=np.int32, count=n)
+        _flow.replay(cols, np.array(starts, dtype=float), *arrays, times, energies, queue is not None)
+        return times.tolist(), energies.tolist()
 
     def energy(self, iteration_s: float, runs: Sequence[tuple[list[float], list[float]]]) -> float:
         """E = sum(e) + P_block * (N * T - sum(t)), the evaluator's model, over replayed instructions."""
-        busy = sum(sum(t) for t, _ in runs)
-        return sum(sum(e) for _, e in runs) + self.power * (self.num_stages * iteration_s - busy)
+        return self._energy(iteration_s, [(sum(t), sum(e)) for t, e in runs])
+
+    def _energy(self, iteration_s: float, sums: Sequence[tuple[float, float]]) -> float:
+        """`energy` from each stage's (sum of times, sum of energies)."""
+        busy = sum(t for t, _ in sums)
+        return sum(e for _, e in sums) + self.power * (self.num_stages * iteration_s - busy)
 
     def replayed(self) -> tuple[float, float]:
         """(T at the planned clocks, replayed energy): each stage replayed on the timeline its
@@ -220,36 +277,37 @@ class _Replay:
         through = start + self.arrays.longest_tail(t)  # the longest path through each node
         iteration_s = float(end.max())
         runs = [self.stage(s, self.clocks[s], start) for s in range(len(self.nodes))]
-        energy = self.energy(iteration_s, runs)
+        sums = [(sum(times), sum(energies)) for times, energies in runs]
+        energy = self._energy(iteration_s, sums)
         trials = 0
         for _ in range(MERGE_PASSES):
             merged = False
             for s, nodes in enumerate(self.nodes):
                 k = 0
-                spans = segments(self.clocks[s])  # again after each move taken
+                # Again after each move taken: the segments, and the stage's nominal times, starts
+                # and longest paths through its instructions as lists (read per instruction).
+                spans = segments(self.clocks[s])
+                now, first, through_s = t[nodes].tolist(), start[nodes].tolist(), through[nodes].tolist()
                 while trials < MERGE_TRIALS:
                     if k >= len(spans):
                         break
                     short = float(t[nodes[spans[k].start : spans[k].stop]].sum()) < window_s[s]
-                    best: tuple[float, list[int], tuple[list[float], list[float]]] | None = None
-                    for clocks in self._moves(s, spans, k, short):
+                    best: tuple[float, list[int]] | None = None
+                    for lo, hi, clock in self._moves(s, spans, k, short):
                         trials += 1
-                        times = [table[_at_least(table, f)][0] for table, f in zip(self.tables[s], clocks)]
-                        grown = [p for p, node in enumerate(nodes) if times[p] > t[node]]
-                        slower = sum(times[p] - t[nodes[p]] for p in grown)
-                        longest = max((float(through[nodes[p]]) for p in grown), default=0.0) + slower
+                        # Only instructions lo..hi-1 change clock (and so may take longer).
+                        changed = [time_at[clock] for time_at in self.time_at[s][lo:hi]]
+                        grown = [p for p, took in enumerate(changed, lo) if took > now[p]]
+                        slower = sum(changed[p - lo] - now[p] for p in grown)
+                        longest = max((through_s[p] for p in grown), default=0.0) + slower
                         if longest > limit_s:
                             continue
-                        begins, free = [], -math.inf
-                        for p, node in enumerate(nodes):
-                            begin = max(float(start[node]), free)
-                            begins.append(begin)
-                            free = begin + times[p]
-                        stage_new = stage_run(self.tables[s], clocks, begins, self.latencies[s])
-                        iteration_new = max(iteration_s, longest)
-                        energy_new = self.energy(iteration_new, [*runs[:s], stage_new, *runs[s + 1 :]])
+                        clocks = [*self.clocks[s][:lo], *[clock] * (hi - lo), *self.clocks[s][hi:]]
+                        times, energies = self._run(s, clocks, first, queue=[*now[:lo], *changed, *now[hi:]])
+                        trial = [*sums[:s], (sum(times), sum(energies)), *sums[s + 1 :]]
+                        energy_new = self._energy(max(iteration_s, longest), trial)
                         if energy_new < energy * (1 - 1e-9) and (best is None or energy_new < best[0]):
-                            best = (energy_new, clocks, stage_new)
+                            best = (energy_new, clocks)
                     if best is None:
                         k += 1
                         continue
@@ -258,29 +316,27 @@ class _Replay:
                     t = self.nominal()
                     start, end = self.arrays.longest_path(t)
                     through = start + self.arrays.longest_tail(t)
+                    now, first, through_s = t[nodes].tolist(), start[nodes].tolist(), through[nodes].tolist()
                     iteration_s = float(end.max())
-                    runs[s] = self.stage(s, self.clocks[s], start)
-                    energy = self.energy(iteration_s, runs)
+                    times, energies = self.stage(s, self.clocks[s], start)
+                    sums[s] = (sum(times), sum(energies))
+                    energy = self._energy(iteration_s, sums)
                     merged = True
                     k = max(k - 1, 0)
             if not merged or trials >= MERGE_TRIALS:
                 return
 
-    def _moves(self, s: int, spans: list[range], k: int, short: bool) -> list[list[int]]:
-        """Stage `s`'s clocks with segment `k` changed by one move (see `merge`)."""
+    def _moves(self, s: int, spans: list[range], k: int, short: bool) -> list[tuple[int, int, int]]:
+        """The moves on stage `s`'s segment `k` (see `merge`): instructions lo..hi-1 take a clock."""
         run, moves = spans[k], []
         for side, edge in ((k - 1, run.start), (k + 1, run.stop - 1)):
             if not 0 <= side < len(spans):
                 continue
             clock = self.clocks[s][spans[side].start]
             if short:
-                whole = list(self.clocks[s])
-                whole[run.start : run.stop] = [clock] * len(run)
-                moves.append(whole)
+                moves.append((run.start, run.stop, clock))
             if len(run) > 1:
-                one = list(self.clocks[s])
-                one[edge] = clock
-                moves.append(one)
+                moves.append((edge, edge + 1, clock))
         return moves
 
 
@@ -305,8 +361,15 @@ def followable(planner: Planner, plan: Plan, latencies: Sequence[Latency]) -> Pl
     if not any(longest):
         return plan
     frequencies = dict(plan.frequencies)
+    # Instructions of one (stage, chunk, kind) share a profile row set: one table each.
+    by_kind: dict[tuple, dict[int, float]] = {}
     for s, row in enumerate(schedule.stages):
-        times = [{p.frequency: p.time for p in profile.points_for(ins, schedule)} for ins in row]
+        times = []
+        for ins in row:
+            key = (ins.stage, ins.chunk, ins.kind)
+            if key not in by_kind:
+                by_kind[key] = {p.frequency: p.time for p in profile.points_for(ins, schedule)}
+            times.append(by_kind[key])
         raised = raise_short_segments([plan.frequencies[ins] for ins in row], times, longest[s])
         frequencies.update(zip(row, raised))
     replay = _Replay(planner, frequencies, latencies)

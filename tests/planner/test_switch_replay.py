@@ -13,7 +13,7 @@ from perseus.devices.sim import SimGPU
 from perseus.devices.sim_presets import PRESETS
 from perseus.devices.sim_realism import SimRealism
 from perseus.devices.sim_work import Work, predict
-from perseus.planner import Planner
+from perseus.planner import Planner, switches
 from perseus.planner.switches import (
     _Replay,
     clock_changes,
@@ -130,3 +130,26 @@ def test_without_latencies_the_plan_is_unchanged():
     planner = Planner(schedule, profile)
     plan = planner.plan()
     assert followable(planner, plan, [profile_latency(profile, s) for s in range(4)]) is plan
+
+
+@pytest.mark.skipif(switches._flow is None, reason="the planner's C extension is not built here")
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_the_c_replay_gives_the_python_bits(monkeypatch, scale):
+    """A merge replays its stage in C for every move it tries: the same plan, times and energies
+    as the Python replay, on latencies that leave most segments short (scale 3: 30-90 ms)."""
+    latencies = {f: scale * latency(f) for f in PRESET.frequencies[::8]}
+    schedule = build_schedule("1f1b", 4, 8)
+    profile = pipeline_profile(latencies)
+    planner = Planner(schedule, profile)
+    per_stage = [profile_latency(profile, s) for s in range(4)]
+    plans = [planner.plan(), planner.plan(max_slowdown=1.1, padded=True)]
+    in_c = [followable(planner, plan, per_stage) for plan in plans]
+    replay = _Replay(planner, plans[0].frequencies, per_stage)
+    start, _ = replay.arrays.longest_path(replay.nominal())
+    first = start[replay.nodes[1]].tolist()
+    queue = replay.nominal()[replay.nodes[1]].tolist()
+    c_runs = [replay._run(1, replay.clocks[1], first), replay._run(1, replay.clocks[1], first, queue=queue)]
+    monkeypatch.setattr(switches, "_flow", None)
+    assert [followable(planner, plan, per_stage) for plan in plans] == in_c
+    assert [replay._run(1, replay.clocks[1], first), replay._run(1, replay.clocks[1], first, queue=queue)] == c_runs
+    assert any(f.frequencies != p.frequencies for f, p in zip(in_c, plans))  # the merge moved something
