@@ -92,8 +92,10 @@ Latency = Callable[[int], float]
 #: Segments at most this many latencies long are tried at a neighbour's clock.
 MERGE_WITHIN_LATENCIES = 4.0
 #: Passes over every stage's segments, and trial plans evaluated, at most (deterministic bounds).
+#: At 8 x 96 with the simulator's realistic A100 latencies a merge tries about 1,100 moves over
+#: all 8 stages (1,000 stopped it in stage 5), in about 40 ms.
 MERGE_PASSES = 3
-MERGE_TRIALS = 1000
+MERGE_TRIALS = 4000
 
 
 def clock_changes(clocks: Sequence[int], starts: Sequence[float], latency: Latency) -> list[tuple[float, int, float]]:
