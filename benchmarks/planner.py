@@ -19,7 +19,8 @@ planner plans without the padding, so its claimed gap is against another objecti
 
 Speed (each in a fresh child process, benchmarks/planner_child.py, ours and today's alike, GPT-3
 A100 stage profile tiled over the stages, 1F1B): 8 x 96 setup + no-slowdown plan, its 50-point
-frontier, a re-plan of the kept planner at a new deadline; 16 x 256 and 32 x 512 setup + plan
+frontier, a re-plan of the kept planner at a new deadline and the same re-plan inside the service
+(the plan made followable at realistic switch latencies); 16 x 256 and 32 x 512 setup + plan
 with peak RSS; each no-slowdown plan's CPU time split into LP solves, pair exchanges, rounding,
 the exact MILP and the rest (calls in parentheses), and at 8 x 96 the re-plans' and the
 frontier's too. Timings are wall-clock on this machine; CPU
@@ -370,6 +371,11 @@ def speed_runs(profiles, trees: dict, large_timeout: float) -> dict:
             "(median of 5), "
             f"50-point frontier {out['frontier_s']:.2f} s (largest gap {100 * out['frontier_gap']:.3f}%)"
         )
+        if out.get("service_replan_s") is not None:
+            print(
+                f"{'':>5}   re-plan inside the service (plan_pipeline: the plan made followable at realistic "
+                f"A100 switch latencies, 10-30 ms) {out['service_replan_s']:.3f} s (median of 5)"
+            )
         print(f"{'':>5}   {phases_line(out)}")
         if "replan_phases" in out:
             print(f"{'':>5}   {phases_line({'phases': out['replan_phases']}, 're-plan CPU (mean of 5)')}")
@@ -484,6 +490,14 @@ def report_targets(rows: list[Row], speed: dict) -> int:
                 ours["replan_s"] <= REPLAN_8X96_S,
             )
         )
+        if ours.get("service_replan_s") is not None:
+            checks.append(
+                (
+                    f"8x96 re-plan inside the service (plan made followable at realistic switch latencies) "
+                    f"{1000 * ours['service_replan_s']:.0f} ms <= {1000 * REPLAN_8X96_S:.0f} ms",
+                    ours["service_replan_s"] <= REPLAN_8X96_S,
+                )
+            )
     for stages, microbatches, limit in LARGE:
         key = f"{stages}x{microbatches}"
         if ("ours", key) not in speed:

@@ -6,7 +6,9 @@ lets two versions of the planner run side by side in one benchmark.
 Tasks (all plans are checked against their deadline by the tree's own evaluator):
 - plans: setup + plan per slowdown factor (padded past 1.0 where the tree supports it).
 - speed: setup + no-slowdown plan; the 50-point frontier; re-plans of the kept planner at new
-  deadlines (what the service does when a straggler appears or recovers).
+  deadlines (what the service does when a straggler appears or recovers); the same re-plans as
+  the service makes them (`plan_pipeline`: the plan, made followable on GPUs whose clock changes
+  take the simulator's realistic A100 latencies, 10-30 ms by target clock), where the tree has it.
 - large: setup + no-slowdown plan, with the process's peak RSS.
 
 The no-slowdown plan of `speed` and `large` also reports where its CPU time went (`phases`): LP
@@ -122,6 +124,36 @@ def summary(planner, plan, deadline: float, padded: bool) -> dict:
     }
 
 
+def service_replans(schedule, profile) -> float | None:
+    """Median of the service's re-plans at REPLAN_FACTORS (after its no-slowdown plan) on a
+    profile that states realistic simulated A100 switch latencies; None where the tree has no
+    switch-latency handling."""
+    try:
+        from perseus.devices.sim_presets import PRESETS
+        from perseus.devices.sim_realism import NVIDIA_INSTANT_POWER
+        from perseus.planner import Planner
+        from perseus.profiler import Profile
+        from perseus.profiler.profile import SWITCH_LATENCIES_META, SWITCH_LATENCY_META, format_switch_latencies
+        from perseus.service.planning import make_planner, plan_pipeline
+    except ImportError:
+        return None
+    preset = PRESETS["a100-sxm"]
+    clocks = {p.frequency for points in profile.points.values() for p in points}
+    latencies = {f: NVIDIA_INSTANT_POWER.switch_latency_for(preset, f) for f in clocks}
+    meta = {
+        SWITCH_LATENCY_META: str(max(latencies.values())),
+        SWITCH_LATENCIES_META: format_switch_latencies(latencies),
+    }
+    planner: Planner = make_planner(schedule, Profile(profile.points, profile.blocking_power_w, meta))
+    plan_pipeline(planner)
+    took = []
+    for factor in REPLAN_FACTORS:
+        tick = time.perf_counter()
+        plan_pipeline(planner, factor * planner.max_frequency_time_s)
+        took.append(time.perf_counter() - tick)
+    return statistics.median(took)
+
+
 def main() -> None:
     task = json.load(sys.stdin)
     from perseus.planner import Planner
@@ -163,6 +195,7 @@ def main() -> None:
                 total[1] += calls
         out["replan_s"] = statistics.median(replans)
         out["replan_phases"] = replan_phases
+        out["service_replan_s"] = service_replans(schedule, profile)
         tick = time.perf_counter()
         points, out["frontier_phases"] = clock.measure(lambda: planner.frontier(50))
         out["frontier_s"] = time.perf_counter() - tick
