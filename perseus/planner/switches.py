@@ -191,6 +191,9 @@ class _Replay:
         self.time_at = [[resolved[id(table)] for table in row] for row in self.tables]
         if _flow is not None:
             self._columns = [self._replay_tables(s) for s in range(len(self.nodes))]
+            self._cols = [
+                np.array([c[f] for f in row], dtype=np.int32) for (c, _), row in zip(self._columns, self.clocks)
+            ]
 
     def _replay_tables(self, s: int) -> tuple[dict[int, int], tuple[np.ndarray, ...]]:
         """Stage `s` as the C replay reads it: a column per clock (ascending, those of its tables
@@ -218,30 +221,42 @@ class _Replay:
             t[row] = [time_at[f] for time_at, f in zip(self.time_at[s], use)]
         return t
 
-    def stage(self, s: int, clocks: Sequence[int], start: np.ndarray) -> tuple[list[float], list[float]]:
-        return self._run(s, clocks, start[self.nodes[s]].tolist())
+    def stage(self, s: int, start: np.ndarray) -> tuple[list[float], list[float]]:
+        """Stage `s` replayed at its clocks, each instruction from its start in `start` (per node)."""
+        return self._run(s, start[self.nodes[s]])
 
     def _run(
-        self, s: int, clocks: Sequence[int], starts: list[float], queue: Sequence[float] | None = None
+        self, s: int, starts: np.ndarray, move: tuple[int, int, int] | None = None
     ) -> tuple[list[float], list[float]]:
-        """`stage_run` of stage `s` from `starts`, or with `queue` (each instruction's time at its
-        clock) from when the one before it ends, if later: in C where the extension is built (the
-        same float operations; a merge replays its stage for every move it tries), else in Python."""
+        """`stage_run` of stage `s` at its clocks from `starts`; with `move` (instructions lo..hi-1
+        at another clock), each instruction from its start or when the one before it ends at its
+        planned clock, if later. In C where the extension is built (the same float operations; a
+        merge replays its stage for every move it tries), else in Python."""
+        clocks = self.clocks[s]
         if _flow is None:
-            if queue is not None:
-                begins, free = [], -math.inf
-                for begin, took in zip(starts, queue):
-                    begin = max(begin, free)
-                    begins.append(begin)
-                    free = begin + took
-                starts = begins
-            return stage_run(self.tables[s], clocks, starts, self.latencies[s])
+            begins = starts.tolist()
+            if move is not None:
+                lo, hi, clock = move
+                clocks = [*clocks[:lo], *[clock] * (hi - lo), *clocks[hi:]]
+                free = -math.inf
+                for p, (time_at, f) in enumerate(zip(self.time_at[s], clocks)):
+                    begins[p] = max(begins[p], free)
+                    free = begins[p] + time_at[f]
+            return stage_run(self.tables[s], clocks, begins, self.latencies[s])
         column, arrays = self._columns[s]
-        n = len(starts)
-        times, energies = np.empty(n), np.empty(n)
-        cols = np.fromiter(map(column.__getitem__, clocks), dtype=np.int32, count=n)
-        _flow.replay(cols, np.array(starts, dtype=float), *arrays, times, energies, queue is not None)
+        cols = self._cols[s]
+        if move is not None:
+            cols = cols.copy()
+            cols[move[0] : move[1]] = column[move[2]]
+        times, energies = np.empty(len(cols)), np.empty(len(cols))
+        _flow.replay(cols, starts, *arrays, times, energies, move is not None)
         return times.tolist(), energies.tolist()
+
+    def _set_clocks(self, s: int, clocks: list[int]) -> None:
+        self.clocks[s] = clocks
+        if _flow is not None:
+            column = self._columns[s][0]
+            self._cols[s] = np.array([column[f] for f in clocks], dtype=np.int32)
 
     def energy(self, iteration_s: float, runs: Sequence[tuple[list[float], list[float]]]) -> float:
         """E = sum(e) + P_block * (N * T - sum(t)), the evaluator's model, over replayed instructions."""
@@ -260,7 +275,7 @@ class _Replay:
         runs: list[tuple[list[float], list[float]]] = []
         for _ in range(3):
             start, _ = self.arrays.longest_path(t)
-            runs = [self.stage(s, self.clocks[s], start) for s in range(len(self.nodes))]
+            runs = [self.stage(s, start) for s in range(len(self.nodes))]
             for s, (times, _) in enumerate(runs):
                 t[self.nodes[s]] = times
         return iteration_s, self.energy(iteration_s, runs)
@@ -278,7 +293,7 @@ class _Replay:
         start, end = self.arrays.longest_path(t)
         through = start + self.arrays.longest_tail(t)  # the longest path through each node
         iteration_s = float(end.max())
-        runs = [self.stage(s, self.clocks[s], start) for s in range(len(self.nodes))]
+        runs = [self.stage(s, start) for s in range(len(self.nodes))]
         sums = [(sum(times), sum(energies)) for times, energies in runs]
         energy = self._energy(iteration_s, sums)
         trials = 0
@@ -289,12 +304,12 @@ class _Replay:
                 # Again after each move taken: the segments, and the stage's nominal times, starts
                 # and longest paths through its instructions as lists (read per instruction).
                 spans = segments(self.clocks[s])
-                now, first, through_s = t[nodes].tolist(), start[nodes].tolist(), through[nodes].tolist()
+                now, first, through_s = t[nodes].tolist(), start[nodes], through[nodes].tolist()
                 while trials < MERGE_TRIALS:
                     if k >= len(spans):
                         break
                     short = float(t[nodes[spans[k].start : spans[k].stop]].sum()) < window_s[s]
-                    best: tuple[float, list[int]] | None = None
+                    best: tuple[float, tuple[int, int, int]] | None = None
                     for lo, hi, clock in self._moves(s, spans, k, short):
                         trials += 1
                         # Only instructions lo..hi-1 change clock (and so may take longer).
@@ -304,23 +319,23 @@ class _Replay:
                         longest = max((through_s[p] for p in grown), default=0.0) + slower
                         if longest > limit_s:
                             continue
-                        clocks = [*self.clocks[s][:lo], *[clock] * (hi - lo), *self.clocks[s][hi:]]
-                        times, energies = self._run(s, clocks, first, queue=[*now[:lo], *changed, *now[hi:]])
+                        times, energies = self._run(s, first, (lo, hi, clock))
                         trial = [*sums[:s], (sum(times), sum(energies)), *sums[s + 1 :]]
                         energy_new = self._energy(max(iteration_s, longest), trial)
                         if energy_new < energy * (1 - 1e-9) and (best is None or energy_new < best[0]):
-                            best = (energy_new, clocks)
+                            best = (energy_new, (lo, hi, clock))
                     if best is None:
                         k += 1
                         continue
-                    self.clocks[s] = best[1]
+                    lo, hi, clock = best[1]
+                    self._set_clocks(s, [*self.clocks[s][:lo], *[clock] * (hi - lo), *self.clocks[s][hi:]])
                     spans = segments(self.clocks[s])
                     t = self.nominal()
                     start, end = self.arrays.longest_path(t)
                     through = start + self.arrays.longest_tail(t)
-                    now, first, through_s = t[nodes].tolist(), start[nodes].tolist(), through[nodes].tolist()
+                    now, first, through_s = t[nodes].tolist(), start[nodes], through[nodes].tolist()
                     iteration_s = float(end.max())
-                    times, energies = self.stage(s, self.clocks[s], start)
+                    times, energies = self.stage(s, start)
                     sums[s] = (sum(times), sum(energies))
                     energy = self._energy(iteration_s, sums)
                     merged = True

@@ -146,10 +146,10 @@ def test_the_c_replay_gives_the_python_bits(monkeypatch, scale):
     in_c = [followable(planner, plan, per_stage) for plan in plans]
     replay = _Replay(planner, plans[0].frequencies, per_stage)
     start, _ = replay.arrays.longest_path(replay.nominal())
-    first = start[replay.nodes[1]].tolist()
-    queue = replay.nominal()[replay.nodes[1]].tolist()
-    c_runs = [replay._run(1, replay.clocks[1], first), replay._run(1, replay.clocks[1], first, queue=queue)]
+    first = start[replay.nodes[1]]
+    moves = [None, (2, 5, max(replay.clocks[1])), (0, 1, min(replay.clocks[1]))]
+    c_runs = [replay._run(1, first, move) for move in moves]
     monkeypatch.setattr(switches, "_flow", None)
     assert [followable(planner, plan, per_stage) for plan in plans] == in_c
-    assert [replay._run(1, replay.clocks[1], first), replay._run(1, replay.clocks[1], first, queue=queue)] == c_runs
+    assert [replay._run(1, first, move) for move in moves] == c_runs
     assert any(f.frequencies != p.frequencies for f, p in zip(in_c, plans))  # the merge moved something
