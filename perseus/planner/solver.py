@@ -47,10 +47,11 @@ RESTRICT_MAX_NODES = 4096
 REFINE_MAX_NODES = 16384
 # Deadlines whose cold LP results a Planner keeps (`Planner._relaxations`).
 _REMEMBERED = 8
-# Network simplex solves at deadlines above the all-max time and up to this factor of it start
-# from the no-slowdown optimum instead of the crash tree (every instruction at its slowest). At
-# 8 x 96 on the A100 and A40 profiles: 18-49 ms against 108-159 ms cold at 1.02x, 38-108 ms
-# against 92-119 ms at 1.05x, but 76-147 ms against 60-109 ms at 1.08x.
+# Network simplex solves at deadlines above the all-max time start from an optimum nearer than the
+# crash tree (every instruction at its slowest): up to this factor of it from the no-slowdown
+# optimum, past it from the least-energy one (no deadline). At 8 x 96 on the A100 and A40 profiles:
+# 18-49 ms against 108-159 ms cold at 1.02x, 38-108 ms against 92-119 ms at 1.05x, but 76-147 ms
+# against 60-109 ms at 1.08x, where the least-energy optimum starts it in 52-103 ms.
 NEAR_NO_SLOWDOWN = 1.06
 
 # A deadline's plain relaxation, its basis, and each relaxation to round with the deadline it is rounded for.
@@ -102,7 +103,8 @@ class Planner:
             within = np.searchsorted(opts.time, max_times[nodes], side="right") - 1
             self._max_frequency_dominated[nodes] = np.maximum(within, 0)
         self._min_energy: Plan | None = None
-        self._no_slowdown_basis: Any = None
+        # The optimum at the all-max time and with no deadline (None): where cold solves start.
+        self._anchors: dict[float | None, Any] = {}
         self._relaxed: dict[tuple[float | None, bool], _Relaxed] = {}
         self._own: dict[tuple[float, bool, bool], Relaxation | None] = {}
         self._lock = threading.Lock()
@@ -215,19 +217,17 @@ class Planner:
         return self._best(candidates, deadline_s, bound, padded, _EXCHANGED if refining else 1)
 
     def _start(self, deadline_s: float | None) -> Any:
-        """Where a cold network-simplex solve at `deadline_s` starts: the no-slowdown optimum
-        just past the all-max time (`NEAR_NO_SLOWDOWN`), else None (the crash tree). Either is a
-        function of the problem and the deadline, so plans do not depend on earlier calls."""
-        if (
-            deadline_s is None
-            or not uses_flow(self.problem)
-            or not self.max_frequency_time_s < deadline_s <= NEAR_NO_SLOWDOWN * self.max_frequency_time_s
-        ):
+        """Where a cold network-simplex solve at `deadline_s` starts: past the all-max time, the
+        no-slowdown optimum up to `NEAR_NO_SLOWDOWN` x it, further the least-energy optimum; else
+        None (the crash tree). Each is a function of the problem and the deadline, so plans do not
+        depend on earlier calls."""
+        if deadline_s is None or not uses_flow(self.problem) or deadline_s <= self.max_frequency_time_s:
             return None
-        if self._no_slowdown_basis is None:
-            self._lp.solve(self.max_frequency_time_s)
-            self._no_slowdown_basis = self._lp.basis()
-        return self._no_slowdown_basis
+        anchor = self.max_frequency_time_s if deadline_s <= NEAR_NO_SLOWDOWN * self.max_frequency_time_s else None
+        if anchor not in self._anchors:
+            self._lp.solve(anchor)
+            self._anchors[anchor] = self._lp.basis()
+        return self._anchors[anchor]
 
     def _relaxations(self, deadline_s: float | None, warm: bool, refined: bool, start: Any = None) -> _Relaxed:
         """The relaxation over every profiled choice at the plain (unpadded) objective, and each
@@ -241,8 +241,8 @@ class Planner:
             return self._relaxed[key]
         relaxation = self._lp.solve(deadline_s, warm=warm, start=start)
         basis = self._lp.basis()
-        if deadline_s == self.max_frequency_time_s and not warm and uses_flow(self.problem):
-            self._no_slowdown_basis = basis
+        if deadline_s in (self.max_frequency_time_s, None) and not warm and uses_flow(self.problem):
+            self._anchors[deadline_s] = basis
         rounded = [(relaxation, deadline_s)]
         if refined and self.problem.num_nodes <= REFINE_MAX_NODES:
             rounded.append((refine(self.problem, self._lp, relaxation, deadline_s), deadline_s))

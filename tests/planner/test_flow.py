@@ -155,8 +155,9 @@ def test_the_restricted_relaxation_solved_beside_the_plain_one_certifies_the_sam
 @built
 def test_a_solve_just_past_no_slowdown_starts_from_its_optimum_and_plans_alike_whatever_came_before(monkeypatch):
     """Deadlines up to NEAR_NO_SLOWDOWN x the all-max time start the simplex from the no-slowdown
-    optimum (fewer pivots there than from the crash tree), further ones from the crash tree; either
-    start is a function of the deadline, so a plan is the same on a fresh Planner and after others."""
+    optimum, further ones from the least-energy optimum (fewer pivots than from the crash tree);
+    either start is a function of the deadline, so a plan is the same on a fresh Planner and after
+    others."""
     schedule = build_schedule("1f1b", 4, 160)  # 1,280 instructions: network simplex
     profile = random_profile(3, 4, 10)
     starts = []
@@ -177,11 +178,14 @@ def test_a_solve_just_past_no_slowdown_starts_from_its_optimum_and_plans_alike_w
     assert starts[0] == (fresh.max_frequency_time_s, False)
     assert sorted(starts[1:]) == [(near, True), (near, True)]
     starts.clear()
-    fresh.plan(max_slowdown=1.2, padded=True)
-    assert [started for _, started in starts] == [False, False]
+    far = 1.2 * fresh.max_frequency_time_s
+    fresh.plan(deadline=far, padded=True)
+    # The least-energy optimum first (cold, no deadline), then this deadline's LPs from it.
+    assert starts[0] == (None, False) and sorted(starts[1:]) == [(far, True), (far, True)]
     used = Planner(schedule, profile)
     used.frontier(num_points=4)
     used.plan(max_slowdown=1.2, padded=True)
     used.plan(max_slowdown=1.0)
     assert used.plan(deadline=near, padded=True) == plan
     assert used.plan(deadline=near) == Planner(schedule, profile).plan(deadline=near)
+    assert used.plan(deadline=far, padded=True) == Planner(schedule, profile).plan(deadline=far, padded=True)
