@@ -169,7 +169,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=10,
         metavar="N",
-        help="log predicted against measured every N planned iterations (default 10)",
+        help="log predicted against measured every N planned iterations (default 10; the measured figure is that "
+        "one iteration's, which a stepping energy counter moves by a step either way)",
     )
     parser.set_defaults(func=run)
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 
 from perseus.client.planner_client import PlannerClient
 from perseus.exceptions import ConfigError, ServiceError
 from perseus.wire.envelope import ErrorCode
-from perseus.wire.limits import DEFAULT_ADDRESS
+from perseus.wire.limits import DEFAULT_ADDRESS, PLANNER_ENV
 from perseus.wire.messages import GetStatus, Status
 from perseus.wire.security import DEFAULT_CLIENT, CurveClient
 
@@ -19,9 +20,9 @@ from perseus.wire.security import DEFAULT_CLIENT, CurveClient
 def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address",
-        default=DEFAULT_ADDRESS,
+        default=os.environ.get(PLANNER_ENV) or DEFAULT_ADDRESS,
         metavar="ENDPOINT",
-        help=f"the planner service (default {DEFAULT_ADDRESS})",
+        help=f"the planner service (default ${PLANNER_ENV}, the ranks' own, else {DEFAULT_ADDRESS})",
     )
     parser.add_argument(
         "--curve-keys", default=None, metavar="DIR", help="CURVE keys folder, for a service run with --curve-keys"

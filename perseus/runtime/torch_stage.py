@@ -30,6 +30,7 @@ from perseus.runtime.rank import PerseusRank
 from perseus.runtime.registration import resolve_parallelism
 from perseus.schedules import Schedule, build_schedule, from_torch_pipeline_order
 from perseus.schedules.instruction import Kind
+from perseus.wire.limits import PLANNER_ENV
 from perseus.wire.parallelism import Parallelism
 from perseus.wire.security import Security
 
@@ -44,7 +45,6 @@ logger = logging.getLogger(__name__)
 #: WAIT_REDUCE_GRAD with start/wait_for_gradient_reduction (2.15) -- is communication, not an
 #: instruction. A release past the last one checked is refused until it is checked.
 SUPPORTED_TORCH = ((2, 6), (2, 15))
-PLANNER_ENV = "PERSEUS_PLANNER"
 #: torch's single-stage schedules and the perseus builder that gives the order they run.
 _SINGLE_STAGE_SCHEDULES = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
 

@@ -15,6 +15,8 @@ MIN_SWEEP_VERSION = 2  # the oldest a service sends sweep steps to (in round 0 o
 ROUNDS_SWEEP_VERSION = 3  # the oldest a service asks for a later sweep round
 REFERENCE_SWEEP_VERSION = 4  # the oldest a service tells reference windows (older ranks see a plan)
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7787"
+#: The planner service's address for ranks and for the commands that talk to it, when not given.
+PLANNER_ENV = "PERSEUS_PLANNER"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # larger: a too_large error reply
 HARD_MESSAGE_BYTES = 4 * MAX_MESSAGE_BYTES  # zmq.MAXMSGSIZE: zmq drops a peer that sends more
 MAX_ID = 2**63 - 1

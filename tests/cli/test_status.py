@@ -120,3 +120,9 @@ def test_png_without_matplotlib_is_one_clear_error_before_any_connection(capsys,
     assert main(["status", "--png", str(tmp_path), "--address", "tcp://127.0.0.1:9", "--timeout", "0.3"]) == 1
     err = capsys.readouterr().err
     assert "plotting needs matplotlib: pip install 'perseus-energy[plot]'" in err and "did not answer" not in err
+
+
+def test_the_address_defaults_to_the_ranks_planner_variable(capsys, monkeypatch):
+    monkeypatch.setenv("PERSEUS_PLANNER", "tcp://127.0.0.1:9")
+    assert main(["status", "--timeout", "0.3"]) == 1
+    assert "the planner service at tcp://127.0.0.1:9 did not answer" in capsys.readouterr().err
