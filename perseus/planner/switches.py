@@ -203,9 +203,10 @@ class _Replay:
         clocks = sorted({f for table in tables for f in table} | set(self.clocks[s]))
         # Instructions of one kind share a table: one row each, then one per instruction.
         distinct = {id(table): table for table in tables}
+        row_of = {key: k for k, key in enumerate(distinct)}
         cells = np.array([[table[_at_least(table, f)] for f in clocks] for table in distinct.values()], dtype=float)
         cells = cells.reshape(len(distinct), len(clocks), 2)
-        rows = np.array([list(distinct).index(id(table)) for table in tables], dtype=np.int64)
+        rows = np.array([row_of[id(table)] for table in tables], dtype=np.int64)
         latency = self.latencies[s]
         lat = np.array([latency(f) for f in clocks], dtype=float)
         lead = np.array([early_lead_s(latency(f)) for f in clocks], dtype=float)
@@ -213,12 +214,11 @@ class _Replay:
         energy = np.ascontiguousarray(cells[rows, :, 1]).ravel()
         return {f: c for c, f in enumerate(clocks)}, (lat, lead, time, energy)
 
-    def nominal(self, stage: int | None = None, clocks: Sequence[int] = ()) -> np.ndarray:
-        """Node times at the planned clocks (stage `stage` at `clocks` instead)."""
+    def nominal(self) -> np.ndarray:
+        """Node times at the planned clocks."""
         t = np.empty(self.arrays.num_nodes)
         for s, row in enumerate(self.nodes):
-            use = clocks if s == stage else self.clocks[s]
-            t[row] = [time_at[f] for time_at, f in zip(self.time_at[s], use)]
+            t[row] = [time_at[f] for time_at, f in zip(self.time_at[s], self.clocks[s])]
         return t
 
     def stage(self, s: int, start: np.ndarray) -> tuple[list[float], list[float]]:
