@@ -371,3 +371,26 @@ def test_planning_after_another_highs_user():
     done = subprocess.run([sys.executable, "-c", AFTER_ANOTHER_HIGHS_USER], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("planned True True")
+
+
+def test_a_plan_far_from_its_bound_is_tried_again_with_looser_deadlines_optima(monkeypatch):
+    """Where the deadline binds and a plan lands more than LOOSER_RETRY_GAP above its bound, the
+    roundings of looser deadlines' optima are tried too: never more energy than without them,
+    sometimes less, within the deadline, and the same plan on a fresh Planner and after others."""
+    schedule = build_schedule("1f1b", 4, 16)
+    better = 0
+    for seed in (1, 3):
+        profile = random_profile(seed, 4, 10)
+        for factor in (1.0, 1.01, 1.02):
+            monkeypatch.setattr(solver, "LOOSER_RETRY_GAP", float("inf"))
+            without = Planner(schedule, profile).plan(max_slowdown=factor, padded=factor > 1)
+            monkeypatch.setattr(solver, "LOOSER_RETRY_GAP", 0.005)
+            planner = Planner(schedule, profile)
+            plan = planner.plan(max_slowdown=factor, padded=factor > 1)
+            assert plan.iteration_time_s <= factor * planner.max_frequency_time_s
+            assert plan.energy_j <= without.energy_j
+            better += plan.energy_j < without.energy_j
+            planner.frontier(num_points=4)
+            planner.plan(max_slowdown=1.2, padded=True)
+            assert planner.plan(max_slowdown=factor, padded=factor > 1) == plan
+    assert better >= 3
