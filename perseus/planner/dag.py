@@ -11,19 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from types import ModuleType
 
 import networkx as nx
 import numpy as np
 
 from perseus.exceptions import ScheduleError
+from perseus.planner.native import extension as _flow
 from perseus.schedules.instruction import Instruction, Kind, Schedule
-
-_flow: ModuleType | None
-try:
-    from perseus.planner import _flow
-except ImportError:  # built without a C compiler: the longest path runs in Python
-    _flow = None
 
 
 def schedule_edges(schedule: Schedule) -> tuple[list[Instruction], np.ndarray, np.ndarray]:

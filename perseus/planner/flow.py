@@ -22,19 +22,12 @@ So a solve changes costs only: every optimum is a feasible start for the next on
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import numpy as np
 
 from perseus.exceptions import PlanError
 from perseus.planner.lp import HullLP, Relaxation
+from perseus.planner.native import extension as _flow
 from perseus.planner.problem import Problem
-
-_flow: ModuleType | None
-try:
-    from perseus.planner import _flow
-except ImportError:  # built without a C compiler: HullLP (HiGHS) solves instead
-    _flow = None
 
 _MS = 1000.0
 _OPTIMAL, _UNBOUNDED = 0, 2

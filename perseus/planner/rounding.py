@@ -15,17 +15,11 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
-from types import ModuleType
 
 import numpy as np
 
+from perseus.planner.native import extension as _flow
 from perseus.planner.problem import Problem
-
-_flow: ModuleType | None
-try:
-    from perseus.planner import _flow
-except ImportError:  # built without a C compiler: the passes run in Python
-    _flow = None
 
 
 @dataclass(frozen=True)

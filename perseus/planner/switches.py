@@ -22,19 +22,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from perseus.controller.latency import early_lead_s
+from perseus.planner.native import extension as _flow
 from perseus.planner.plan import Plan
-
-_flow: ModuleType | None
-try:
-    from perseus.planner import _flow
-except ImportError:  # built without a C compiler: stages replay in Python
-    _flow = None
 
 if TYPE_CHECKING:
     from perseus.planner.solver import Planner
