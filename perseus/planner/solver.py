@@ -185,20 +185,22 @@ class Planner:
                 f"{self.fastest_time_s:.6g} s per iteration; relax the deadline"
             )
         start = self._start(deadline_s) if not warm else None
-        own_key, restricted = None, None
+        own_key, restricted, narrowed = None, None, self.problem
         if deadline_s is not None and (refined or padded):
             # The objective's own relaxation certifies the plan: padded if asked, and without the
             # choices no plan within the deadline can take (a tighter hull where room is short).
             # Its rounding is one more candidate.
             restrict = refined and self.problem.num_nodes <= RESTRICT_MAX_NODES
             own_key = (deadline_s, padded, restrict)
-            if restrict and own_key not in self._own and uses_flow(self.problem):
-                # A separate LP that needs nothing from the plain one: network simplex solves it
-                # on another core meanwhile (it releases the GIL and shares nothing), a cold solve
-                # as long as the plain one. HiGHS' small LPs take milliseconds inline.
-                pool = ThreadPoolExecutor(max_workers=1)
-                restricted = pool.submit(self._restricted_relaxation, deadline_s, padded, start)
-                pool.shutdown(wait=False)
+            if restrict and own_key not in self._own:
+                narrowed = self.problem.restricted(deadline_s)
+                if narrowed is not self.problem and uses_flow(self.problem):
+                    # A separate LP that needs nothing from the plain one: network simplex solves
+                    # it on another core meanwhile (it releases the GIL and shares nothing), a
+                    # cold solve as long as the plain one. HiGHS' small LPs take milliseconds inline.
+                    pool = ThreadPoolExecutor(max_workers=1)
+                    restricted = pool.submit(relaxation_lp(narrowed).solve, deadline_s, padded=padded)
+                    pool.shutdown(wait=False)
         relaxation, basis, rounded = self._relaxations(deadline_s, warm, refined, start)
         candidates = []
         for relaxed, target_s in rounded:
@@ -206,7 +208,7 @@ class Planner:
         bound = relaxation
         if own_key is not None:
             binds = relaxation.iteration_time_s >= own_key[0] * (1 - 1e-9)
-            own = self._own_relaxation(own_key, restricted, basis if binds else None)
+            own = self._own_relaxation(own_key, restricted, narrowed, basis if binds else start)
             if own is not None:
                 bound = own
                 candidates += self._round(own, deadline_s)
@@ -289,39 +291,29 @@ class Planner:
         return result
 
     def _own_relaxation(
-        self, key: tuple[float, bool, bool], restricted: Future[Relaxation | None] | None, plain: Any
+        self, key: tuple[float, bool, bool], restricted: Future[Relaxation] | None, narrowed: Problem, plain: Any
     ) -> Relaxation | None:
         """The relaxation of the plan's own objective (padded or not, restricted to the choices
-        the deadline allows if `restrict`), or None where that is the plain one. Restricted, it
-        may be solving already (`restricted`, see `_solve`). Unrestricted (large DAGs), the
-        padded LP is the plain one with no cost on T: where the deadline binds the plain optimum,
-        it starts from that optimum's basis (`plain`, primal feasible and optimal but for T's
-        cost), where a cold start runs for seconds; past the least-energy time the padded optimum
-        moves T to the deadline, far from it, so a cold start is quicker (`plain` None). Either
-        way a function of the deadline and the flags `key` holds, kept for the last few as
-        `_relaxations` is."""
+        the deadline allows if `restrict`), or None where that is the plain one. Restricted where
+        the deadline rules choices out (`narrowed`), it may be solving already (`restricted`,
+        see `_solve`).
+        Else the padded LP is the plain one with no cost on T, solved from `plain`: where the
+        deadline binds the plain optimum, that optimum's basis (primal feasible, and optimal: with
+        T at the deadline, the cost it no longer has changes nothing, so it takes no pivots, where
+        a cold solve took as long as the plain one); past the least-energy time, where the padded
+        optimum moves T to the deadline, the cold solves' start (`_start`). Either way a function
+        of the deadline and the flags `key` holds, kept for the last few as `_relaxations` is."""
         if key not in self._own:
-            deadline_s, padded, restrict = key
+            deadline_s, padded, _ = key
             own = None
             if restricted is not None:
                 own = restricted.result()
-            elif restrict:
-                own = self._restricted_relaxation(deadline_s, padded)
+            elif narrowed is not self.problem:
+                own = relaxation_lp(narrowed).solve(deadline_s, padded=padded)
             elif padded:
                 own = self._lp.solve(deadline_s, padded=True, start=plain)
             _remember(self._own, key, own)
         return self._own[key]
-
-    def _restricted_relaxation(self, deadline_s: float, padded: bool, start: Any = None) -> Relaxation | None:
-        """The relaxation of the problem without the choices `deadline_s` rules out, or None
-        where it rules out none and the objective is the plain one. Where it rules out none, it
-        is the plain LP's network and starts where that one does (`start`)."""
-        problem = self.problem.restricted(deadline_s)
-        if problem is not self.problem:
-            return relaxation_lp(problem).solve(deadline_s, padded=padded)
-        if padded:
-            return relaxation_lp(problem).solve(deadline_s, padded=True, start=start)
-        return None
 
     def _round(self, relaxation: Relaxation, deadline_s: float | None) -> list[np.ndarray]:
         rounded = round_down(self.problem, relaxation.finish_s, _LP_SLACK_S, self._walker)

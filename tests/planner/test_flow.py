@@ -138,18 +138,58 @@ def test_gpt3_8x96_is_solved_by_network_simplex_with_the_same_bound():
 @built
 @pytest.mark.skipif(not GPT3.exists(), reason="shared Perseus profiles not present")
 def test_the_restricted_relaxation_solved_beside_the_plain_one_certifies_the_same_plan():
-    # At network simplex sizes the restricted relaxation runs on a second thread during the
-    # plain one: the plan and its bound are those of solving it first, on this thread.
+    # At network simplex sizes, where the deadline rules choices out (no slowdown), the
+    # restricted relaxation runs on a second thread during the plain one: the plan and its bound
+    # are those of solving it first, on this thread.
+    schedule = build_schedule("1f1b", 8, 96)
+    profile = load_profile(GPT3, 83.64)
+    planner = Planner(schedule, profile)
+    deadline = planner.max_frequency_time_s
+    narrowed = planner.problem.restricted(deadline)
+    assert narrowed is not planner.problem
+    beside = planner.plan(deadline=deadline, padded=True)
+    inline = Planner(schedule, profile)
+    inline._own[(deadline, True, True)] = flow.FlowLP(narrowed).solve(deadline, padded=True)
+    assert inline.plan(deadline=deadline, padded=True) == beside
+    assert beside.lower_bound_j == pytest.approx(inline._own[(deadline, True, True)].lower_bound_j, rel=1e-12)
+
+
+@built
+@pytest.mark.skipif(not GPT3.exists(), reason="shared Perseus profiles not present")
+def test_a_padded_relaxation_the_deadline_binds_is_the_plain_optimum_with_no_second_solve(monkeypatch):
+    # Where the deadline rules out no choice and binds the plain optimum, that optimum is the
+    # padded one too: the padded LP continues from its basis and takes no pivot, where a cold
+    # solve of its own (on a second thread, before) took as long as the plain one.
     schedule = build_schedule("1f1b", 8, 96)
     profile = load_profile(GPT3, 83.64)
     planner = Planner(schedule, profile)
     deadline = 1.05 * planner.max_frequency_time_s
-    beside = planner.plan(deadline=deadline, padded=True)
-    inline = Planner(schedule, profile)
-    inline._own[(deadline, True, True)] = inline._restricted_relaxation(deadline, True, inline._start(deadline))
-    assert inline.plan(deadline=deadline, padded=True) == beside
-    restricted = flow.FlowLP(planner.problem.restricted(deadline)).solve(deadline, padded=True)
-    assert beside.lower_bound_j == pytest.approx(restricted.lower_bound_j, rel=1e-12)
+    assert planner.problem.restricted(deadline) is planner.problem
+    pivots = []
+    network_simplex = flow._flow.network_simplex
+
+    def counted(*args):
+        status, taken = network_simplex(*args)
+        pivots.append(taken)
+        return status, taken
+
+    monkeypatch.setattr(flow._flow, "network_simplex", counted)
+    solve = flow.FlowLP.solve
+    padded_solves = []
+
+    def recorded(self, deadline_s, warm=False, padded=False, start=None):
+        out = solve(self, deadline_s, warm=warm, padded=padded, start=start)
+        if padded:
+            padded_solves.append((self, pivots[-1]))
+        return out
+
+    monkeypatch.setattr(flow.FlowLP, "solve", recorded)
+    plan = planner.plan(deadline=deadline, padded=True)
+    assert [(lp is planner._lp, taken) for lp, taken in padded_solves] == [(True, 0)]
+    monkeypatch.undo()
+    cold = flow.FlowLP(planner.problem).solve(deadline, padded=True)
+    assert plan.lower_bound_j == pytest.approx(cold.lower_bound_j, rel=1e-9)
+    assert plan.iteration_time_s <= deadline
 
 
 @built
