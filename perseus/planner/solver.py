@@ -27,6 +27,7 @@ from perseus.planner.plan import Plan
 from perseus.planner.problem import Problem
 from perseus.planner.refine import refine
 from perseus.planner.rounding import Walker, exchange, fill_slack, round_down
+from perseus.planner.steady import pinned_relaxations, steady_groups
 from perseus.profiler.profile import Profile
 from perseus.schedules.instruction import Schedule
 
@@ -40,6 +41,12 @@ _MIN_ENERGY_TARGETS = (0.99, 0.97)
 # and Bloom A100 plan benchmarked) skip the three solves.
 LOOSER_RETRY_GAP = 0.005
 _LOOSER_TARGETS = (1.005, 1.01, 1.02)
+# A plan further than this from its bound, in a pipeline with a steady state, is tried again with
+# the roundings of relaxations whose steady instructions are pinned to one choice each (`steady`).
+# Bloom A100 8 x 96 padded at 1.05x: 0.43% -> 0.35%; 8 x 24: 0.24% -> 0.15%; GPT-3 A40 8 x 96 at
+# no slowdown: 0.98% -> 0.81%. Every GPT-3 A100 plan benchmarked is closer and skips it (it costs
+# 10-110 ms at 8 x 96).
+STEADY_RETRY_GAP = 0.002
 # Candidates polished by pair exchanges, best first (frontier sweeps, and single plans above
 # REFINE_MAX_NODES: the best only). Above that size there is no iterative rounding's candidate,
 # and polishing the next two never changed the plan (32 x 512, GPT-3 and Bloom A100, no slowdown
@@ -60,8 +67,10 @@ _REMEMBERED = 8
 # against 60-109 ms at 1.08x, where the least-energy optimum starts it in 52-103 ms.
 NEAR_NO_SLOWDOWN = 1.06
 
-# A deadline's plain relaxation, its basis, and each relaxation to round with the deadline it is rounded for.
-_Relaxed = tuple[Relaxation, Any, tuple[tuple[Relaxation, float | None], ...]]
+# A deadline's plain relaxation, its basis, each relaxation to round with the deadline it is rounded
+# for, and those of the minimum-energy targets (empty where the deadline binds; None: not solved).
+_Rounded = tuple[tuple[Relaxation, float | None], ...]
+_Relaxed = tuple[Relaxation, Any, _Rounded, _Rounded | None]
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -113,6 +122,7 @@ class Planner:
         self._anchors: dict[float | None, Any] = {}
         self._relaxed: dict[tuple[float | None, bool], _Relaxed] = {}
         self._own: dict[tuple[float, bool, bool], Relaxation | None] = {}
+        self._steady: list[np.ndarray] | None = None  # `steady_groups`, once a plan needs them
         self._lock = threading.Lock()
 
     def plan(self, deadline: float | None = None, max_slowdown: float | None = None, padded: bool = False) -> Plan:
@@ -201,9 +211,9 @@ class Planner:
                     pool = ThreadPoolExecutor(max_workers=1)
                     restricted = pool.submit(relaxation_lp(narrowed).solve, deadline_s, padded=padded)
                     pool.shutdown(wait=False)
-        relaxation, basis, rounded = self._relaxations(deadline_s, warm, refined, start)
+        relaxation, basis, rounded, tighter = self._relaxations(deadline_s, warm, refined, start, not padded)
         candidates = []
-        for relaxed, target_s in rounded:
+        for relaxed, target_s in rounded + (tighter if not padded and tighter else ()):
             candidates += self._round(relaxed, target_s)
         bound = relaxation
         if own_key is not None:
@@ -242,7 +252,41 @@ class Planner:
             retried = self._best(candidates + looser, deadline_s, bound, padded, exchanged + len(looser))
             if retried.energy_j < plan.energy_j:
                 plan = retried
+        if (
+            refined
+            and plan.gap > STEADY_RETRY_GAP
+            and self.problem.num_nodes <= RESTRICT_MAX_NODES
+            and self._steady_groups()
+        ):
+            pinned = []
+            for steady in pinned_relaxations(
+                self.problem,
+                self._lp,
+                deadline_s,
+                padded,
+                (relaxation, basis),
+                self._steady_groups(),
+                lambda r: self._best_rounding(r, deadline_s, padded),
+            ):
+                pinned += self._round(steady, deadline_s)
+            retried = self._best(candidates + pinned, deadline_s, bound, padded, exchanged + len(pinned))
+            if retried.energy_j < plan.energy_j:
+                plan = retried
         return plan
+
+    def _steady_groups(self) -> list[np.ndarray]:
+        if self._steady is None:
+            self._steady = steady_groups(self.problem)
+        return self._steady
+
+    def _best_rounding(self, relaxation: Relaxation, deadline_s: float | None, padded: bool) -> float:
+        """The least energy of `relaxation`'s roundings that meet the deadline (inf if none does)."""
+        energies = [
+            e
+            for t, e in (self._objective(c, deadline_s, padded) for c in self._round(relaxation, deadline_s))
+            if deadline_s is None or t <= deadline_s
+        ]
+        return min(energies, default=float("inf"))
 
     def _start(self, deadline_s: float | None) -> Any:
         """Where a cold network-simplex solve at `deadline_s` starts: past the all-max time, the
@@ -257,16 +301,23 @@ class Planner:
             self._anchors[anchor] = self._lp.basis()
         return self._anchors[anchor]
 
-    def _relaxations(self, deadline_s: float | None, warm: bool, refined: bool, start: Any = None) -> _Relaxed:
+    def _relaxations(
+        self, deadline_s: float | None, warm: bool, refined: bool, start: Any = None, targets: bool = True
+    ) -> _Relaxed:
         """The relaxation over every profiled choice at the plain (unpadded) objective, and each
-        relaxation to round with the deadline it is rounded for: its own, iterative rounding's and
-        the minimum-energy targets', the candidates the planner always had (so no plan is ever
-        worse than before). From a cold start they depend on the deadline alone, so the last few
-        deadlines' are kept: a re-plan at one of them (the service going back to no straggler, or
-        padding a deadline it planned unpadded) skips these LP solves and gets the same plan."""
+        relaxation to round with the deadline it is rounded for: its own, iterative rounding's and,
+        if `targets`, the minimum-energy targets', the candidates the planner always had (so no
+        plan is ever worse than before). A padded plan skips the targets: it blocks until the
+        deadline anyway, so their tighter roundings only give up slack (over 168 padded plans,
+        GPT-3 and Bloom on A100 and A40 and two noisy profiles, 8 x 12 to 8 x 96, 1.0-1.5 x, not one
+        changed without them; 40 ms of an 8 x 96 re-plan past the least-energy time). From a
+        cold start they depend on the deadline alone, so the last few deadlines' are kept: a
+        re-plan at one of them (the service going back to no straggler, or padding a deadline it
+        planned unpadded) skips these LP solves and gets the same plan."""
         key = (deadline_s, refined)
-        if not warm and key in self._relaxed:
-            return self._relaxed[key]
+        kept = None if warm else self._relaxed.get(key)
+        if kept is not None and (kept[3] is not None or not targets):
+            return kept
         relaxation = self._lp.solve(deadline_s, warm=warm, start=start)
         basis = self._lp.basis()
         if deadline_s in (self.max_frequency_time_s, None) and not warm and uses_flow(self.problem):
@@ -274,6 +325,7 @@ class Planner:
         rounded = [(relaxation, deadline_s)]
         if refined and self.problem.num_nodes <= REFINE_MAX_NODES:
             rounded.append((refine(self.problem, self._lp, relaxation, deadline_s), deadline_s))
+        tighter: _Rounded | None = ()
         if deadline_s is None or relaxation.iteration_time_s < deadline_s * (1 - 1e-9):
             # The deadline does not bind: the minimum-energy plan. Rounding loses time that every
             # stage then spends blocked, so slightly tighter targets can round to less energy.
@@ -281,11 +333,12 @@ class Planner:
             # were); above, cold (seeded) is 2-3x quicker (GPT-3 16 x 256: 1.8 and 2.9 s against
             # 5.5 and 7.2 s), as a deadline 1-3% tighter moves every instruction.
             cold = self.problem.num_nodes > SEED_MIN_NODES
-            for factor in _MIN_ENERGY_TARGETS:
+            solved = []
+            for factor in _MIN_ENERGY_TARGETS if targets else ():
                 target_s = max(factor * relaxation.iteration_time_s, self.fastest_time_s)
-                tighter = self._lp.solve(target_s, warm=not cold)
-                rounded.append((tighter, tighter.iteration_time_s))
-        result = (relaxation, basis, tuple(rounded))
+                solved.append(self._lp.solve(target_s, warm=not cold))
+            tighter = tuple((r, r.iteration_time_s) for r in solved) if targets else None
+        result = (relaxation, basis, tuple(rounded), tighter)
         if not warm:
             _remember(self._relaxed, key, result)
         return result
