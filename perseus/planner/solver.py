@@ -44,7 +44,7 @@ _LOOSER_TARGETS = (1.005, 1.01, 1.02)
 # A plan further than this from its bound, in a pipeline with a steady state, is tried again with
 # the roundings of relaxations whose steady instructions are pinned to one choice each (`steady`).
 # Bloom A100 8 x 96 padded at 1.05x: 0.43% -> 0.35%; 8 x 24: 0.24% -> 0.15%; GPT-3 A40 8 x 96 at
-# no slowdown: 0.98% -> 0.81%. Every GPT-3 A100 plan benchmarked is closer and skips it (it costs
+# no slowdown: 0.98% -> 0.63%. Every GPT-3 A100 plan benchmarked is closer and skips it (it costs
 # 10-110 ms at 8 x 96).
 STEADY_RETRY_GAP = 0.002
 # Candidates polished by pair exchanges, best first (frontier sweeps, and single plans above
