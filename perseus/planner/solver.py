@@ -178,6 +178,9 @@ class Planner:
     def _deadline(self, deadline: float | None, max_slowdown: float | None) -> float:
         if deadline is not None and max_slowdown is not None:
             raise ConfigError("give either a deadline or a max_slowdown, not both")
+        for name, value, example in (("deadline", deadline, "16.5 (seconds)"), ("max_slowdown", max_slowdown, "1.1")):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, np.number))):
+                raise ConfigError(f"{name} must be a number, e.g. {example}; got {value!r} ({type(value).__name__})")
         if max_slowdown is not None:
             if not (np.isfinite(max_slowdown) and max_slowdown > 0):
                 raise ConfigError(f"max_slowdown must be a positive factor (1.0 = no slowdown), got {max_slowdown}")

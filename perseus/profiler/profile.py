@@ -156,7 +156,9 @@ class Profile:
             if stage not in self.stages():
                 raise ProfileError(
                     f"schedule {schedule.name!r} needs profile stage {stage}, but the profile has stages "
-                    f"{self.stages()}; profile every stage of the pipeline (or use a schedule with fewer stages)"
+                    f"{self.stages()}; profile every stage of the pipeline, or give a deeper pipeline of the same "
+                    "layers the rows of the stages it repeats (`perseus plan --repeat-profile tile|stretch`, "
+                    "Profile.repeated), or use a schedule with fewer stages"
                 )
             hint = ""
             if (
@@ -187,6 +189,35 @@ class Profile:
                     (stage, new_kind), [ProfilePoint(p.frequency, p.time * share, p.energy * share) for p in pts]
                 )
         return Profile(points, self.blocking_power_w, dict(self.meta))
+
+    def repeated(self, num_stages: int, how: str = "tile") -> Profile:
+        """A profile of `num_stages` stages made from this one's K stages, for planning a deeper
+        pipeline of the same layers: `tile` repeats the whole pipeline (stage s takes the rows of
+        stage s % K), `stretch` splits each profiled stage over consecutive ones (stage s takes
+        those of s * K // num_stages). Which is right depends on how the layers are split; the
+        plans differ (GPT-3 A100 16 x 256: 248,244 J tiled, 248,164 J stretched). Per-stage meta
+        (a GPU's switch latencies) follows its rows."""
+        have = self.stages()
+        if how not in REPEATS:
+            raise ConfigError(f"unknown stage mapping {how!r}; choose one of {', '.join(REPEATS)}")
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+            raise ConfigError(f"num_stages must be a positive whole number, got {num_stages!r}")
+        if have != list(range(len(have))):
+            raise ConfigError(f"the profile's stages {have} are not 0..K-1; only such a profile can be repeated")
+        k = len(have)
+
+        def source(s: int) -> int:
+            return s % k if how == "tile" else s * k // num_stages
+
+        points = {
+            (s, kind): list(self.points[(source(s), kind)]) for s in range(num_stages) for kind in self.kinds(source(s))
+        }
+        meta = {key: value for key, value in self.meta.items() if "@" not in key}
+        for s in range(num_stages):
+            for key in (SWITCH_LATENCY_META, SWITCH_LATENCIES_META):
+                if f"{key}@{source(s)}" in self.meta:
+                    meta[f"{key}@{s}"] = self.meta[f"{key}@{source(s)}"]
+        return Profile(points, self.blocking_power_w, meta)
 
     def with_overheads(self, instruction_s: float = 0.0, hop_s: float = 0.0, num_stages: int | None = None) -> Profile:
         """A copy whose points also pay what the instruction model leaves out: `instruction_s` of
@@ -261,6 +292,8 @@ class Profile:
 
 #: Profile meta: the longest clock switch latency (s) of the GPU the profile was measured on.
 SWITCH_LATENCY_META = "clock_switch_latency_s"
+# How `Profile.repeated` maps a deeper pipeline's stages onto the profiled ones.
+REPEATS = ("tile", "stretch")
 #: Profile meta: the switch latency to each profiled clock, "MHz:s,..." (it depends mostly on the target).
 SWITCH_LATENCIES_META = "clock_switch_latencies_s"
 

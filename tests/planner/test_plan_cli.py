@@ -151,3 +151,63 @@ def test_zero_bubble_from_a_profile_of_whole_backwards_needs_split_backward(tmp_
     assert "--split-backward is the input part's share" in capsys.readouterr().err
     assert main([*base, "--split-backward", "0.5"]) == 0
     assert "Perseus is within" in capsys.readouterr().out
+
+
+def _table(out: str) -> dict[str, tuple[float, float, float]]:
+    """{plan name: (iteration s, energy J, saving %)} from the savings table."""
+    rows = {}
+    for line in out.splitlines():
+        parts = line.rsplit(None, 3)
+        if len(parts) == 4 and parts[3].endswith("%"):
+            try:
+                rows[parts[0].strip()] = (float(parts[1]), float(parts[2]), float(parts[3][:-1]))
+            except ValueError:
+                continue
+    return rows
+
+
+def test_a_straggler_deadline_table_adds_up_and_padded_plans_use_the_slack(tmp_path, profile_csv, capsys):
+    """Past the all-max time every row counts an iteration of the deadline (energy and saving
+    alike, so 1 - E / E_max is the saving printed); --padded plans for that iteration."""
+    from perseus.cli.main import main
+
+    base = ["plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "3", "--microbatches", "6"]
+    plain_json, padded_json = tmp_path / "plain.json", tmp_path / "padded.json"
+    assert main([*base, "--max-slowdown", "1.3", "--out", str(plain_json)]) == 0
+    plain = _table(capsys.readouterr().out)
+    assert main([*base, "--max-slowdown", "1.3", "--padded", "--out", str(padded_json)]) == 0
+    out = capsys.readouterr().out
+    padded = _table(out)
+    for table in (plain, padded):
+        maximum = table["max frequency"][1]
+        for _, e, saving in table.values():
+            assert saving == pytest.approx(100 * (1 - e / maximum), abs=0.01)
+    assert json.loads(padded_json.read_text())["padded"] is True
+    assert json.loads(plain_json.read_text())["padded"] is False
+    assert padded["Perseus"][1] <= plain["Perseus"][1] * (1 + 1e-6)
+    assert "--padded plans for that" not in out
+
+
+def test_a_deadline_past_the_least_energy_time_says_so(profile_csv, capsys):
+    from perseus.cli.main import main
+
+    base = ["plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "3", "--microbatches", "6"]
+    assert main([*base, "--max-slowdown", "110"]) == 0  # a percentage meant as a factor
+    assert "before the deadline: its least energy" in capsys.readouterr().out
+    assert main([*base, "--max-slowdown", "1.0"]) == 0
+    assert "its least energy" not in capsys.readouterr().out
+
+
+def test_repeat_profile_plans_a_deeper_pipeline_of_the_profiled_stages(tmp_path, profile_csv, capsys):
+    from perseus.cli.main import main
+
+    base = ["plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "6", "--microbatches", "8"]
+    assert main(base) == 1
+    assert "--repeat-profile tile|stretch" in capsys.readouterr().err
+    energies = {}
+    for how in ("tile", "stretch"):
+        out = tmp_path / f"{how}.json"
+        assert main([*base, "--repeat-profile", how, "--out", str(out)]) == 0
+        energies[how] = _table(capsys.readouterr().out)["Perseus"][1]
+        assert len(json.loads(out.read_text())["stages"]) == 6
+    assert energies["tile"] != energies["stretch"]  # stage 1 takes stage 1's rows, or stage 0's

@@ -275,6 +275,10 @@ def test_bad_deadlines():
         planner.plan(max_slowdown=-1)
     with pytest.raises(ConfigError):
         planner.frontier(num_points=1)
+    with pytest.raises(ConfigError, match=r"max_slowdown must be a number, e.g. 1.1; got '1.1' \(str\)"):
+        planner.plan(max_slowdown="1.1")
+    with pytest.raises(ConfigError, match="deadline must be a number"):
+        planner.plan(deadline=True)
 
 
 def test_plan_json_round_trip():

@@ -220,3 +220,29 @@ def test_with_overheads_rejects_bad_values(value):
         _three_stage_profile().with_overheads(instruction_s=value)
     with pytest.raises(ConfigError, match="hop_s must be a finite number of seconds >= 0"):
         _three_stage_profile().with_overheads(hop_s=value)
+
+
+def test_repeated_maps_a_deeper_pipeline_onto_the_profiled_stages():
+    from perseus.profiler.profile import SWITCH_LATENCIES_META, SWITCH_LATENCY_META
+
+    points = {
+        (s, k): [ProfilePoint(1000 + s, 0.1 * (s + 1), 1.0 * (s + 1))]
+        for s in range(3)
+        for k in ("forward", "backward")
+    }
+    meta = {f"{SWITCH_LATENCY_META}@1": "0.02", f"{SWITCH_LATENCIES_META}@2": "1000:0.03", "source": "test"}
+    profile = Profile(points, 60.0, meta)
+    tiled = profile.repeated(7, "tile")
+    stretched = profile.repeated(6, "stretch")
+    assert tiled.stages() == list(range(7)) and stretched.stages() == list(range(6))
+    assert [tiled.points[(s, "forward")][0].frequency - 1000 for s in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert [stretched.points[(s, "backward")][0].frequency - 1000 for s in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert tiled.switch_latency_s(4) == 0.02 and tiled.switch_latency_s(3) == 0.0
+    assert stretched.switch_latencies_s(5) == {1000: 0.03} and stretched.meta["source"] == "test"
+    assert profile.repeated(2, "tile").stages() == [0, 1]
+    for bad, message in (((6, "spread"), "unknown stage mapping 'spread'"), ((0, "tile"), "positive whole number")):
+        with pytest.raises(ConfigError, match=message):
+            profile.repeated(*bad)
+    gappy = Profile({k: v for k, v in points.items() if k[0] != 1}, 60.0)
+    with pytest.raises(ConfigError, match="not 0..K-1"):
+        gappy.repeated(6)
