@@ -119,16 +119,6 @@ def simulated_profile(preset_name: str, stages: int):
     return Profile(points, preset.idle_w, {"source": f"simulated {preset_name}"})
 
 
-def tiled_profile(profile, stages: int):
-    from perseus.profiler import Profile
-
-    have = profile.stages()
-    return Profile(
-        {(s, k): profile.points[(have[s % len(have)], k)] for s in range(stages) for k in ("forward", "backward")},
-        profile.blocking_power_w,
-    )
-
-
 def noisy_profile(profile, seed: int, time_noise: float = 0.01, energy_noise: float = 0.02):
     """`profile` with every point's time and energy jittered (seeded): measurement noise that
     makes the time-energy curves non-convex and non-monotone, as on the A40."""
@@ -361,7 +351,7 @@ def speed_runs(profiles, trees: dict, large_timeout: float) -> dict:
     speed: dict = {}
     print()
     for label, tree in trees.items():
-        task = {"task": "speed", "profile": profile_doc(tiled_profile(base, 8)), "schedule": ["1f1b", 8, 96]}
+        task = {"task": "speed", "profile": profile_doc(base.repeated(8, "tile")), "schedule": ["1f1b", 8, 96]}
         out = run_child(tree, task, 3600)
         assert out is not None
         speed[(label, "8x96")] = out
@@ -384,7 +374,7 @@ def speed_runs(profiles, trees: dict, large_timeout: float) -> dict:
         for label, tree in trees.items():
             task = {
                 "task": "large",
-                "profile": profile_doc(tiled_profile(base, stages)),
+                "profile": profile_doc(base.repeated(stages, "tile")),
                 "schedule": ["1f1b", stages, microbatches],
             }
             tick = time.perf_counter()
