@@ -261,17 +261,17 @@ class Planner:
             and self.problem.num_nodes <= RESTRICT_MAX_NODES
             and self._steady_groups()
         ):
+            roundings: dict[int, list[np.ndarray]] = {}  # per relaxation scored: kept ones are not rounded again
+
+            def score(r: Relaxation) -> float:
+                roundings[id(r)] = self._round(r, deadline_s)
+                return self._least_energy(roundings[id(r)], deadline_s, padded)
+
             pinned = []
             for steady in pinned_relaxations(
-                self.problem,
-                self._lp,
-                deadline_s,
-                padded,
-                (relaxation, basis),
-                self._steady_groups(),
-                lambda r: self._best_rounding(r, deadline_s, padded),
+                self.problem, self._lp, deadline_s, padded, (relaxation, basis), self._steady_groups(), score
             ):
-                pinned += self._round(steady, deadline_s)
+                pinned += roundings[id(steady)]
             retried = self._best(candidates + pinned, deadline_s, bound, padded, exchanged + len(pinned))
             if retried.energy_j < plan.energy_j:
                 plan = retried
@@ -282,11 +282,11 @@ class Planner:
             self._steady = steady_groups(self.problem)
         return self._steady
 
-    def _best_rounding(self, relaxation: Relaxation, deadline_s: float | None, padded: bool) -> float:
-        """The least energy of `relaxation`'s roundings that meet the deadline (inf if none does)."""
+    def _least_energy(self, candidates: list[np.ndarray], deadline_s: float | None, padded: bool) -> float:
+        """The least energy of the candidates that meet the deadline (inf if none does)."""
         energies = [
             e
-            for t, e in (self._objective(c, deadline_s, padded) for c in self._round(relaxation, deadline_s))
+            for t, e in (self._objective(c, deadline_s, padded) for c in candidates)
             if deadline_s is None or t <= deadline_s
         ]
         return min(energies, default=float("inf"))

@@ -40,10 +40,11 @@ def test_pinned_relaxations_hold_each_pinned_group_at_one_choice_and_leave_the_l
     start = (free, lp.basis())
     groups = steady_groups(problem)
 
+    def score(r):
+        return planner._least_energy(planner._round(r, deadline), deadline, padded)
+
     def run():
-        return pinned_relaxations(
-            problem, lp, deadline, padded, start, groups, lambda r: planner._best_rounding(r, deadline, padded)
-        )
+        return pinned_relaxations(problem, lp, deadline, padded, start, groups, score)
 
     pinned = run()
     assert pinned, "the relaxation at 1.05x has fractional steady instructions to pin"
