@@ -21,8 +21,8 @@ import numpy as np
 from perseus.exceptions import ConfigError, PlanError
 from perseus.planner.evaluator import Evaluator
 from perseus.planner.exact import MAX_BINARIES, num_binaries, solve_exact
-from perseus.planner.flow import relaxation_lp, uses_flow
-from perseus.planner.lp import SEED_MIN_NODES, Relaxation
+from perseus.planner.flow import FlowLP, relaxation_lp, uses_flow
+from perseus.planner.lp import SEED_MIN_NODES, HullLP, Relaxation
 from perseus.planner.plan import Plan
 from perseus.planner.problem import Problem
 from perseus.planner.refine import refine
@@ -42,11 +42,14 @@ _MIN_ENERGY_TARGETS = (0.99, 0.97)
 LOOSER_RETRY_GAP = 0.005
 _LOOSER_TARGETS = (1.005, 1.01, 1.02)
 # A plan further than this from its bound, in a pipeline with a steady state, is tried again with
-# the roundings of relaxations whose steady instructions are pinned to one choice each (`steady`).
-# Bloom A100 8 x 96 padded at 1.05x: 0.43% -> 0.35%; 8 x 24: 0.24% -> 0.15%; GPT-3 A40 8 x 96 at
-# no slowdown: 0.98% -> 0.63%. Every GPT-3 A100 plan benchmarked is closer and skips it (it costs
-# 10-110 ms at 8 x 96).
+# the roundings of relaxations whose steady instructions are pinned (`steady`): to one choice each,
+# and dithered between two. Bloom A100 8 x 96 padded at 1.05x: 0.31% -> 0.075%; GPT-3 A40 8 x 96 at
+# no slowdown: 0.98% -> 0.63%; Bloom A40 8 x 96 at no slowdown: 0.28% -> 0.15%. Padded plans (past
+# no slowdown) from 0.1%: GPT-3 A100 8 x 24 to 8 x 96 at 1.2x, 0.11-0.16% -> 0.06-0.09%. Unpadded
+# ones from 0.2%: at no slowdown GPT-3 A100 8 x 96 lands 0.145% above its bound, and the 14 solves
+# (45 ms of a 0.2 s plan) found nothing better.
 STEADY_RETRY_GAP = 0.002
+STEADY_RETRY_GAP_PADDED = 0.001
 # Candidates polished by pair exchanges, best first (frontier sweeps, and single plans above
 # REFINE_MAX_NODES: the best only). Above that size there is no iterative rounding's candidate,
 # and polishing the next two never changed the plan (32 x 512, GPT-3 and Bloom A100, no slowdown
@@ -123,6 +126,7 @@ class Planner:
         self._relaxed: dict[tuple[float | None, bool], _Relaxed] = {}
         self._own: dict[tuple[float, bool, bool], Relaxation | None] = {}
         self._steady: list[np.ndarray] | None = None  # `steady_groups`, once a plan needs them
+        self._twin: HullLP | FlowLP | None = None  # a second LP for the dithered pins, once needed
         self._lock = threading.Lock()
 
     def plan(self, deadline: float | None = None, max_slowdown: float | None = None, padded: bool = False) -> Plan:
@@ -257,25 +261,34 @@ class Planner:
                 plan = retried
         if (
             refined
-            and plan.gap > STEADY_RETRY_GAP
+            and plan.gap > (STEADY_RETRY_GAP_PADDED if padded else STEADY_RETRY_GAP)
             and self.problem.num_nodes <= RESTRICT_MAX_NODES
             and self._steady_groups()
         ):
-            roundings: dict[int, list[np.ndarray]] = {}  # per relaxation scored: kept ones are not rounded again
-
-            def score(r: Relaxation) -> float:
-                roundings[id(r)] = self._round(r, deadline_s)
-                return self._least_energy(roundings[id(r)], deadline_s, padded)
-
-            pinned = []
-            for steady in pinned_relaxations(
-                self.problem, self._lp, deadline_s, padded, (relaxation, basis), self._steady_groups(), score
-            ):
-                pinned += roundings[id(steady)]
+            pinned = self._pinned(deadline_s, padded, relaxation, basis)
             retried = self._best(candidates + pinned, deadline_s, bound, padded, exchanged + len(pinned))
             if retried.energy_j < plan.energy_j:
                 plan = retried
         return plan
+
+    def _pinned(self, deadline_s: float | None, padded: bool, relaxation: Relaxation, basis: Any) -> list[np.ndarray]:
+        """The roundings of steady-state pinned relaxations (`steady`) from this deadline's optimum:
+        pinned uniformly on the planner's LP and dithered on a second one meanwhile (network
+        simplex releases the GIL; 8 x 96 at no slowdown: 14 solves of 5-10 ms each)."""
+        groups = self._steady_groups()
+        roundings: dict[int, list[np.ndarray]] = {}  # per relaxation scored: kept ones are not rounded again
+
+        def score(r: Relaxation) -> float:
+            roundings[id(r)] = self._round(r, deadline_s)
+            return self._least_energy(roundings[id(r)], deadline_s, padded)
+
+        if self._twin is None:
+            self._twin = relaxation_lp(self.problem)
+        args = (self.problem, deadline_s, padded, (relaxation, basis), groups, score)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            dithered = pool.submit(pinned_relaxations, args[0], self._twin, *args[1:], dithered=True)
+            kept = pinned_relaxations(args[0], self._lp, *args[1:], dithered=False) + dithered.result()
+        return [choice for r in kept for choice in roundings[id(r)]]
 
     def _steady_groups(self) -> list[np.ndarray]:
         if self._steady is None:

@@ -377,17 +377,19 @@ def test_planning_after_another_highs_user():
     assert done.stdout.strip().endswith("planned True True")
 
 
-def _retried_plans_better(monkeypatch, knob: str, threshold: float, schedule, seeds, factors) -> int:
-    """How many plans the retry that `knob` gates (off at inf, on at `threshold`) made cheaper,
+def _retried_plans_better(monkeypatch, knobs: dict[str, float], schedule, seeds, factors) -> int:
+    """How many plans the retry that `knobs` gate (off at inf, on at their thresholds) made cheaper,
     checking on each that it never costs energy, meets the deadline, and plans the same on a
     fresh Planner and after others."""
     better = 0
     for seed in seeds:
         profile = random_profile(seed, 4, 10)
         for factor in factors:
-            monkeypatch.setattr(solver, knob, float("inf"))
+            for knob in knobs:
+                monkeypatch.setattr(solver, knob, float("inf"))
             without = Planner(schedule, profile).plan(max_slowdown=factor, padded=factor > 1)
-            monkeypatch.setattr(solver, knob, threshold)
+            for knob, threshold in knobs.items():
+                monkeypatch.setattr(solver, knob, threshold)
             planner = Planner(schedule, profile)
             plan = planner.plan(max_slowdown=factor, padded=factor > 1)
             assert plan.iteration_time_s <= factor * planner.max_frequency_time_s
@@ -404,13 +406,14 @@ def test_a_plan_far_from_its_bound_is_tried_again_with_looser_deadlines_optima(m
     roundings of looser deadlines' optima are tried too: never more energy than without them,
     sometimes less, within the deadline, and the same plan on a fresh Planner and after others."""
     schedule = build_schedule("1f1b", 4, 16)
-    assert _retried_plans_better(monkeypatch, "LOOSER_RETRY_GAP", 0.005, schedule, (1, 3), (1.0, 1.01, 1.02)) >= 3
+    assert _retried_plans_better(monkeypatch, {"LOOSER_RETRY_GAP": 0.005}, schedule, (1, 3), (1.0, 1.01, 1.02)) >= 3
 
 
 def test_steady_state_pinning_only_ever_lowers_the_energy(monkeypatch):
-    """Where a plan lands more than STEADY_RETRY_GAP above its bound in a pipeline with a steady
-    state, the roundings of relaxations with the steady instructions pinned are tried too: never
-    more energy than without them, sometimes less, within the deadline, and the same plan on a
-    fresh Planner and after others."""
+    """Where a plan lands more than STEADY_RETRY_GAP (padded: STEADY_RETRY_GAP_PADDED) above its
+    bound in a pipeline with a steady state, the roundings of relaxations with the steady
+    instructions pinned are tried too: never more energy than without them, sometimes less,
+    within the deadline, and the same plan on a fresh Planner and after others."""
     schedule = build_schedule("1f1b", 4, 24)
-    assert _retried_plans_better(monkeypatch, "STEADY_RETRY_GAP", 0.002, schedule, (2, 3, 6), (1.0, 1.05, 1.1)) >= 4
+    knobs = {"STEADY_RETRY_GAP": 0.002, "STEADY_RETRY_GAP_PADDED": 0.001}
+    assert _retried_plans_better(monkeypatch, knobs, schedule, (2, 3, 6), (1.0, 1.05, 1.1)) >= 4
