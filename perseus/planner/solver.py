@@ -274,7 +274,7 @@ class Planner:
     def _pinned(self, deadline_s: float | None, padded: bool, relaxation: Relaxation, basis: Any) -> list[np.ndarray]:
         """The roundings of steady-state pinned relaxations (`steady`) from this deadline's optimum:
         pinned uniformly on the planner's LP and dithered on a second one meanwhile (network
-        simplex releases the GIL; 8 x 96 at no slowdown: 14 solves of 5-10 ms each)."""
+        simplex releases the GIL; a level's solves take 5-10 ms each at 8 x 96)."""
         groups = self._steady_groups()
         roundings: dict[int, list[np.ndarray]] = {}  # per relaxation scored: kept ones are not rounded again
 
@@ -286,8 +286,15 @@ class Planner:
             self._twin = relaxation_lp(self.problem)
         args = (self.problem, deadline_s, padded, (relaxation, basis), groups, score)
         with ThreadPoolExecutor(max_workers=1) as pool:
-            dithered = pool.submit(pinned_relaxations, args[0], self._twin, *args[1:], dithered=True)
-            kept = pinned_relaxations(args[0], self._lp, *args[1:], dithered=False) + dithered.result()
+
+            def dithered() -> list[Relaxation]:
+                assert self._twin is not None
+                return [
+                    r for p in ("even", "nested") for r in pinned_relaxations(args[0], self._twin, *args[1:], pattern=p)
+                ]
+
+            later = pool.submit(dithered)
+            kept = pinned_relaxations(args[0], self._lp, *args[1:], pattern="uniform") + later.result()
         return [choice for r in kept for choice in roundings[id(r)]]
 
     def _steady_groups(self) -> list[np.ndarray]:

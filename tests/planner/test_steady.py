@@ -44,7 +44,7 @@ def test_pinned_relaxations_hold_each_pinned_group_at_one_choice_and_leave_the_l
         return planner._least_energy(planner._round(r, deadline), deadline, padded)
 
     def run():
-        return pinned_relaxations(problem, lp, deadline, padded, start, groups, score, dithered=False)
+        return pinned_relaxations(problem, lp, deadline, padded, start, groups, score, pattern="uniform")
 
     pinned = run()
     assert pinned, "the relaxation at 1.05x has fractional steady instructions to pin"
@@ -75,7 +75,16 @@ def test_dithered_pins_spread_each_group_over_the_two_hull_vertices_around_its_d
     def score(r):
         return planner._least_energy(planner._round(r, deadline), deadline, padded)
 
-    pinned = pinned_relaxations(problem, lp, deadline, padded, (free, lp.basis()), groups, score, dithered=True)
+    for pattern in ("even", "nested"):
+        pinned = pinned_relaxations(problem, lp, deadline, padded, (free, lp.basis()), groups, score, pattern=pattern)
+        # The slower vertex's share keeps a group's mean within one instruction's step of the
+        # relaxation's where spread evenly, 2.5 where nested.
+        _assert_dithered(problem, groups, free, deadline, pinned, 1.0 if pattern == "even" else 2.5)
+    with pytest.raises(ValueError, match="pattern must be one of"):
+        pinned_relaxations(problem, lp, deadline, padded, (free, lp.basis()), groups, score, pattern="random")
+
+
+def _assert_dithered(problem, groups, free, deadline, pinned, steps):
     assert pinned
     mixed = 0
     for relaxation in pinned:
@@ -92,9 +101,8 @@ def test_dithered_pins_spread_each_group_over_the_two_hull_vertices_around_its_d
         assert all(np.min(np.abs(vertices - u)) < 1e-9 for u in used)  # only hull vertices
         if len(used) == 2:
             mixed += 1
-            # The slower vertex's share keeps the group's mean within one instruction's step.
             step = used[1] - used[0]
-            assert abs(first.duration_s[group].mean() - np.median(d)) <= step / len(group) + 1e-9
+            assert abs(first.duration_s[group].mean() - np.median(d)) <= steps * step / len(group) + 1e-9
     assert mixed >= 1
 
 
