@@ -282,19 +282,19 @@ class Planner:
             roundings[id(r)] = self._round(r, deadline_s)
             return self._least_energy(roundings[id(r)], deadline_s, padded)
 
-        if self._twin is None:
-            self._twin = relaxation_lp(self.problem)
-        args = (self.problem, deadline_s, padded, (relaxation, basis), groups, score)
+        twin = self._twin = self._twin or relaxation_lp(self.problem)
+
+        def pinned(lp: HullLP | FlowLP, patterns: tuple[str, ...]) -> list[Relaxation]:
+            start = (relaxation, basis)
+            return [
+                r
+                for pattern in patterns
+                for r in pinned_relaxations(self.problem, lp, deadline_s, padded, start, groups, score, pattern=pattern)
+            ]
+
         with ThreadPoolExecutor(max_workers=1) as pool:
-
-            def dithered() -> list[Relaxation]:
-                assert self._twin is not None
-                return [
-                    r for p in ("even", "nested") for r in pinned_relaxations(args[0], self._twin, *args[1:], pattern=p)
-                ]
-
-            later = pool.submit(dithered)
-            kept = pinned_relaxations(args[0], self._lp, *args[1:], pattern="uniform") + later.result()
+            dithered = pool.submit(pinned, twin, ("even", "nested"))
+            kept = pinned(self._lp, ("uniform",)) + dithered.result()
         return [choice for r in kept for choice in roundings[id(r)]]
 
     def _steady_groups(self) -> list[np.ndarray]:

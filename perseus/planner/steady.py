@@ -14,17 +14,18 @@ A level pins the steady instructions that are still fractional, all to their fas
 choice, then all to their slower one, then to the hull vertices either side (where the profile
 is noisy, the neighbouring choices lie above the hull: GPT-3 A40 8 x 96 at no slowdown, 0.81%
 from its bound pinning to neighbours alone, 0.63% with the vertices); the best of each level by
-`score` is kept and the next level starts from it, `DEPTH` levels in all (`DITHERED_DEPTH` dithered).
+`score` is kept and the next level starts from it, `DEPTH` levels in all.
 
-Pinned by a dithering `pattern`, a level instead spreads each group over the two hull vertices around its
-duration, a fraction of its instructions at the slower one so that their mean is the relaxation's,
-in step across stages (`_dither_keys`): every period of the pipeline then runs at one of two
-lengths, each on the hull, where a uniform pin moves the period off its optimum. Branch and cut's
-best plan in five minutes on Bloom A100 8 x 96 at 1.05x had this shape (0.141% above the bound,
-where uniform pins reached 0.308%); dithering finds 0.075%. The slower instructions are spread
-evenly per group (Bresenham), or nested: period k is slow for every group whose fraction exceeds
-a shared low-discrepancy value, so groups with different fractions (noisy profiles) stretch in
-the same periods (the GPT-3 A100 profile with seeded noise, 8 x 48 at 1.05x: 0.75% -> 0.67%).
+Pinned by a dithering `pattern`, a level instead spreads each group over the two hull vertices
+around its duration, a fraction of its instructions at the slower one so that their mean is the
+relaxation's, in step across stages (`_dither_keys`): every period of the pipeline then runs at
+one of two lengths, each on the hull, where a uniform pin moves the period off its optimum.
+Branch and cut's best plan in five minutes on Bloom A100 8 x 96 at 1.05x had this shape (0.141%
+above the bound, where uniform pins reached 0.308%); dithering finds 0.075%. The slower
+instructions are spread evenly per group (Bresenham), or nested: period k is slow for every group
+whose fraction exceeds a shared low-discrepancy value, so groups with different fractions (noisy
+profiles) stretch in the same periods (the GPT-3 A100 profile with seeded noise, 8 x 48 at 1.05x:
+0.76% -> 0.67%). Dithered patterns go `DITHERED_DEPTH` levels deep.
 """
 
 from __future__ import annotations
