@@ -44,12 +44,13 @@ _LOOSER_TARGETS = (1.005, 1.01, 1.02)
 # A plan further than this from its bound, in a pipeline with a steady state, is tried again with
 # the roundings of relaxations whose steady instructions are pinned (`steady`): to one choice each,
 # and dithered between two. Bloom A100 8 x 96 padded at 1.05x: 0.31% -> 0.075%; GPT-3 A40 8 x 96 at
-# no slowdown: 0.98% -> 0.63%; Bloom A40 8 x 96 at no slowdown: 0.28% -> 0.15%. Padded plans (past
-# no slowdown) from 0.1%: GPT-3 A100 8 x 24 to 8 x 96 at 1.2x, 0.11-0.16% -> 0.06-0.09%. Unpadded
-# ones from 0.2%: at no slowdown GPT-3 A100 8 x 96 lands 0.145% above its bound, and the 14 solves
-# (45 ms of a 0.2 s plan) found nothing better.
+# no slowdown: 0.98% -> 0.63%; Bloom A40 8 x 96 at no slowdown: 0.28% -> 0.15%. Plans past no
+# slowdown from 0.1%: GPT-3 A100 8 x 24 to 8 x 96 at 1.2x, 0.11-0.16% -> 0.06-0.09%. Plans at no
+# slowdown (or faster) from 0.2%: there the bottleneck stage at its highest clock sets the period,
+# GPT-3 A100 8 x 96 lands 0.145% above its bound, and the 14 solves (45 ms of a 0.2 s plan, padded
+# or not) found nothing better.
 STEADY_RETRY_GAP = 0.002
-STEADY_RETRY_GAP_PADDED = 0.001
+STEADY_RETRY_GAP_SLOWER = 0.001
 # Candidates polished by pair exchanges, best first (frontier sweeps, and single plans above
 # REFINE_MAX_NODES: the best only). Above that size there is no iterative rounding's candidate,
 # and polishing the next two never changed the plan (32 x 512, GPT-3 and Bloom A100, no slowdown
@@ -261,7 +262,7 @@ class Planner:
                 plan = retried
         if (
             refined
-            and plan.gap > (STEADY_RETRY_GAP_PADDED if padded else STEADY_RETRY_GAP)
+            and plan.gap > (STEADY_RETRY_GAP if self._no_slower(deadline_s) else STEADY_RETRY_GAP_SLOWER)
             and self.problem.num_nodes <= RESTRICT_MAX_NODES
             and self._steady_groups()
         ):
@@ -296,6 +297,10 @@ class Planner:
             dithered = pool.submit(pinned, twin, ("even", "nested"))
             kept = pinned(self._lp, ("uniform",)) + dithered.result()
         return [choice for r in kept for choice in roundings[id(r)]]
+
+    def _no_slower(self, deadline_s: float | None) -> bool:
+        """Whether a deadline asks for no slowdown against every GPU at its maximum clock (or less)."""
+        return deadline_s is not None and deadline_s <= self.max_frequency_time_s * (1 + 1e-9)
 
     def _steady_groups(self) -> list[np.ndarray]:
         if self._steady is None:

@@ -413,10 +413,10 @@ def test_a_plan_far_from_its_bound_is_tried_again_with_looser_deadlines_optima(m
 
 
 def test_steady_state_pinning_only_ever_lowers_the_energy(monkeypatch):
-    """Where a plan lands more than STEADY_RETRY_GAP (padded: STEADY_RETRY_GAP_PADDED) above its
-    bound in a pipeline with a steady state, the roundings of relaxations with the steady
-    instructions pinned are tried too: never more energy than without them, sometimes less,
-    within the deadline, and the same plan on a fresh Planner and after others."""
+    """Where a plan lands more than STEADY_RETRY_GAP (past no slowdown: STEADY_RETRY_GAP_SLOWER)
+    above its bound in a pipeline with a steady state, the roundings of relaxations with the
+    steady instructions pinned are tried too: never more energy than without them, sometimes
+    less, within the deadline, and the same plan on a fresh Planner and after others."""
     schedule = build_schedule("1f1b", 4, 24)
-    knobs = {"STEADY_RETRY_GAP": 0.002, "STEADY_RETRY_GAP_PADDED": 0.001}
+    knobs = {"STEADY_RETRY_GAP": 0.002, "STEADY_RETRY_GAP_SLOWER": 0.001}
     assert _retried_plans_better(monkeypatch, knobs, schedule, (2, 3, 6), (1.0, 1.05, 1.1)) >= 4
