@@ -152,8 +152,6 @@ def run(args: argparse.Namespace) -> int:
 
     ev = planner.evaluator
     pace = max(plan.deadline_s, planner.max_frequency_time_s)
-    # A padded plan's energy counts the blocking until its deadline already; the table pads alike.
-    plan_energy = plan.energy_j - (_at_pace(0.0, plan.iteration_time_s, plan.deadline_s, ev) if plan.padded else 0.0)
     rows = [max_frequency_plan(ev)]
     missed = []
     for name, baseline in (("uniform clock", uniform_plan), ("EnvPipe", envpipe_plan)):
@@ -161,18 +159,19 @@ def run(args: argparse.Namespace) -> int:
             rows.append(baseline(ev, plan.deadline_s))
         except PlanError:
             missed.append(name)  # deadline below the all-max time: out of this baseline's reach
-    base = _at_pace(rows[0].energy_j, rows[0].iteration_time_s, pace, ev)
+    base = planner.energy_at_pace(rows[0].energy_j, rows[0].iteration_time_s, pace)
     print(
         f"{schedule.name}, {schedule.num_stages} stages x {schedule.num_microbatches} microbatches "
         f"({planner.problem.num_nodes} instructions), blocking power {profile.blocking_power_w:g} W, "
         f"deadline {plan.deadline_s:.6g} s"
     )
     print(f"{'plan':<22} {'iteration s':>12} {'energy J':>12} {'saving':>8}")
-    for name, t, e in [(r.name, r.iteration_time_s, r.energy_j) for r in rows] + [
-        ("Perseus", plan.iteration_time_s, plan_energy)
-    ]:
-        padded = _at_pace(e, t, pace, ev)
-        print(f"{name:<22} {t:>12.6g} {padded:>12.6g} {100 * (1 - padded / base):>7.2f}%")
+    for r in rows:
+        padded = planner.energy_at_pace(r.energy_j, r.iteration_time_s, pace)
+        print(f"{r.name:<22} {r.iteration_time_s:>12.6g} {padded:>12.6g} {100 * (1 - padded / base):>7.2f}%")
+    # A padded plan's energy counts the blocking until its deadline already.
+    ours = planner.energy_at_pace(plan.energy_j, plan.deadline_s if plan.padded else plan.iteration_time_s, pace)
+    print(f"{'Perseus':<22} {plan.iteration_time_s:>12.6g} {ours:>12.6g} {100 * planner.saving(plan):>7.2f}%")
     for name in missed:
         print(f"{name:<22} {'cannot meet the deadline':>34}")
     own = "" if plan.padded or pace <= planner.max_frequency_time_s else " (over its own iteration)"
@@ -218,11 +217,6 @@ def _writing(flag: str, path: Path) -> Iterator[None]:
         yield
     except OSError as e:
         raise ConfigError(f"cannot write {flag} {path}: {e.strerror or e}; choose a writable path") from None
-
-
-def _at_pace(energy: float, time_s: float, pace: float, ev) -> float:
-    """Energy of an iteration that lasts `pace` seconds: idle GPUs block until then."""
-    return energy + ev.blocking_power_w * ev.num_stages * max(pace - time_s, 0.0)
 
 
 def _write_frontier(points, path: Path) -> None:

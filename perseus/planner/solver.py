@@ -156,6 +156,21 @@ class Planner:
                 self._min_energy = self._solve(None, warm=False, refined=True)
             return self._min_energy
 
+    def energy_at_pace(self, energy_j: float, time_s: float, pace_s: float) -> float:
+        """The energy of an iteration that lasts `pace_s` when the work takes `energy_j` over
+        `time_s`: every GPU that is done blocks until then (as beside a straggler)."""
+        return energy_j + self.evaluator.blocking_power_w * self.evaluator.num_stages * max(pace_s - time_s, 0.0)
+
+    def saving(self, plan: Plan) -> float:
+        """The fraction of energy `plan` saves against every GPU at its maximum clock, as `perseus
+        plan` prints it: both over one iteration of the plan's deadline or the all-max time,
+        whichever is longer (a plan that ends early blocks until then; a padded plan's energy
+        already counts that)."""
+        pace = max(plan.deadline_s, self.max_frequency_time_s)
+        span = plan.deadline_s if plan.padded else plan.iteration_time_s
+        ours = self.energy_at_pace(plan.energy_j, span, pace)
+        return 1.0 - ours / self.energy_at_pace(self.max_frequency_energy_j, self.max_frequency_time_s, pace)
+
     def frontier(self, num_points: int = 50) -> list[FrontierPoint]:
         """Plans for `num_points` deadlines evenly spaced from the fastest iteration time to T*,
         fastest first. Energy never increases along the list."""

@@ -211,3 +211,28 @@ def test_repeat_profile_plans_a_deeper_pipeline_of_the_profiled_stages(tmp_path,
         energies[how] = _table(capsys.readouterr().out)["Perseus"][1]
         assert len(json.loads(out.read_text())["stages"]) == 6
     assert energies["tile"] != energies["stretch"]  # stage 1 takes stage 1's rows, or stage 0's
+
+
+@pytest.mark.parametrize(("slowdown", "padded"), [(1.0, False), (1.3, False), (1.3, True), (0.99, True)])
+def test_the_api_saving_is_the_one_the_table_prints(tmp_path, profile_csv, capsys, slowdown, padded):
+    """`Planner.saving(plan)` is the Perseus row's saving (an outsider had to rebuild it by hand:
+    1 - energy_j / max_frequency_energy_j compares iterations of different lengths past the
+    all-max time)."""
+    from perseus.cli.main import main
+    from perseus.planner import Planner
+    from perseus.profiler import load_profile
+
+    args = ["plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "3", "--microbatches", "6"]
+    args += ["--max-slowdown", str(slowdown)] + (["--padded"] if padded else [])
+    planner = Planner(build_schedule("1f1b", 3, 6), load_profile(profile_csv, 70.0))
+    if slowdown * planner.max_frequency_time_s < planner.fastest_time_s:
+        pytest.skip("this profile's fastest plan is the all-max one")
+    assert main(args) == 0
+    printed = _table(capsys.readouterr().out)["Perseus"][2]
+    plan = planner.plan(max_slowdown=slowdown, padded=padded)
+    assert 100 * planner.saving(plan) == pytest.approx(printed, abs=0.006)
+    if slowdown > 1.0:
+        pace = plan.deadline_s
+        energy = plan.energy_j if padded else planner.energy_at_pace(plan.energy_j, plan.iteration_time_s, pace)
+        base = planner.energy_at_pace(planner.max_frequency_energy_j, planner.max_frequency_time_s, pace)
+        assert planner.saving(plan) == pytest.approx(1 - energy / base, rel=1e-12)
