@@ -138,6 +138,11 @@ def run(args: argparse.Namespace) -> int:
     schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
     if args.repeat_profile is not None:
         profile = profile.repeated(schedule.num_virtual_stages, args.repeat_profile)
+    elif len(profile.stages()) > schedule.num_virtual_stages:
+        print(
+            f"note: {args.profile} profiles {len(profile.stages())} stages; this pipeline has "
+            f"{schedule.num_virtual_stages}, so it plans with the profile's stages 0-{schedule.num_virtual_stages - 1}"
+        )
     if args.split_backward is not None:
         profile = profile.with_split_backward(args.split_backward)
     elif Kind.BACKWARD_INPUT in {ins.kind for row in schedule.stages for ins in row} and not any(

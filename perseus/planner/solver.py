@@ -140,6 +140,8 @@ class Planner:
         past T* the plan uses the slack. The plan's energy and bound are then for an iteration of
         the deadline (`Plan.padded`)."""
         deadline_s = self._deadline(deadline, max_slowdown)
+        if not isinstance(padded, (bool, np.bool_)):
+            raise ConfigError(f"padded must be True or False, got {padded!r} ({type(padded).__name__})")
         if max_slowdown is not None and deadline_s < self.fastest_time_s:
             raise PlanError(
                 f"max_slowdown {max_slowdown:g} asks for {deadline_s:.6g} s per iteration, but even the fastest "

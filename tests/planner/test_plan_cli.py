@@ -236,3 +236,21 @@ def test_the_api_saving_is_the_one_the_table_prints(tmp_path, profile_csv, capsy
         energy = plan.energy_j if padded else planner.energy_at_pace(plan.energy_j, plan.iteration_time_s, pace)
         base = planner.energy_at_pace(planner.max_frequency_energy_j, planner.max_frequency_time_s, pace)
         assert planner.saving(plan) == pytest.approx(1 - energy / base, rel=1e-12)
+
+
+def test_a_profile_deeper_than_the_pipeline_is_noted_and_padded_must_be_a_bool(profile_csv, capsys):
+    from perseus.cli.main import main
+    from perseus.exceptions import ConfigError
+    from perseus.planner import Planner
+    from perseus.profiler import load_profile
+
+    args = ["plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "2", "--microbatches", "4"]
+    assert main(args) == 0
+    assert (
+        "profiles 3 stages; this pipeline has 2, so it plans with the profile's stages 0-1" in capsys.readouterr().out
+    )
+    assert main([*args[:-4], "--stages", "3", "--microbatches", "4"]) == 0
+    assert "note:" not in capsys.readouterr().out
+    planner = Planner(build_schedule("1f1b", 3, 6), load_profile(profile_csv, 70.0))
+    with pytest.raises(ConfigError, match="padded must be True or False, got 'yes'"):
+        planner.plan(max_slowdown=1.1, padded="yes")
