@@ -391,6 +391,8 @@ class Agent:
                         sock.sendall(encode_error(None, AgentErrorCode.TOO_LARGE, f"{e}; closing the connection"))
                     why, level = f"sent {e}", logging.WARNING
                     break
+                except ConnectionResetError:
+                    break  # closed with replies unread: a killed holder, as often as a clean EOF
                 except OSError as e:
                     why = f"broke the connection ({e})"
                     break

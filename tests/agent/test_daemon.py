@@ -115,6 +115,27 @@ def test_silence_ends_the_lease(node, thread_agent):
         sock.close()
 
 
+def test_a_holder_killed_with_a_reply_unread_is_logged_as_exited_or_killed(node, thread_agent, caplog):
+    """A process killed with a reply waiting in its socket closes it with a reset, not an end of
+    file; the agent says the same about it (a multi-node test that killed a node saw either)."""
+    caplog.set_level("INFO", logger="perseus.agent.daemon")
+    thread_agent()
+    uuid = node.gpu(0).uuid()
+    sock = raw_connect(node.socket)
+    try:
+        lease_and_lock(sock, uuid, 705)
+        sock.sendall(encode_request(4, Write(uuid, SM_CLOCK, 720)))
+        assert sock.recv(1, socket.MSG_PEEK)  # the reply arrived; it is never read
+    finally:
+        sock.close()
+    wait_for(lambda: at_defaults(node.gpu(0)), "the closed client's GPU reset")
+    line = wait_for(
+        lambda: next((r.getMessage() for r in caplog.records if "reset to defaults" in r.getMessage()), None),
+        "the agent to log the reset",
+    )
+    assert "the holder exited or was killed (its connection closed)" in line
+
+
 def test_the_client_sends_heartbeats_while_it_holds_a_lease(node):
     """Against a stand-in agent that says: heartbeat every 10 ms; the client's thread then sends
     them with no request from the caller."""
