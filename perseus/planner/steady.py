@@ -76,9 +76,9 @@ def pinned_relaxations(
     Each solve starts from its level's basis, so the result depends on the arguments alone.
     Leaves every duration of `lp` free."""
     relaxation, basis = start
-    keys = _dither_keys(problem)
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
+    keys = [] if pattern == "uniform" else _dither_keys(problem)
     sides = [(pattern, side) for side in range(_UNIFORM if pattern == "uniform" else len(keys))]
     pins: dict[int, np.ndarray] = {}
     kept: list[Relaxation] = []
