@@ -30,7 +30,8 @@ sockets send at once, then every reply is collected), drawn from
                      iterations (slower, 5e-324 s, the maximum time), half of the time with every
                      rank's spans of it (so timelines complete and the service calibrates on
                      them, ranks registering `timeline`); then `status` of every job
-  declare_straggler  factors 1-10 and None; nearly valid: no such pipeline, factor out of range
+  declare_straggler  factors 1-10 and None (a job of one pipeline refuses a factor); nearly valid:
+                     no such pipeline, factor out of range
   status / ping      every job, one job, an unknown job
 Beside the chaos traffic a "sentinel" job (2 stages) is driven from its own socket with valid
 requests only, as a well-behaved client would (retrying not_ready, re-registering after a lost
@@ -107,6 +108,7 @@ from service_support import PRESET, ServeProcess, stage_profile
 
 from perseus.devices.sim_presets import SimPreset, get_preset
 from perseus.schedules import build_schedule
+from perseus.service.iterations import LEAD
 from perseus.wire import limits
 from perseus.wire.envelope import RequestRejected, decode_request
 from perseus.wire.limits import MAX_INSTRUCTIONS, MAX_ITERATION, MAX_RANKS, SWEEP_VERSION
@@ -1150,7 +1152,12 @@ class StatefulFuzz:
         }
         if rng.random() < 0.2:
             fields["compute_time_s"] = rng.choice([time_s, time_s * 0.9, TINY])
-        return Req(f"report_iteration/{name}", "report_iteration", fields, job)
+        # An iteration far past the median rank's is refused by the job (valid on the wire); the
+        # chaos ranks do not move in lockstep, so past the first LEAD iterations any may be.
+        far = fields["iteration"] > LEAD
+        return Req(
+            f"report_iteration/{name}", "report_iteration", fields, job, allow=frozenset({"bad_field"} if far else ())
+        )
 
     def _a_report_bad(self, rng: random.Random, job: JobModel) -> Req:
         name, change = rng.choice(
@@ -1176,7 +1183,10 @@ class StatefulFuzz:
 
     def _a_straggler(self, rng: random.Random, job: JobModel) -> Req:
         fields = {"job_id": job.job_id, "pipeline": rng.randrange(job.spec.dp), "factor": rng.choice(STRAGGLER_FACTORS)}
-        return Req("declare_straggler/valid", "declare_straggler", fields, job)
+        alone = job.spec.dp == 1 and fields["factor"] is not None  # refused: no other pipeline to slow
+        return Req(
+            "declare_straggler/valid", "declare_straggler", fields, job, allow=frozenset({"bad_field"} if alone else ())
+        )
 
     def _a_straggler_bad(self, rng: random.Random, job: JobModel) -> Req:
         name, change = rng.choice(

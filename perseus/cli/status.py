@@ -124,7 +124,8 @@ def format_job(job: JobStatus) -> str:
     tolerance = "" if job.tolerance is None else f", tolerance {100 * job.tolerance:g}%"
     lines = [
         f"job {job.job_id}: {job.phase}, {job.ranks_registered} of {job.world_size} ranks, plan v{job.plan_version}, "
-        f"iteration {job.last_iteration}{tolerance}"
+        + (f"iteration {job.last_iteration}" if job.last_iteration >= 0 else "no iteration reported yet")
+        + tolerance
     ]
     if job.error:
         lines.append(f"  error: {job.error}")

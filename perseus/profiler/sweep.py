@@ -9,7 +9,9 @@ first). A rank never computes what a step runs; `Sweep` only chooses which step 
 - after each block, the stage's energy per iteration at that frequency (from the fit over
   every window so far, perseus.profiler.energy_fit): once it has stayed above its minimum for
   `early_stop_rises` frequencies in a row, lower clocks would only cost more energy and time,
-  and the main sweep stops;
+  and the main sweep stops. Above means by more than RISE_SIGMAS of the two points' relative
+  errors: on a fine clock grid (15 MHz apart) neighbouring clocks differ by less than the
+  counter's noise, and noise must not end the sweep near the top clock;
 - then the blocks of frequencies whose energy is still uncertain (relative standard error over
   `target_error`) again, each at most `max_repeats` more times, and in all at most
   `max_extra_fraction` of the main sweep's steps: profiling longer where the counter windows
@@ -27,6 +29,8 @@ from perseus.exceptions import ConfigError
 DEFAULT_TARGET_ERROR = 0.006
 DEFAULT_MAX_REPEATS = 2
 DEFAULT_MAX_EXTRA_FRACTION = 0.5
+RISE_SIGMAS = 2.0  # a rise in energy counts toward the early stop past this many relative errors
+RISE_ERROR_CAP = 0.05  # the relative error a rise is judged with where the fit cannot tell one (infinite)
 
 
 @dataclass(frozen=True)
@@ -152,8 +156,13 @@ class Sweep:
         assert self.plan is not None
         f = self.plan.frequencies[k]
         if not self._main_over:
-            best = min(self._energy.values(), default=None)
-            self._rises = self._rises + 1 if best is not None and energy_j > best else 0
+            best = min(self._energy, key=self._energy.__getitem__, default=None)
+            if best is None:
+                self._rises = 0
+            else:
+                error = min(max(errors.get(f, 0.0), errors.get(best, 0.0)), RISE_ERROR_CAP)
+                rose = energy_j > self._energy[best] * (1 + RISE_SIGMAS * error)
+                self._rises = self._rises + 1 if rose else 0
             self._energy[f] = energy_j
             self._next_block = k + 1
             if self._rises >= self.early_stop_rises or self._next_block == len(self.plan.frequencies):

@@ -15,6 +15,7 @@ from perseus.service.admission import Admission
 from perseus.service.job import Job
 from perseus.service.keeper import Keeper
 from perseus.service.results import Results
+from perseus.service.tally import ODD_TIME
 from perseus.service.text import clip
 from perseus.service.workers import Workers
 from perseus.wire.envelope import ErrorCode
@@ -141,7 +142,8 @@ class Handlers:
             raise ServiceError(
                 ErrorCode.BAD_VERSION.value,
                 f"rank {msg.rank} follows profiling sweep v{msg.sweep_version}, {how} (sweep v{SWEEP_VERSION}): "
-                "upgrade perseus on the ranks to the service's release",
+                f"upgrade perseus on the ranks to the service's release (a client of your own asks get_table with "
+                f"sweep_version={SWEEP_VERSION} and follows Table.sweep_steps)",
             )
         return table
 
@@ -207,7 +209,19 @@ class Handlers:
         if done is not None:
             measured, planned = done
             count = job.measurements.planned.count
-            if planned and (count <= LOG_FIRST or count % self.log_every == 0):
+            odd = job.measurements.odd
+            if measured.odd_rank is not None and (odd <= LOG_FIRST or odd % self.log_every == 0):
+                log.warning(
+                    "job %s iteration %d left out of the measured means (%d so far): rank %d reported %.4g s, over "
+                    "%.0fx the median rank's; its client reports something other than the iteration's time",
+                    job.job_id,
+                    measured.iteration,
+                    odd,
+                    measured.odd_rank,
+                    measured.time_s,
+                    ODD_TIME,
+                )
+            elif planned and (count <= LOG_FIRST or count % self.log_every == 0):
                 log.info("%s", job.describe(measured))
             else:
                 log.debug(

@@ -17,13 +17,14 @@ from typing import Any
 from perseus.profiler.profile import Profile
 from perseus.schedules import Schedule
 from perseus.service import persistence, status
+from perseus.service.iterations import RankIterations
 from perseus.service.measurements import Measurements
 from perseus.service.model import PipelineModels, max_clock_result
 from perseus.service.overdue import Overdue, SweepWatch
 from perseus.service.planning import PlanResult, job_schedule
 from perseus.service.plans import PlanBook, PlanKey, PublishedPlan, Straggling, plan_lead
 from perseus.service.profiles import Profiling
-from perseus.service.ranks import Models, Roster
+from perseus.service.ranks import Models, Roster, bad_field
 from perseus.service.tally import Measured
 from perseus.service.text import clip
 from perseus.service.verification import REFERENCE, RESUME, Verdict
@@ -54,7 +55,7 @@ class Job:
         self.run = 0  # runs of the job's ranks this service saw start (see `rerun`)
         self.profile_dropped = ""  # why its profile was last dropped and measured again ("": never)
         self.warning = ""  # the job runs, but something is degraded (its state could not be saved)
-        self.last_iteration = -1  # the latest iteration any rank reached
+        self.iterations = RankIterations()  # how far each rank got in this run
         self._phase: JobPhase | None = None  # cached: tables are asked for many times a second
 
     @property
@@ -116,8 +117,21 @@ class Job:
     def models(self, pipeline: int) -> Models:
         return self.roster.models(pipeline)
 
-    def note_iteration(self, iteration: int) -> None:
-        self.last_iteration = max(self.last_iteration, iteration)
+    @property
+    def last_iteration(self) -> int:
+        """The latest iteration a rank reached in this run (-1: none yet), one rank's wild number aside."""
+        return self.iterations.latest
+
+    def note_iteration(self, rank: int, iteration: int) -> None:
+        """`rank` reached `iteration`; ServiceError (bad_field) if that is far past the median rank's."""
+        ahead = self.iterations.ahead(iteration)
+        if ahead:
+            raise bad_field(
+                f"rank {rank} reports iteration {iteration}, but the median rank of job {self.job_id} is at "
+                f"{self.iterations.median}: ranks move in lockstep, so count iterations as the ranks run them, "
+                "one per training step from 0 in each run (not a global step, a sample count or a time)"
+            )
+        self.iterations.note(rank, iteration)
 
     def rerun(self) -> None:
         """The job registered again: a new run of its ranks, from iteration 0.
@@ -130,7 +144,7 @@ class Job:
         gets a fresh chance. A job whose ranks send no spans has nothing to measure its baseline
         with: it applies its plans at once."""
         self.run += 1
-        self.last_iteration = -1
+        self.iterations.reset()
         if self.error and self.error_retryable:
             self.error, self.error_retryable = "", False
         self.plan_book.drop_failures()
@@ -156,7 +170,8 @@ class Job:
 
     def table(self, rank: int, iteration: int, known_version: int) -> Table:
         info = self.rank(rank)
-        self.note_iteration(iteration)
+        if iteration >= 0 and not self.iterations.ahead(iteration):
+            self.iterations.note(rank, iteration)  # a wild one is refused where the rank reports it
         plan = self.plans.get(info.dp_index)
         if plan is not None and plan.models and plan.models[info.stage] != info.gpu_model:
             plan = (
@@ -407,7 +422,7 @@ class Job:
         """Add one rank's report; (the iteration's total, whether it ran a plan) once complete.
         Each pipeline's iterations also feed the straggler detector (see `update_stragglers`)."""
         info = self.rank(report.rank)
-        self.note_iteration(report.iteration)
+        self.note_iteration(report.rank, report.iteration)
         is_baseline = self.model.is_baseline if self.model.calibrates else None
         done = self.measurements.record(info, report, self.plans, self._base_time_s, is_baseline)
         self.model.measured(self.measurements.take_completed())

@@ -48,6 +48,7 @@ class Measurements:
         self._fed = False  # the detector has values it has not decided on
         self.baseline = Mean()
         self.planned = Mean()
+        self.odd = 0  # iterations left out of the means: one rank's time far from the others' (see Measured)
         self._off_clock = [0, 0]  # since the latest plan: instructions off their clock, reports telling it
         self.recent_time_s: float | None = None
 
@@ -87,6 +88,9 @@ class Measurements:
         measured = self.tally.add(report.rank, report.iteration, report.time_s, report.energy_j)
         if measured is None:
             return None
+        if measured.odd_rank is not None:
+            self.odd += 1
+            return measured, False
         self.recent_time_s = measured.time_s
         if plans and measured.iteration >= max(p.start_iteration for p in plans.values()):
             self.planned.add(measured)
@@ -101,7 +105,7 @@ class Measurements:
         k = info.dp_index
         time_s = report.time_s if report.compute_time_s is None else report.compute_time_s
         measured = self.pipeline_tally[k].add(report.rank, report.iteration, time_s, report.energy_j)
-        if measured is None:
+        if measured is None or measured.odd_rank is not None:
             return
         self.measured_time[k].append(measured.time_s)
         if len(self.completed) < 1024:  # taken after every report; bounded all the same
@@ -161,6 +165,11 @@ class Measurements:
     def declare(self, pipeline: int, factor: float | None) -> None:
         """An operator's word that `pipeline` runs `factor` x its planned time (None: it no longer does)."""
         dp = self.spec.dp
+        if dp == 1 and factor is not None:
+            raise bad_field(
+                f"job {self.job_id} has one pipeline (dp=1): a straggler is a data-parallel pipeline the others "
+                "wait for, and there are no others to slow to its pace"
+            )
         if pipeline >= dp:
             raise bad_field(
                 f"pipeline {pipeline} does not exist: job {self.job_id} has dp={dp} (pipelines 0..{dp - 1})"

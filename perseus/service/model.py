@@ -43,7 +43,10 @@ from perseus.wire.spec import JobSpec, RankInfo
 log = logging.getLogger(__name__)
 
 # How a profile of this run measured again ends its reason (and tells it was, in the history).
-REMEASURED = "the profile was measured under other conditions than the job's baseline (a slowdown while it swept)"
+REMEASURED = (
+    "the profile was measured under other conditions than the job's baseline (the host or GPUs slowed while it "
+    "swept, or the workload changed since)"
+)
 
 
 class PipelineModels:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+ODD_TIME = 4.0  # a rank's iteration this many times the median rank's is no measurement to average
 PENDING_LIMIT = 256  # iterations awaiting reports; older ones are dropped (a rank stopped reporting)
 PENDING_REPORTS = 1 << 18  # reports held awaiting their iteration's last rank: bounds a large job's memory
 COMPLETED_KEPT = 1024  # completed iterations remembered, so that a report sent again counts once
@@ -14,11 +16,15 @@ COMPLETED_KEPT = 1024  # completed iterations remembered, so that a report sent 
 
 @dataclass(frozen=True)
 class Measured:
-    """One iteration of the whole job: the slowest rank's time, the sum of every rank's energy."""
+    """One iteration of the whole job: the slowest rank's time, the sum of every rank's energy.
+    `odd_rank`: a rank whose time is over ODD_TIME x the median rank's (ranks of a job wait for
+    each other every iteration, so their times agree): a wrong or forged report, which the
+    means leave out."""
 
     iteration: int
     time_s: float
     energy_j: float
+    odd_rank: int | None = None
 
 
 class Completed:
@@ -60,7 +66,11 @@ class IterationTally:
         if len(ranks) == self.world_size:
             del self._pending[iteration]
             self._completed.add(iteration)
-            return Measured(iteration, max(t for t, _ in ranks.values()), sum(e for _, e in ranks.values()))
+            slowest = max(ranks, key=lambda r: ranks[r][0])
+            time_s = ranks[slowest][0]
+            median = statistics.median_low(t for t, _ in ranks.values())
+            odd = slowest if time_s > ODD_TIME * median else None
+            return Measured(iteration, time_s, sum(e for _, e in ranks.values()), odd)
         if len(self._pending) > self._limit:
             del self._pending[min(self._pending)]
         return None

@@ -28,6 +28,7 @@ MAX_RANK_ITERATION = 2**53  # what a rank may report: far past any real run, far
 MIN_TIME_S = 1e-6
 MAX_TIME_S = 86_400.0
 MAX_ENERGY_J = 1e7
+MAX_POWER_W = 10_000.0  # one rank's GPU over a whole iteration: more is a unit slip (mJ for J) or a lie
 MAX_RANKS = 1 << 20
 MAX_FREQUENCY_MHZ = 100_000
 MAX_FREQUENCIES = 1024

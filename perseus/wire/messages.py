@@ -29,6 +29,7 @@ from perseus.wire.limits import (
     MAX_FREQUENCY_MHZ,
     MAX_INSTRUCTIONS,
     MAX_ITERATION,
+    MAX_POWER_W,
     MAX_RANK_ITERATION,
     MAX_RANKS,
     MAX_STRAGGLER_FACTOR,
@@ -40,6 +41,8 @@ from perseus.wire.phases import JOB_PHASES
 from perseus.wire.profiles import profile_from_wire, profile_to_wire
 from perseus.wire.spans import ReportSpans
 from perseus.wire.spec import JobSpec, RankInfo
+
+COMPUTE_SLACK = 0.01  # a rank's compute time (the GPU's timer) may pass its iteration time (the host's) by this
 
 
 @dataclass(frozen=True)
@@ -264,13 +267,20 @@ class ReportIteration(Message):
             time_s=check_float(self.time_s, "report_iteration.time_s", MIN_TIME_S, MAX_TIME_S),
             energy_j=check_float(self.energy_j, "report_iteration.energy_j", 0.0, MAX_ENERGY_J),
         )
-        if self.compute_time_s is not None:
-            set_fields(
-                self,
-                compute_time_s=check_float(
-                    self.compute_time_s, "report_iteration.compute_time_s", MIN_TIME_S, MAX_TIME_S
-                ),
+        if self.energy_j > self.time_s * MAX_POWER_W:
+            raise ConfigError(
+                f"report_iteration.energy_j {self.energy_j:g} J in time_s {self.time_s:g} s is "
+                f"{self.energy_j / self.time_s:,.0f} W, over the {MAX_POWER_W:,.0f} W one GPU can draw: send the "
+                "rank's own GPU energy in joules (NVML's counter counts millijoules)"
             )
+        if self.compute_time_s is not None:
+            compute = check_float(self.compute_time_s, "report_iteration.compute_time_s", MIN_TIME_S, MAX_TIME_S)
+            if compute > self.time_s * (1 + COMPUTE_SLACK):
+                raise ConfigError(
+                    f"report_iteration.compute_time_s {compute:g} s is longer than time_s {self.time_s:g} s: it is "
+                    "the part of the iteration up to its last instruction's end, so at most the iteration's time"
+                )
+            set_fields(self, compute_time_s=min(compute, self.time_s))  # two timers' disagreement
         if self.off_clock is not None:
             check_int(self.off_clock, "report_iteration.off_clock", 0, MAX_INSTRUCTIONS)
 

@@ -79,6 +79,24 @@ def test_a_dip_resets_the_rise_count():
     assert walk(sweep, {1410: 10.0, 1320: 11.0, 1230: 9.0, 1140: 9.5}.get) == [0, 1, 2, 3]
 
 
+def test_a_rise_within_the_fits_error_does_not_stop_the_sweep():
+    # A fine grid near the top clock: energy still falls, by less than the counter's noise.
+    freqs = (1410, 1395, 1380, 1365, 1350, 1335, 1320)
+    noisy = {1410: 100.0, 1395: 100.4, 1380: 100.3, 1365: 100.5, 1350: 99.0, 1335: 98.5, 1320: 98.0}
+    sweep = Sweep(0, early_stop_rises=3)
+    sweep.follow(plan(freqs, 1))
+    walk(sweep, noisy.get, error=lambda f: 0.006)
+    assert sweep.profiled_frequencies == list(freqs)
+    exact = Sweep(0, early_stop_rises=3)  # the same energies measured exactly: three rises
+    exact.follow(plan(freqs, 1))
+    walk(exact, noisy.get, error=lambda f: 0.0)
+    assert exact.profiled_frequencies == list(freqs[:4])
+    unknown = Sweep(0, early_stop_rises=3)  # an error the fit cannot tell: judged at RISE_ERROR_CAP
+    unknown.follow(plan(freqs, 1))
+    walk(unknown, noisy.get, error=lambda f: float("inf"))
+    assert unknown.profiled_frequencies == list(freqs)
+
+
 def test_uncertain_frequencies_are_profiled_again_within_bounds():
     sweep = Sweep(0, target_error=0.01, max_repeats=2, max_extra_fraction=1.0)
     sweep.follow(plan(FREQS, 3))

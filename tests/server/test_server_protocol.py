@@ -264,12 +264,64 @@ def test_job_tallies_measured_iterations_and_predicts_per_replica():
     ].measured_iteration_time_s == pytest.approx(1.3)
 
 
+@pytest.mark.parametrize(
+    "time_s, energy_j, compute_time_s, words",
+    [
+        (1.5, 450_000.0, None, "300,000 W, over the 10,000 W"),  # millijoules sent as joules
+        (1.5, 300.0, 2.0, "compute_time_s 2 s is longer than time_s 1.5 s"),
+    ],
+)
+def test_an_iteration_report_no_gpu_could_measure_is_refused(time_s, energy_j, compute_time_s, words):
+    with pytest.raises(ConfigError, match=words):
+        ReportIteration("job-0123456789abcdef", 0, 3, time_s, energy_j, compute_time_s)
+    # Two timers a hair apart: the compute part is capped at the iteration's time.
+    report = ReportIteration("job-0123456789abcdef", 0, 3, 1.5, 300.0, 1.5 * 1.005)
+    assert report.compute_time_s == 1.5
+
+
+def test_one_ranks_wild_iteration_moves_neither_the_job_nor_its_plans():
+    job = _job()
+    for it in range(5):
+        for r in (0, 1):
+            job.record(ReportIteration(job.job_id, r, it, 1.0, 100.0))
+    with pytest.raises(ServiceError, match="reports iteration 9007199254740991, but the median rank .* is at 4"):
+        job.record(ReportIteration(job.job_id, 1, 2**53 - 1, 1.0, 100.0))
+    job.table(1, 2**53 - 1, 0)  # a table asked for at a wild iteration: answered, not noted
+    assert job.last_iteration == 4
+    # Before any other rank reports there is nothing to compare with: the first wild number counts
+    # only until the others report.
+    job.rerun()
+    job.record(ReportIteration(job.job_id, 0, 2**53 - 1, 1.0, 100.0))
+    assert job.last_iteration == 2**53 - 1
+    job.record(ReportIteration(job.job_id, 1, 0, 1.0, 100.0))
+    assert job.last_iteration == 0
+
+
+def test_an_iteration_one_rank_reports_far_longer_than_the_others_is_left_out_of_the_means():
+    job = _job()
+    job.record(ReportIteration(job.job_id, 0, 0, 1.0, 100.0))
+    job.record(ReportIteration(job.job_id, 1, 0, 1.0, 100.0))
+    job.record(ReportIteration(job.job_id, 0, 1, 1.0, 100.0))
+    done = job.record(ReportIteration(job.job_id, 1, 1, 86_400.0, 1e7))
+    assert done is not None and done[0].odd_rank == 1
+    status = job.status()
+    assert status.baseline_iterations == 1 and status.baseline_energy_j == pytest.approx(200.0)
+    assert job.measurements.odd == 1
+
+
+def test_a_job_of_one_pipeline_refuses_a_straggler_declaration():
+    job = _job()
+    with pytest.raises(ServiceError, match="one pipeline"):
+        job.declare_straggler(0, 1.2)
+    job.declare_straggler(0, None)  # clearing is harmless
+
+
 def test_status_counts_instructions_off_their_planned_clock():
     job = _job()
     for s in (0, 1):
         job.add_profile(s, s, stage_profile(s))
     _solve_all(job, PlanResult(((1410,) * 8, (1410,) * 8), 1.0, 150.0, 140.0, 1.0, 200.0))
-    job.note_iteration(5)  # the ranks run on meanwhile: the plan starts a lead after
+    job.note_iteration(0, 5)  # the ranks run on meanwhile: the plan starts a lead after
     job.publish()
     assert job.status().off_clock_instructions is None  # no rank told yet
     start = job.plans[0].start_iteration
