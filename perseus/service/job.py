@@ -123,15 +123,16 @@ class Job:
         return self.iterations.latest
 
     def note_iteration(self, rank: int, iteration: int) -> None:
-        """`rank` reached `iteration`; ServiceError (bad_field) if that is far past the median rank's."""
-        ahead = self.iterations.ahead(iteration)
-        if ahead:
+        """`rank` reached `iteration`; ServiceError (bad_field) if that is far past the median rank's.
+        Noted either way, so that ranks which all moved far on at once (past reports of old
+        iterations) move the median with them rather than being refused for good."""
+        self.iterations.note(rank, iteration)
+        if self.iterations.ahead(iteration):
             raise bad_field(
                 f"rank {rank} reports iteration {iteration}, but the median rank of job {self.job_id} is at "
                 f"{self.iterations.median}: ranks move in lockstep, so count iterations as the ranks run them, "
                 "one per training step from 0 in each run (not a global step, a sample count or a time)"
             )
-        self.iterations.note(rank, iteration)
 
     def rerun(self) -> None:
         """The job registered again: a new run of its ranks, from iteration 0.
@@ -170,8 +171,8 @@ class Job:
 
     def table(self, rank: int, iteration: int, known_version: int) -> Table:
         info = self.rank(rank)
-        if iteration >= 0 and not self.iterations.ahead(iteration):
-            self.iterations.note(rank, iteration)  # a wild one is refused where the rank reports it
+        if iteration >= 0:
+            self.iterations.note(rank, iteration)
         plan = self.plans.get(info.dp_index)
         if plan is not None and plan.models and plan.models[info.stage] != info.gpu_model:
             plan = (

@@ -295,6 +295,16 @@ def test_one_ranks_wild_iteration_moves_neither_the_job_nor_its_plans():
     assert job.last_iteration == 2**53 - 1
     job.record(ReportIteration(job.job_id, 1, 0, 1.0, 100.0))
     assert job.last_iteration == 0
+    # Every rank far on at once (the service heard only old iterations): the first is refused, but
+    # noted, so the next moves the median and is taken; nothing stays refused for good.
+    job.rerun()
+    for r in (0, 1):
+        job.table(r, 0, 0)
+    with pytest.raises(ServiceError, match="median rank"):
+        job.record(ReportIteration(job.job_id, 0, 300, 1.0, 100.0))
+    job.record(ReportIteration(job.job_id, 1, 300, 1.0, 100.0))
+    job.record(ReportIteration(job.job_id, 0, 301, 1.0, 100.0))
+    assert job.last_iteration == 301
 
 
 def test_an_iteration_one_rank_reports_far_longer_than_the_others_is_left_out_of_the_means():
