@@ -395,15 +395,15 @@ class PerseusRank:
 
     def _follow_round(self, sweep_round: int) -> None:
         """A new round of the service's sweep: the profile of the earlier one never reached it (it
-        failed, or was lost), so this rank profiles its stage afresh."""
+        failed, or was lost) or no longer fits the workload, so this rank profiles its stage afresh."""
         if sweep_round == self._sweep_round:
             return
         self._sweep_round = sweep_round
         if self.sweep.plan is None:
             return  # nothing swept yet: this is the rank's first sweep
         logger.warning(
-            "rank %d: the planner service asks stage %d to profile again (sweep round %d): its profile did not "
-            "reach the service",
+            "rank %d: the planner service asks stage %d to profile again (sweep round %d): its profile never "
+            "reached the service, or no longer fits what the stage runs (`perseus status` says which)",
             self.rank,
             self.stage,
             sweep_round,
