@@ -6,6 +6,7 @@ deterministic.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +120,7 @@ def plan_pipeline(planner: Any, deadline_s: float | None = None) -> tuple[PlanRe
     except (ConfigError, ScheduleError) as e:
         raise PlanError(str(e)) from None
     latencies = [profile_latency(planner.profile, s) for s in range(schedule.num_stages)]
+    free_energy_j = float(plan.energy_j)
     plan = followable(planner, plan, latencies)
     stage_frequencies = []
     for s, row in enumerate(schedule.stages):
@@ -136,7 +138,22 @@ def plan_pipeline(planner: Any, deadline_s: float | None = None) -> tuple[PlanRe
         baseline_iteration_time_s=float(planner.max_frequency_time_s),
         baseline_energy_j=float(planner.max_frequency_energy_j) + _wait_energy(planner, deadline_s),
     )
-    return result, plan.to_json()
+    document = plan.to_json()
+    document["switches"] = _switches(planner, latencies, free_energy_j)
+    return result, document
+
+
+def _switches(planner: Any, latencies: list, free_energy_j: float) -> dict[str, float]:
+    """What clock switches cost the plan: its energy were every switch instant, the longest switch
+    latency and the median instruction's time at maximum clocks (a plan document's "switches")."""
+    profile = planner.profile
+    clocks = {p.frequency for pts in profile.points.values() for p in pts}
+    times = [profile.points_for(ins, planner.schedule)[0].time for row in planner.schedule.stages for ins in row]
+    return {
+        "instant_switch_energy_j": free_energy_j,
+        "latency_s": max((latency(f) for latency in latencies for f in clocks), default=0.0),
+        "median_instruction_s": float(statistics.median(times)) if times else 0.0,
+    }
 
 
 def _wait_energy(planner: Any, deadline_s: float | None) -> float:

@@ -12,7 +12,7 @@ from perseus.schedules import Schedule
 from perseus.service.budget import Budget
 from perseus.service.job import Job
 from perseus.service.keeper import Keeper
-from perseus.service.planning import plan_choices
+from perseus.service.planning import PlanResult, plan_choices
 from perseus.service.plans import PlanKey, document_name
 from perseus.service.ranks import Models
 from perseus.service.text import clip
@@ -228,6 +228,7 @@ class Results:
                 plan.iteration_time_s,
                 plan.energy_j,
             )
+            _warn_switches(job_id, key, plan, document.get("switches"))
             # The plan is in force once published; its full document is a record for the operator,
             # so a write error here degrades the job (see _guard) and loses nothing the ranks need.
             self.keeper.state.save_plan_document(job_id, document, document_name(job.spec, key))
@@ -236,6 +237,31 @@ class Results:
             if profile is not None and model not in job.cached and (job_id, model) not in self._cache_saved:
                 self.keeper.state.save_cached_profile(job.spec.profile_key(model), job.spec.signature(model), profile)
                 self._cache_saved.add((job_id, model))
+
+
+SWITCH_LOSS = 0.01  # warn where clock switches take this much of the baseline's energy from a plan's saving
+
+
+def _warn_switches(job_id: str, key: PlanKey, plan: PlanResult, switches: dict | None) -> None:
+    """Say so where the GPUs' clock switches eat a plan's saving: its instructions are too short
+    for the clocks it would give them, which a user can change (more work per microbatch)."""
+    if not switches or plan.baseline_energy_j <= 0:
+        return
+    saving = 1.0 - plan.energy_j / plan.baseline_energy_j
+    instant = 1.0 - switches["instant_switch_energy_j"] / plan.baseline_energy_j
+    if instant - saving < SWITCH_LOSS or saving > instant / 2:
+        return
+    log.warning(
+        "job %s: %s: the GPUs can follow a plan saving %.1f%% where instant clock switches would save %.1f%%: "
+        "a switch takes up to %.0f ms and the median instruction %.1f ms, so most lowered clocks would not come "
+        "into force; more work per microbatch (fewer, larger microbatches) leaves Perseus more to save",
+        job_id,
+        _describe_key(key),
+        100 * saving,
+        100 * instant,
+        1000 * switches["latency_s"],
+        1000 * switches["median_instruction_s"],
+    )
 
 
 def _describe_key(key: PlanKey) -> str:

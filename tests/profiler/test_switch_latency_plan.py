@@ -81,3 +81,32 @@ def test_no_clock_is_held_for_less_than_a_switch():
     # Per target clock too: each stage's own in the pipeline's profile, and in the cache.
     assert held_profile.switch_latencies_s(0) == held_profile.switch_latencies_s(1) == dict.fromkeys(FREQS, 0.01)
     assert cached.switch_latencies_s() == dict.fromkeys(FREQS, 0.01)
+
+
+def test_a_plan_whose_saving_the_switches_eat_is_warned_about(caplog):
+    import logging
+
+    from perseus.service.planning import make_planner
+    from perseus.service.results import _warn_switches
+
+    spec = JobSpec(2, 2, schedule_name="1f1b", num_microbatches=6, gpu_model="a100")
+    schedule = build_schedule("1f1b", 2, 6)
+    profiling = Profiling(spec)
+    for s in range(2):  # an outsider's balanced stages: 6 ms forwards and 12 ms backwards, 30 ms switches
+        profiling.take("a100", s, 0, stage_profile(s, Work(0.006), Work(0.012), 0.03), f"stage-{s}")
+    profile = profiling.pipeline_profile(schedule, ("a100", "a100"))
+    assert profile is not None
+    result, document = plan_pipeline(make_planner(schedule, profile))
+    switches = document["switches"]
+    assert switches["latency_s"] == 0.03 and 0.006 < switches["median_instruction_s"] < 0.013
+    saving = 1 - result.energy_j / result.baseline_energy_j
+    instant = 1 - switches["instant_switch_energy_j"] / result.baseline_energy_j
+    assert instant > saving + 0.01 and saving < instant / 2  # the switches take what the clocks alone would save
+    with caplog.at_level(logging.WARNING, logger="perseus.service.results"):
+        _warn_switches("job-0123456789abcdef", (("a100", "a100"), None), result, switches)
+    assert "a switch takes up to 30 ms and the median instruction" in caplog.text
+    caplog.clear()
+    instant_profile = Profile(profile.points, profile.blocking_power_w, {})  # no latency: nothing lost, nothing said
+    free, free_document = plan_pipeline(make_planner(schedule, instant_profile))
+    _warn_switches("job-0123456789abcdef", (("a100", "a100"), None), free, free_document["switches"])
+    assert free_document["switches"]["latency_s"] == 0.0 and not caplog.text
