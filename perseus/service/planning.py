@@ -146,9 +146,16 @@ def plan_pipeline(planner: Any, deadline_s: float | None = None) -> tuple[PlanRe
 def _switches(planner: Any, latencies: list, free_energy_j: float) -> dict[str, float]:
     """What clock switches cost the plan: its energy were every switch instant, the longest switch
     latency and the median instruction's time at maximum clocks (a plan document's "switches")."""
-    profile = planner.profile
+    profile, schedule = planner.profile, planner.schedule
     clocks = {p.frequency for pts in profile.points.values() for p in pts}
-    times = [profile.points_for(ins, planner.schedule)[0].time for row in planner.schedule.stages for ins in row]
+    top: dict[tuple, float] = {}  # (stage, chunk, kind) -> its time at the highest clock: one lookup each
+    times = []
+    for row in schedule.stages:
+        for ins in row:
+            key = (ins.stage, ins.chunk, ins.kind)
+            if key not in top:
+                top[key] = profile.points_for(ins, schedule)[0].time
+            times.append(top[key])
     return {
         "instant_switch_energy_j": free_energy_j,
         "latency_s": max((latency(f) for latency in latencies for f in clocks), default=0.0),
