@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     from perseus.planner import Planner
     from perseus.planner.baselines import envpipe_plan, max_frequency_plan, uniform_plan
 
-    if args.blocking_power is None and args.profile.suffix.lower() == ".csv":
+    # A missing file is said as such by the loader below, not as a missing --blocking-power.
+    if args.blocking_power is None and args.profile.suffix.lower() == ".csv" and args.profile.is_file():
         raise ConfigError(
             f"{args.profile}: a CSV profile carries no blocking power; pass --blocking-power W "
             "(watts a GPU draws while waiting on a peer, e.g. 83.64 for A100-SXM, 70.38 for A40)"

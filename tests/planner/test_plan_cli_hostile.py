@@ -130,3 +130,14 @@ def test_no_traceback_from_the_real_command(tmp_path):
     assert result.returncode == 1
     assert result.stderr.startswith("perseus: error: ") and result.stderr.count("\n") == 1, result.stderr
     assert "binary.json: not valid JSON" in result.stderr
+
+
+def test_a_missing_csv_is_said_missing_before_its_blocking_power(tmp_path, capsys):
+    missing = tmp_path / "typo.csv"
+    assert main(["plan", "--profile", str(missing), "--stages", "1", "--microbatches", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot read profile {missing}: No such file or directory" in err and "blocking" not in err
+    present = tmp_path / "gpt3.csv"
+    present.write_text(csv_text())
+    assert main(["plan", "--profile", str(present), "--stages", "1", "--microbatches", "2"]) == 1
+    assert "carries no blocking power; pass --blocking-power W" in capsys.readouterr().err
