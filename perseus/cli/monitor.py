@@ -31,6 +31,9 @@ Ctrl-C and SIGTERM are passed on to the command; the energy up to its exit is st
 """
 
 
+SHORT_WINDOW_S = 2.0  # below this, one counter step (100 ms) is over 5% of the window's energy
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "monitor",
@@ -188,4 +191,9 @@ def _print_summary(m: Measurement, cmd: list[str], exit_code: int) -> None:
     what = "all GPUs" if len(counted) == 1 else "sum of " + " + ".join(counted)
     lines.append(f"  {'total':<{width}}{m.total_energy_j:12.1f} J")
     lines.append(f"  {'average power':<{width}}{m.average_power_w:12.1f} W ({what})")
+    if m.gpu_energy_j and m.time_s < SHORT_WINDOW_S:
+        lines.append(
+            f"  note: GPU energy counters advance in steps (every 100 ms on many GPUs), so a {m.time_s:.3g} s window "
+            "can be off by a step's energy at each end; measure a command that runs for seconds"
+        )
     print("\n".join(lines), file=sys.stderr)

@@ -95,6 +95,16 @@ def test_monitor_preserves_the_exit_code_and_prints_a_summary(env):
     assert "exit code 3" in result.stderr
     assert "GPU 1" in result.stderr and "GPU 0" not in result.stderr
     assert "total" in result.stderr and "average power" in result.stderr
+    assert "counters advance in steps" in result.stderr  # a short command: its reading is only so exact
+
+
+def test_monitor_says_nothing_of_counter_steps_for_a_long_window(capsys):
+    from perseus.cli.monitor import _print_summary
+    from perseus.measurement import Measurement
+
+    _print_summary(Measurement(10.0, {0: 836.4}), ["python", "train.py"], 0)
+    err = capsys.readouterr().err
+    assert "average power" in err and "counters advance in steps" not in err
 
 
 def test_monitor_needs_a_command_and_reports_a_missing_one(env, capsys):
