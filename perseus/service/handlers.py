@@ -204,7 +204,18 @@ class Handlers:
 
     def report_iteration(self, msg: ReportIteration) -> Ack:
         job = self.admission.get(msg.job_id)
+        told = job.iterations.went_back
         done = job.record(msg)
+        if told is None and job.iterations.went_back is not None:
+            rank, latest, iteration = job.iterations.went_back
+            log.warning(
+                "job %s: rank %d reports iteration %d after %d: it restarted alone, or two trainings of one spec "
+                "share this job (their reports mix); give each training its own tag (perseus.instrument(..., tag=))",
+                job.job_id,
+                rank,
+                iteration,
+                latest,
+            )
         self._watch_sweep(job, msg.rank, msg.iteration)
         if done is not None:
             measured, planned = done

@@ -19,11 +19,15 @@ class RankIterations:
     def __init__(self) -> None:
         self._latest: dict[int, int] = {}  # rank -> its latest iteration in this run
         self._sorted: list[int] = []  # the same values, sorted
+        # The first rank this run that reported an iteration over LEAD before its latest:
+        # (rank, latest, iteration). A rank restarted alone, or two trainings of one spec.
+        self.went_back: tuple[int, int, int] | None = None
 
     def reset(self) -> None:
         """A new run: its ranks count from 0 again."""
         self._latest.clear()
         self._sorted.clear()
+        self.went_back = None
 
     @property
     def median(self) -> int | None:
@@ -40,6 +44,8 @@ class RankIterations:
         old = self._latest.get(rank)
         if old is not None:
             if iteration <= old:
+                if iteration < old - LEAD and self.went_back is None:
+                    self.went_back = (rank, old, iteration)
                 return
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         self._latest[rank] = iteration

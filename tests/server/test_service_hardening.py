@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import resource
 import socket
 import time
@@ -532,3 +533,23 @@ def test_a_rank_back_on_another_gpu_model_gets_no_plan_made_for_the_old_one(tmp_
     _ok(local.call("register_rank", job_id=job_id, info=other.to_wire()))
     table = _ok(local.call("get_table", job_id=job_id, rank=1, sweep_version=2))
     assert table["plan_version"] == 0 and table["frequencies"] is None
+
+
+def test_a_rank_going_back_far_in_its_iterations_is_warned_about_once(tmp_path, caplog):
+    local = Local(tmp_path)
+    job_id = local.register(4)
+    local.settle()
+    local.profile(job_id)
+
+    def report(rank, iteration):
+        return local.call("report_iteration", job_id=job_id, rank=rank, iteration=iteration, time_s=1.0, energy_j=100.0)
+
+    for iteration in range(0, 400, 50):
+        for rank in (0, 1):
+            _ok(report(rank, iteration))
+    with caplog.at_level(logging.WARNING, logger="perseus.service.handlers"):
+        _ok(report(0, 3))  # a second training of the same spec, from its start
+        _ok(report(0, 4))
+    warnings = [r.getMessage() for r in caplog.records if "reports iteration 3 after 350" in r.getMessage()]
+    assert len(warnings) == 1 and "its own tag" in warnings[0]
+    assert _ok(local.call("status", job_id=job_id))["jobs"][0]["last_iteration"] == 350
