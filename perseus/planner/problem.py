@@ -72,6 +72,25 @@ class Problem:
             return self
         return Problem(self.dag, tuple(options), node_type, self.blocking_power_w)
 
+    def on_hull(self) -> Problem:
+        """The same problem with each type's hull vertices as its only choices: choice k of type t
+        is `options[t].hull[k]` here (`from_hull` maps back). Rounding onto hull vertices alone
+        lands on the points the relaxation mixes, where rounding to the nearest profiled clock
+        often lands between them, above the hull (noisy profiles, most of all)."""
+        options = tuple(
+            Options(o.frequency[o.hull], o.time[o.hull], o.energy[o.hull], o.cost[o.hull], np.arange(len(o.hull)))
+            for o in self.options
+        )
+        return Problem(self.dag, options, self.node_type, self.blocking_power_w)
+
+    def from_hull(self, choice: np.ndarray) -> np.ndarray:
+        """A choice vector of `on_hull()`'s problem as one of this problem."""
+        out = np.empty_like(choice)
+        for k, opts in enumerate(self.options):
+            mask = self.node_type == k
+            out[mask] = opts.hull[choice[mask]]
+        return out
+
     def node_options(self, i: int) -> Options:
         return self.options[self.node_type[i]]
 

@@ -51,6 +51,9 @@ _LOOSER_TARGETS = (1.005, 1.01, 1.02)
 # or not) found nothing better.
 STEADY_RETRY_GAP = 0.002
 STEADY_RETRY_GAP_SLOWER = 0.001
+# A plan further than this from its bound is tried again with every relaxation it was rounded
+# from rounded onto hull vertices alone (`Problem.on_hull`), then polished over every choice.
+HULL_RETRY_GAP = 0.001
 # Candidates polished by pair exchanges, best first (frontier sweeps, and single plans above
 # REFINE_MAX_NODES: the best only). Above that size there is no iterative rounding's candidate,
 # and polishing the next two never changed the plan (32 x 512, GPT-3 and Bloom A100, no slowdown
@@ -128,6 +131,7 @@ class Planner:
         self._own: dict[tuple[float, bool, bool], Relaxation | None] = {}
         self._steady: list[np.ndarray] | None = None  # `steady_groups`, once a plan needs them
         self._twin: HullLP | FlowLP | None = None  # a second LP for the dithered pins, once needed
+        self._on_hull: tuple[Problem, Walker] | None = None  # rounding onto hull vertices, once a plan needs it
         self._lock = threading.Lock()
 
     def plan(self, deadline: float | None = None, max_slowdown: float | None = None, padded: bool = False) -> Plan:
@@ -237,8 +241,9 @@ class Planner:
                     restricted = pool.submit(relaxation_lp(narrowed).solve, deadline_s, padded=padded)
                     pool.shutdown(wait=False)
         relaxation, basis, rounded, tighter = self._relaxations(deadline_s, warm, refined, start, not padded)
+        roundings = list(rounded + (tighter if not padded and tighter else ()))
         candidates = []
-        for relaxed, target_s in rounded + (tighter if not padded and tighter else ()):
+        for relaxed, target_s in roundings:
             candidates += self._round(relaxed, target_s)
         bound = relaxation
         if own_key is not None:
@@ -246,6 +251,7 @@ class Planner:
             own = self._own_relaxation(own_key, restricted, narrowed, basis if binds else start)
             if own is not None:
                 bound = own
+                roundings.append((own, deadline_s))
                 candidates += self._round(own, deadline_s)
                 if not padded and bound.lower_bound_j < relaxation.lower_bound_j:
                     bound = relaxation  # both certify; keep the higher
@@ -285,6 +291,11 @@ class Planner:
         ):
             pinned = self._pinned(deadline_s, padded, relaxation, basis)
             retried = self._best(candidates + pinned, deadline_s, bound, padded, exchanged + len(pinned))
+            if retried.energy_j < plan.energy_j:
+                plan = retried
+        if refined and plan.gap > HULL_RETRY_GAP and self.problem.num_nodes <= RESTRICT_MAX_NODES:
+            on_hull = [c for relaxed, target_s in roundings for c in self._round(relaxed, target_s, hull=True)]
+            retried = self._best(candidates + on_hull, deadline_s, bound, padded, exchanged + len(on_hull))
             if retried.energy_j < plan.energy_j:
                 plan = retried
         return plan
@@ -413,8 +424,16 @@ class Planner:
             _remember(self._own, key, own)
         return self._own[key]
 
-    def _round(self, relaxation: Relaxation, deadline_s: float | None) -> list[np.ndarray]:
-        rounded = round_down(self.problem, relaxation.finish_s, _LP_SLACK_S, self._walker)
+    def _round(self, relaxation: Relaxation, deadline_s: float | None, hull: bool = False) -> list[np.ndarray]:
+        """The relaxation rounded down (onto hull vertices alone with `hull`), then with slack filled."""
+        if hull:
+            if self._on_hull is None:
+                on_hull = self.problem.on_hull()
+                self._on_hull = on_hull, Walker(on_hull)
+            problem, walker = self._on_hull
+            rounded = self.problem.from_hull(round_down(problem, relaxation.finish_s, _LP_SLACK_S, walker))
+        else:
+            rounded = round_down(self.problem, relaxation.finish_s, _LP_SLACK_S, self._walker)
         rounded_time = self.problem.iteration_time(self.problem.times(rounded))
         candidates = [rounded]
         # Fill slack up to the rounded plan's own time (a longer iteration costs blocking power

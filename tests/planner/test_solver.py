@@ -409,6 +409,7 @@ def test_a_plan_far_from_its_bound_is_tried_again_with_looser_deadlines_optima(m
     roundings of looser deadlines' optima are tried too: never more energy than without them,
     sometimes less, within the deadline, and the same plan on a fresh Planner and after others."""
     schedule = build_schedule("1f1b", 4, 16)
+    monkeypatch.setattr(solver, "HULL_RETRY_GAP", float("inf"))  # the looser optima alone (hull rounding finds some)
     assert _retried_plans_better(monkeypatch, {"LOOSER_RETRY_GAP": 0.005}, schedule, (1, 3), (1.0, 1.01, 1.02)) >= 3
 
 
@@ -420,3 +421,22 @@ def test_steady_state_pinning_only_ever_lowers_the_energy(monkeypatch):
     schedule = build_schedule("1f1b", 4, 24)
     knobs = {"STEADY_RETRY_GAP": 0.002, "STEADY_RETRY_GAP_SLOWER": 0.001}
     assert _retried_plans_better(monkeypatch, knobs, schedule, (2, 3, 6), (1.0, 1.05, 1.1)) >= 4
+
+
+def test_rounding_onto_hull_vertices_only_ever_lowers_the_energy(monkeypatch):
+    """Where a plan lands more than HULL_RETRY_GAP above its bound, every relaxation it was
+    rounded from is rounded again onto hull vertices alone: never more energy than without,
+    sometimes less, within the deadline, and the same plan on a fresh Planner and after others."""
+    schedule = build_schedule("1f1b", 4, 16)
+    assert _retried_plans_better(monkeypatch, {"HULL_RETRY_GAP": 0.001}, schedule, (1, 2, 3), (1.0, 1.05, 1.1)) >= 2
+
+
+def test_a_choice_on_the_hull_maps_back_to_the_same_clock():
+    problem = Planner(build_schedule("1f1b", 4, 8), random_profile(5, 4, 10)).problem
+    on_hull = problem.on_hull()
+    for h, o in zip(on_hull.options, problem.options):
+        assert (h.time == o.time[o.hull]).all() and (h.hull == np.arange(len(o.hull))).all()
+    last = np.array([len(on_hull.node_options(i).time) - 1 for i in range(problem.num_nodes)])
+    for choice in (on_hull.fastest(), last):
+        assert (on_hull.frequencies(choice) == problem.frequencies(problem.from_hull(choice))).all()
+        assert on_hull.energy(choice) == problem.energy(problem.from_hull(choice))
