@@ -289,7 +289,8 @@ class Planner:
             and self.problem.num_nodes <= RESTRICT_MAX_NODES
             and self._steady_groups()
         ):
-            pinned = self._pinned(deadline_s, padded, relaxation, basis)
+            pinned, kept = self._pinned(deadline_s, padded, relaxation, basis)
+            roundings += [(r, deadline_s) for r in kept]
             retried = self._best(candidates + pinned, deadline_s, bound, padded, exchanged + len(pinned))
             if retried.energy_j < plan.energy_j:
                 plan = retried
@@ -300,7 +301,9 @@ class Planner:
                 plan = retried
         return plan
 
-    def _pinned(self, deadline_s: float | None, padded: bool, relaxation: Relaxation, basis: Any) -> list[np.ndarray]:
+    def _pinned(
+        self, deadline_s: float | None, padded: bool, relaxation: Relaxation, basis: Any
+    ) -> tuple[list[np.ndarray], list[Relaxation]]:
         """The roundings of steady-state pinned relaxations (`steady`) from this deadline's optimum:
         pinned uniformly on the planner's LP and dithered on a second one meanwhile (network
         simplex releases the GIL; a level's solves take 5-10 ms each at 8 x 96)."""
@@ -324,7 +327,7 @@ class Planner:
         with ThreadPoolExecutor(max_workers=1) as pool:
             dithered = pool.submit(pinned, twin, ("even", "nested"))
             kept = pinned(self._lp, ("uniform",)) + dithered.result()
-        return [choice for r in kept for choice in roundings[id(r)]]
+        return [choice for r in kept for choice in roundings[id(r)]], kept
 
     def _no_slower(self, deadline_s: float | None) -> bool:
         """Whether a deadline asks for no slowdown against every GPU at its maximum clock (or less)."""
