@@ -7,7 +7,7 @@ import json
 
 from perseus.cli.common import add_gpu_argument, select_gpus
 from perseus.exceptions import ConfigError
-from perseus.probe import CACHE_ENV, ProbeResult, ProbeSettings, cache_dir, model_key, probe_gpu, save
+from perseus.probe import CACHE_ENV, UNMEASURED_KEEPS, ProbeResult, ProbeSettings, cache_dir, model_key, probe_gpu, save
 
 EPILOG = f"""examples:
   perseus probe                              read-only: counter period, power window, idle power, clocks
@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(_describe(gpu.index, result, args.allow_clock_changes))
             if where is not None:
-                print(f"  kept in {where}")
+                unmeasured = [name for name in UNMEASURED_KEEPS if getattr(result, name) is None]
+                kept = f" ({', '.join(unmeasured)}: as probed before, if ever)" if unmeasured else ""
+                print(f"  kept in {where}{kept}")
     if args.json:
         print(json.dumps({"gpus": [{"index": i, **r.to_dict()} for i, r in found]}))
     return 0
@@ -108,16 +110,28 @@ def _describe(index: int, r: ProbeResult, clock_changes: bool) -> str:
     counter = r.energy_counter_update_s
     lines.append(
         "  energy counter: "
-        + ("updates at every poll" if counter == 0 else f"updates every {_ms(counter, 'unknown (it did not move)')}")
+        + (
+            "updates at every poll"
+            if counter == 0
+            else "update period unknown (it did not step twice: --idle-s too short)"
+            if counter is None
+            else f"updates every {_ms(counter, '')}"
+        )
     )
     window = r.power_average_window_s
     if window is None:
-        power = "averaging not measured (no load could run)"
+        power = "averaging not measured (no load could run, or --load-s was too short to see it)"
     elif window == 0:
         power = "instantaneous"
     else:
         power = f"averages the last {_ms(window, '')}"
-    refresh = "continuously" if r.power_update_s == 0 else "every " + _ms(r.power_update_s, "at an unknown rate")
+    refresh = (
+        "continuously"
+        if r.power_update_s == 0
+        else "at an unknown rate (--idle-s too short to see it change twice)"
+        if r.power_update_s is None
+        else f"every {_ms(r.power_update_s, '')}"
+    )
     lines.append(f"  power reading: {power}, refreshed {refresh}")
     lines.append(f"  idle power: {'unknown' if r.idle_power_w is None else f'{r.idle_power_w:.1f} W'}")
     clocks = r.supported_clocks_mhz

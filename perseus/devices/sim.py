@@ -148,6 +148,9 @@ class SimGPU(GPU):
     def has_energy_counter(self) -> bool:
         return True
 
+    def energy_counter_period_s(self) -> float:
+        return self.realism.counter_period_s
+
     def energy_mj(self) -> float:
         """The energy counter: exact now on an ideal GPU; else the energy at its last update."""
         with self._lock:

@@ -16,7 +16,8 @@ exceptions and SIGTERM, by the optimizer).
 Its figures go into the Trainer's logs, so every `report_to` backend (TensorBoard, W&B,
 MLflow, ...) and `trainer.state.log_history` record them at each logging step:
 `perseus/energy_j` (GPU energy of this process's GPUs since training began, J),
-`perseus/power_w` (their average power since the previous log, W) and
+`perseus/power_w` (their average power since the previous log, W; left out where that log came
+under 2 s before, too short for energy counters that step every 100 ms) and
 `perseus/power_limit_w` (the limit in force: the sweep's, then the chosen one) and, when
 carbon is configured (`carbon_provider=`, or a `carbon_reporter`'s provider),
 `perseus/emissions_g` (g CO2e of that energy, each log's energy at the grid's intensity then).
@@ -137,7 +138,9 @@ class PowerLimitCallback(TrainerCallback):
         energy_j = sum(m.gpu_energy_j.values())
         self._energy_j += energy_j
         figures = {"perseus/energy_j": round(self._energy_j, 3)}
-        if m.time_s > 0:  # none for a log right after another (the closing summary, say)
+        if m.time_s > 0 and m.time_s >= self.optimizer.min_measure_s:
+            # None over a shorter window (the closing summary, right after the last log): it
+            # reads the energy counter's steps, 0 W or double, not the power.
             figures["perseus/power_w"] = round(energy_j / m.time_s, 3)
         figures["perseus/power_limit_w"] = self.optimizer.power_limit_mw / 1000
         intensity = self._grid_intensity()

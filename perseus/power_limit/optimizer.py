@@ -12,7 +12,9 @@
 
 The optimizer sweeps power limits from the highest down in `pl_step_w` steps. Once
 `wait_steps` steps have passed (at the start only), it lets `warmup_steps` steps pass at each
-limit, then measures `profile_steps` steps (time and GPU energy); an epoch that ends first
+limit, then measures `profile_steps` steps (time and GPU energy), and more where those take
+less than `MIN_COUNTER_STEPS` steps of the GPUs' energy counters (2 s on NVML GPUs: a window
+of a few steps reads the counter's steps, not the energy); an epoch that ends first
 discards that limit's warm-up and measurement (an epoch's end -- evaluation, a new data loader
 -- would distort it) and the limit starts over next epoch. `sweep_steps` counts every step
 taken while sweeping: `waited_steps` + warm-up and measured steps of each limit measured +
@@ -57,9 +59,14 @@ from perseus.power_limit.selectors import (
     SelectionContext,
 )
 from perseus.power_limit.zeus_names import alias, as_monitor
+from perseus.probe.cache import energy_counter_period_s
 from perseus.safety import ResetGuard, Watchdog
 
 logger = logging.getLogger(__name__)
+
+#: Energy-counter steps a limit's measurement spans at least: the counter steps every 100 ms on
+#: NVML GPUs, and a window reads energy up to the last step at each end: off by up to one step, over 20 at most 5%.
+MIN_COUNTER_STEPS = 20
 
 PROFILE_FORMAT = "perseus.power_limit_profile"
 PROFILE_VERSION = 1
@@ -149,6 +156,9 @@ class GlobalPowerLimitOptimizer:
         if self.min_power_limit_mw > self.max_power_limit_mw:
             raise ConfigError(f"the GPUs {self.gpus} have no power limit in common; give the Monitor one GPU model")
         self.power_limits_mw = sweep_power_limits(self.min_power_limit_mw, self.max_power_limit_mw, pl_step_w)
+        # The shortest measurement that spans MIN_COUNTER_STEPS steps of every GPU's energy counter.
+        self.min_measure_s = MIN_COUNTER_STEPS * max(energy_counter_period_s(g) for g in self.gpus)
+        self.measure_steps = profile_steps  # steps measured per limit: profile_steps, or more where they are short
 
         self.phase = Phase.WARMUP
         self.measurements: list[PowerLimitMeasurement] = []  # over all ranks, one per limit measured
@@ -161,6 +171,7 @@ class GlobalPowerLimitOptimizer:
         self.num_gpus = len(self.gpus)
         self._sweep_index = 0
         self._steps = 0  # in the current warm-up or measurement
+        self._measure_began = 0.0  # the monitor's clock when the current measurement began
         self._limit_steps = 0  # at the current limit since its warm-up began
         self._wait = wait_steps  # steps still to pass before the first warm-up counts (Zeus' wait_steps)
         self._in_step = False  # on_step_begin came and its on_step_end has not (yet)
@@ -226,6 +237,7 @@ class GlobalPowerLimitOptimizer:
     def _step_begins(self) -> None:
         if self.phase is Phase.WARMUP and self._wait == 0 and self._steps >= self.warmup_steps:
             self.monitor.begin_window(self._window)
+            self._measure_began = self.monitor.clock.now()
             self.phase = Phase.MEASURE
             self._steps = 0
 
@@ -240,8 +252,28 @@ class GlobalPowerLimitOptimizer:
             return
         self._steps += 1
         self._limit_steps += 1
-        if self.phase is Phase.MEASURE and self._steps >= self.profile_steps:
+        if self.phase is Phase.MEASURE and self._steps >= self.measure_steps and not self._lengthened():
             self._end_measurement()
+
+    def _lengthened(self) -> bool:
+        """Whether the measurement goes on: its steps took less than `min_measure_s` on the slowest
+        rank, so `measure_steps` grows (for this limit and the slower ones after it) to span it.
+        Every rank asks at the same step and follows the slowest rank's time, so all agree."""
+        if self.min_measure_s <= 0:
+            return False
+        elapsed = distributed.all_reduce([self.monitor.clock.now() - self._measure_began], "max")[0]
+        if elapsed >= self.min_measure_s or elapsed <= 0:
+            return False
+        before = self.measure_steps
+        self.measure_steps = math.ceil(1.1 * self._steps * self.min_measure_s / elapsed)
+        if before == self.profile_steps and (self.verbose or logs_info(logger)):
+            notice(
+                logger,
+                f"profile_steps={self.profile_steps} take {elapsed:.2f} s, under {MIN_COUNTER_STEPS} steps of the "
+                f"GPUs' energy counters ({self.min_measure_s:.1f} s): measuring {self.measure_steps} steps per "
+                "limit, so that the counters' steps do not decide the choice",
+            )
+        return True
 
     def on_epoch_end(self) -> None:
         if self.phase is Phase.CLOSED:
@@ -462,6 +494,7 @@ class GlobalPowerLimitOptimizer:
             "num_gpus": self.num_gpus,
             "warmup_steps": self.warmup_steps,
             "profile_steps": self.profile_steps,
+            "measure_steps": self.measure_steps,
             "measurements": [
                 {"power_limit_mw": m.power_limit_mw, "time_s": m.time_s, "energy_j": m.energy_j}
                 for m in self.measurements

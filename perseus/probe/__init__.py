@@ -6,8 +6,19 @@ switching latency for a sample of clock pairs. `save` keeps a result per GPU mod
 returns it (or None): the runtime and planner read it to size energy windows and clock switches.
 """
 
-from perseus.probe.cache import CACHE_ENV, cache_dir, load, model_key, save
+from perseus.probe.cache import CACHE_ENV, UNMEASURED_KEEPS, cache_dir, energy_counter_period_s, load, model_key, save
 from perseus.probe.result import ProbeResult
 from perseus.probe.run import ProbeSettings, probe_gpu
 
-__all__ = ["CACHE_ENV", "ProbeResult", "ProbeSettings", "cache_dir", "load", "model_key", "probe_gpu", "save"]
+__all__ = [
+    "CACHE_ENV",
+    "UNMEASURED_KEEPS",
+    "ProbeResult",
+    "ProbeSettings",
+    "cache_dir",
+    "energy_counter_period_s",
+    "load",
+    "model_key",
+    "probe_gpu",
+    "save",
+]

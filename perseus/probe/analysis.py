@@ -55,7 +55,8 @@ def averaging_window(
     window (its fraction of the step grows by refresh/window per refresh); a least-squares line
     through the readings on the ramp gives the window as 1/slope. A reading with fewer than two
     points on the ramp averages over at most one refresh: the window is the refresh period (0 for a
-    reading that follows the load at once). None when the step is too small to read.
+    reading that follows the load at once). None when the step is too small to read, or the
+    refresh period unknown (a watch too short to see the reading change twice).
     """
     step = busy_w - idle_w
     if step <= 0 or not readings:
@@ -72,7 +73,7 @@ def averaging_window(
             rising.append((t, fraction))
         before = watts
     if len(rising) < 2:
-        return refresh_s if refresh_s is not None else 0.0
+        return refresh_s
     mean_t = sum(t for t, _ in rising) / len(rising)
     mean_f = sum(f for _, f in rising) / len(rising)
     slope = sum((t - mean_t) * (f - mean_f) for t, f in rising) / sum((t - mean_t) ** 2 for t, _ in rising)

@@ -21,6 +21,8 @@ from perseus.exceptions import ConfigError
 from perseus.probe.result import ProbeResult
 
 CACHE_ENV = "PERSEUS_PROBE_DIR"
+#: Figures a probe may leave unmeasured (None) that a new probe keeps from the one before.
+UNMEASURED_KEEPS = ("energy_counter_update_s", "power_update_s", "power_average_window_s", "idle_power_w")
 
 
 def cache_dir() -> Path:
@@ -60,16 +62,32 @@ def load(gpu: GPU) -> ProbeResult | None:
     return ProbeResult.from_dict(doc, str(path))
 
 
+def energy_counter_period_s(gpu: GPU) -> float:
+    """How often `gpu`'s energy counter steps: as probed for its model, else what the backend
+    says (`GPU.energy_counter_period_s`). A window a few periods long reads counter steps, not energy."""
+    try:
+        probed = load(gpu)
+    except ConfigError:
+        probed = None  # an unreadable cache: the backend's figure
+    if probed is not None and probed.energy_counter_update_s is not None:
+        return probed.energy_counter_update_s
+    return gpu.energy_counter_period_s()
+
+
 def save(result: ProbeResult) -> Path:
-    """Keep `result` for its model; switch latencies measured before stay unless measured again."""
+    """Keep `result` for its model. What it did not measure (switch latencies without clock
+    changes; a figure a watch too short could not tell) stays as measured before."""
     path = cache_dir() / f"{result.key}.json"
     try:
         old_doc = json.loads(path.read_text(encoding="utf-8"))
         old = ProbeResult.from_dict(old_doc, str(path))
     except (OSError, ValueError):
         old = None  # none yet, or unreadable: replaced
-    if old is not None and not result.clock_switch_latency_s:
-        result = replace(result, clock_switch_latency_s=old.clock_switch_latency_s)
+    if old is not None:
+        kept = {name: getattr(old, name) for name in UNMEASURED_KEEPS if getattr(result, name) is None}
+        if not result.clock_switch_latency_s:
+            kept["clock_switch_latency_s"] = old.clock_switch_latency_s
+        result = replace(result, **kept)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, result.to_dict())

@@ -177,8 +177,10 @@ class PlanCheck:
         noise = self.noise if self.reference_s is None else self.reference_noise
         over = self.excess > max(self.tolerance, noise)
         # A plan cannot run faster than maximum clocks: a window that does ran against a reference
-        # taken while the host was slow (a spike), which would let a slow plan pass for good.
-        under = self.excess < -max(self.tolerance, noise)
+        # taken while the host was slow (a spike), which would let a slow plan pass for good. A
+        # straggler-aware plan's target is the straggler's pace, above maximum clocks (`scale`):
+        # running between the two only saves less than it could.
+        under = measured / (target / self.scale) - 1.0 < -max(self.tolerance, noise)
         stale = self.reference_s is None or self.measured - self.reference_end > FRESH or under
         if stale and self.references < MAX_REFERENCES and (over or under or self.state == VERIFYING):
             self.references += 1

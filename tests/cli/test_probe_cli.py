@@ -58,3 +58,22 @@ def test_bad_input_is_a_clear_error(env, capsys):
     assert "1400" in capsys.readouterr().err
     assert main(["probe", "--poll-ms", "0"]) == 1
     assert "poll" in capsys.readouterr().err
+
+
+def test_a_probe_too_short_to_tell_keeps_what_an_earlier_one_measured(env, capsys):
+    """0.1 s idle and under load cannot show a counter that steps every 100 ms, nor a reading's
+    averaging: the probe says so, and the cache keeps the earlier probe's figures, not nulls."""
+    assert main(["probe", *QUICK]) == 0
+    before = probe.load(sim_gpus("a100-sxm", 1)[0])
+    assert before is not None and before.energy_counter_update_s and before.power_average_window_s
+    capsys.readouterr()
+    assert main(["probe", "--idle-s", "0.1", "--load-s", "0.1", "--poll-ms", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "update period unknown (it did not step twice: --idle-s too short)" in out
+    assert "refreshed every at" not in out
+    assert "energy_counter_update_s" in out and "as probed before" in out
+    after = probe.load(sim_gpus("a100-sxm", 1)[0])
+    assert after is not None
+    assert after.energy_counter_update_s == before.energy_counter_update_s
+    assert after.power_average_window_s == before.power_average_window_s
+    assert probe.energy_counter_period_s(sim_gpus("a100-sxm", 1)[0]) == before.energy_counter_update_s

@@ -190,7 +190,8 @@ def test_averaging_window_from_a_ramp():
     assert averaging_window(readings, 1.0, 100.0, 300.0, 0.1) == pytest.approx(0.8)
     jump = [(t / 100, 100.0 if t < 100 else 300.0) for t in range(300)]
     assert averaging_window(jump, 1.0, 100.0, 300.0, 0.1) == 0.1
-    assert averaging_window(jump, 1.0, 100.0, 300.0, None) == 0.0
+    assert averaging_window(jump, 1.0, 100.0, 300.0, 0.0) == 0.0  # a reading that follows at once
+    assert averaging_window(jump, 1.0, 100.0, 300.0, None) is None  # its refresh unknown: so is its window
     assert averaging_window(jump, 1.0, 100.0, 100.0, 0.1) is None
 
 

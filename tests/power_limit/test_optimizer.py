@@ -301,3 +301,31 @@ def test_watchdog_restores_the_default_after_sigkill():
     while any(g.power_limit_mw() != 400_000 for g in gpus) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [g.power_limit_mw() for g in gpus] == [400_000, 400_000]
+
+
+def test_measurements_shorter_than_ten_counter_steps_are_lengthened(monkeypatch, capsys):
+    """On GPUs whose energy counter steps every 100 ms, 3 steps of 50 ms read the counter's steps:
+    energy per step off by tens of percent. The optimizer measures more steps, until a limit's
+    measurement spans 20 counter steps (2 s), and then reads each limit within 5% (one counter
+    step at each end of the window at most) and chooses as on exact counters."""
+    monkeypatch.setenv("PERSEUS_SIM_MODE", "realistic")
+    work = Work(0.05, alpha=0.3)
+    steps = len(A100_SWEEP_W) * 60
+    short, gpus, _ = make(num_gpus=1, profile_steps=3, early_stop=False)
+    short.min_measure_s = 0.0  # as before: three steps, whatever the counter
+    train(short, gpus, epochs=1, steps=steps, work=work)
+    short.close()
+    truth = predicted_sweep(num_gpus=1, work=work)
+    errors = [abs(got.energy_j / want.energy_j - 1) for got, want in zip(short.measurements, truth)]
+    assert max(errors) > 0.1
+
+    optimizer, gpus, _ = make(num_gpus=1, profile_steps=3, early_stop=False, selector=MaxSlowdownConstraint(1.1))
+    assert optimizer.min_measure_s == pytest.approx(2.0)
+    train(optimizer, gpus, epochs=1, steps=steps, work=work)
+    assert optimizer.phase is Phase.DONE and optimizer.measure_steps >= 40
+    assert "profile_steps=3 take 0.15 s" in capsys.readouterr().err
+    for got, want in zip(optimizer.measurements, truth):
+        assert got.energy_j == pytest.approx(want.energy_j, rel=0.05)
+        assert got.time_s == pytest.approx(want.time_s, rel=0.01)
+    assert optimizer.selected_mw == 225_000  # as on exact counters (see the full sweep above)
+    optimizer.close()

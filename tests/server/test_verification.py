@@ -579,6 +579,22 @@ def test_a_straggler_aware_plan_is_held_to_the_stragglers_pace_at_the_baseline_s
     assert job.model.checks[0].target_s == pytest.approx(baseline * 1.2)
 
 
+def test_a_straggler_aware_plan_faster_than_the_stragglers_pace_holds_without_more_references():
+    """A pipeline slowed to a straggler's pace (1.25x its maximum clocks) whose plan runs 4% under
+    that pace (its model a little off) is no faster than maximum clocks: it holds, and takes no
+    reference window until its last one is stale. Only a window under maximum clocks means the
+    reference ran in a spike."""
+    check = PlanCheck(tolerance=0.01)
+    check.plan_started(1, 0, 1.25, fallback=False, scale=1.25)
+    assert drive(check, SKIP, 1.2, 1.0, 1) == [REFERENCE]
+    assert check.target_s == pytest.approx(1.25)
+    assert drive(check, check.start + SKIP, 1.2, 1.0, FRESH // WINDOW + 4) == [HOLDS]
+    assert check.references == 1
+    check = PlanCheck(tolerance=0.01)
+    check.plan_started(1, 0, 1.25, fallback=False, scale=1.25)
+    assert drive(check, SKIP, 0.95, 1.0, 2) == [REFERENCE, REFERENCE]  # under maximum clocks' 1.0 s
+
+
 def test_on_a_noisy_host_only_an_excess_beyond_the_references_noise_is_the_plans():
     assert noise_floor(0.0, 16) == 0.0 and noise_floor(0.04, 0) == 0.0
     noise = noise_floor(0.04, 16)  # iterations varying by 4%: two medians differ by ~4% by chance
