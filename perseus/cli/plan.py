@@ -167,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
             missed.append(name)  # deadline below the all-max time: out of this baseline's reach
     base = planner.energy_at_pace(rows[0].energy_j, rows[0].iteration_time_s, pace)
     print(
-        f"{schedule.name}, {schedule.num_stages} stages x {schedule.num_microbatches} microbatches "
+        f"{schedule.name}, {schedule.num_stages} stage{'s' * (schedule.num_stages != 1)} x "
+        f"{schedule.num_microbatches} microbatch{'es' * (schedule.num_microbatches != 1)} "
         f"({planner.problem.num_nodes} instructions), blocking power {profile.blocking_power_w:g} W, "
         f"deadline {plan.deadline_s:.6g} s"
     )

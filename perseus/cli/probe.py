@@ -66,6 +66,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.clocks is not None and not args.allow_clock_changes:
+        raise ConfigError(
+            "--clocks names the clocks to time switches between, which needs --allow-clock-changes "
+            "(it locks SM clocks); add it, or drop --clocks for a read-only probe"
+        )
     settings = ProbeSettings(
         poll_s=args.poll_ms / 1000,
         idle_s=args.idle_s,

@@ -57,9 +57,12 @@ LIMITS = {  # name: (lowest, highest, unit), both inclusive
     "stage": (0, (1 << 20) - 1, ""),
     "frequency": (1, 100_000, " MHz"),
     "time": (1e-6, 86_400.0, " s"),  # one microbatch of one instruction: a microsecond to a day
-    "energy": (1e-6, 1e9, " J"),  # a microsecond at 1 W to a day at over 10 kW
+    "energy": (1e-6, 864e6, " J"),  # a microsecond at 1 W to a day at MAX_POWER_W
     "blocking power": (0.0, 100_000.0, " W"),
 }
+#: The most one GPU draws, averaged over an instruction: more is a unit slip (mJ for J, ms for s).
+MAX_POWER_W = 10_000.0
+JSON_VERSION = 1
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -326,10 +329,15 @@ def _value(raw: object, name: str) -> float:
     if not low <= value <= high:  # nan fails too
         positive = "positive, " if low > 0 else ""
         raise ProfileError(
-            f"{name} is {value}, but it must be {positive}between {low:.10g} and {high:.10g}{unit}; "
+            f"{name} is {_number(value)}, but it must be {positive}between {low:.10g} and {high:.10g}{unit}; "
             "fix or re-measure it"
         )
     return value
+
+
+def _number(value: float) -> str:
+    """`value` as a reader wrote it: -1 for -1.0, 1e-320 as 1e-320."""
+    return str(int(value)) if value.is_integer() and abs(value) < 1e16 else repr(value)
 
 
 def _whole(raw: object, name: str) -> int:
@@ -349,6 +357,11 @@ def _checked(
         if kind not in KINDS:
             raise ProfileError(f"unknown instruction {_show(kind)}; use one of {', '.join(KINDS)}")
     point = ProfilePoint(_whole(frequency, "frequency"), _value(time, "time"), _value(energy, "energy"))
+    if point.energy > point.time * MAX_POWER_W:
+        raise ProfileError(
+            f"{point.energy:g} J in {point.time:g} s is {point.energy / point.time:,.0f} W, over the "
+            f"{MAX_POWER_W:,.0f} W one GPU can draw: write energy in joules and time in seconds"
+        )
     return _whole(stage, "stage"), kind, point
 
 
@@ -458,9 +471,20 @@ def _read_json(path: Path, data: bytes, blocking_power_w: float | None) -> Profi
         raise ProfileError(
             f"{path}: not a Perseus profile (expected an object with format {JSON_FORMAT!r} and a 'points' list)"
         )
+    version = doc.get("version", JSON_VERSION)
+    if version != JSON_VERSION or isinstance(version, bool):
+        raise ProfileError(
+            f"{path}: profile version {_show(version)} is not {JSON_VERSION}, the one this Perseus reads; write it "
+            "with perseus.profiler.save_profile (or `perseus profile`) of this version"
+        )
     power = blocking_power_w if blocking_power_w is not None else doc.get("blocking_power_w")
     if power is None:
-        raise ProfileError(f"{path}: no blocking_power_w in the file; pass blocking_power_w")
+        raise ProfileError(
+            f"{path}: no blocking_power_w in the file; pass blocking_power_w (`--blocking-power` on the command "
+            "line: watts a GPU draws while waiting on a peer, e.g. 83.64 for A100-SXM)"
+        )
+    if isinstance(power, str):
+        raise ProfileError(f"{path}: blocking power {_show(power)} is not a number but a string; write the number")
     meta = doc.get("meta", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ProfileError(
@@ -471,6 +495,11 @@ def _read_json(path: Path, data: bytes, blocking_power_w: float | None) -> Profi
         for i, row in enumerate(doc["points"]):
             if not isinstance(row, dict) or any(c not in row for c in CSV_COLUMNS):
                 raise ProfileError(f"{path}: points[{i}]: each point needs keys {', '.join(CSV_COLUMNS)}")
+            text = next((c for c in CSV_COLUMNS if c != "instruction" and isinstance(row[c], str)), None)
+            if text is not None:
+                raise ProfileError(
+                    f"{path}: points[{i}]: {text} {_show(row[text])} is not a number but a string; write the number"
+                )
             yield i, tuple(row[c] for c in CSV_COLUMNS)
 
     return _from_rows(path, rows, lambda i: f"{path}: points[{i}]", power, meta)
@@ -522,7 +551,7 @@ def save_profile(profile: Profile, path: str | os.PathLike) -> None:
     elif suffix == ".json":
         doc = {
             "format": JSON_FORMAT,
-            "version": 1,
+            "version": JSON_VERSION,
             "blocking_power_w": profile.blocking_power_w,
             "meta": profile.meta,
             "points": _rows(profile),

@@ -4,6 +4,9 @@ Every bound a message field is checked against lives here, so the service, the c
 tools that probe the service (benchmarks/service_*fuzz.py) read the same numbers.
 """
 
+# One rank's GPU over a whole iteration draws at most what it may over one instruction.
+from perseus.profiler.profile import MAX_POWER_W as MAX_POWER_W
+
 PROTOCOL_VERSION = 1
 # The table's format within v1 (named for the profiling sweep, its first change): 4 = as 3, and
 # the rank reads `Table.reference`; 3 = as 2, and the rank sweeps again when the service asks a
@@ -28,7 +31,6 @@ MAX_RANK_ITERATION = 2**53  # what a rank may report: far past any real run, far
 MIN_TIME_S = 1e-6
 MAX_TIME_S = 86_400.0
 MAX_ENERGY_J = 1e7
-MAX_POWER_W = 10_000.0  # one rank's GPU over a whole iteration: more is a unit slip (mJ for J) or a lie
 MAX_RANKS = 1 << 20
 MAX_FREQUENCY_MHZ = 100_000
 MAX_FREQUENCIES = 1024

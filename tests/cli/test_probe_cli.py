@@ -58,6 +58,8 @@ def test_bad_input_is_a_clear_error(env, capsys):
     assert "1400" in capsys.readouterr().err
     assert main(["probe", "--poll-ms", "0"]) == 1
     assert "poll" in capsys.readouterr().err
+    assert main(["probe", "--clocks", "1410,705", *QUICK]) == 1  # would be ignored: read-only
+    assert "needs --allow-clock-changes" in capsys.readouterr().err
 
 
 def test_a_probe_too_short_to_tell_keeps_what_an_earlier_one_measured(env, capsys):

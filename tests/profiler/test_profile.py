@@ -50,7 +50,7 @@ def test_csv_needs_blocking_power(tmp_path):
     [
         ("nan", "time is nan"),
         ("inf", "time is inf"),
-        ("0", "time is 0.0, but it must be positive"),
+        ("0", "time is 0, but it must be positive"),
         ("-0.2", "time is -0.2"),
         ("abc", "time 'abc' is not a number"),
     ],
@@ -148,7 +148,7 @@ def test_json_bad_point_named(tmp_path):
             {"stage": 0, "instruction": "forward", "frequency": 900, "time": -1.0, "energy": 2.0},
         ],
     }
-    with pytest.raises(ProfileError, match=r"points\[1\]: time is -1.0"):
+    with pytest.raises(ProfileError, match=r"points\[1\]: time is -1"):
         load_profile(write(tmp_path, json.dumps(doc), "p.json"))
     with pytest.raises(ProfileError, match="not a Perseus profile"):
         load_profile(write(tmp_path, "[]", "p.json"))

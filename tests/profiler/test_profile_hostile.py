@@ -40,16 +40,16 @@ def write(tmp_path: Path, content: str | bytes, name: str = "p.csv") -> Path:
     [
         ("0,forward,1e308,0.05,24", r"frequency is 1e\+308, but it must be positive, between 1 and 100000 MHz"),
         ("0,forward,1e400,0.05,24", r"frequency is inf, but it must be positive, between 1 and 100000 MHz"),
-        ("0,forward,0,0.05,24", r"frequency is 0.0, but it must be positive, between 1 and 100000 MHz"),
-        ("0,forward,100001,0.05,24", r"frequency is 100001.0, but it must be positive, between 1 and 100000 MHz"),
+        ("0,forward,0,0.05,24", r"frequency is 0, but it must be positive, between 1 and 100000 MHz"),
+        ("0,forward,100001,0.05,24", r"frequency is 100001, but it must be positive, between 1 and 100000 MHz"),
         ("0,forward,1410,1e-320,24", r"time is 1e-320, but it must be positive, between 1e-06 and 86400 s"),
-        ("0,forward,1410,86401,24", r"time is 86401.0, but it must be positive, between 1e-06 and 86400 s"),
-        ("0,forward,1410,0.05,1e-320", r"energy is 1e-320, but it must be positive, between 1e-06 and 1000000000 J"),
+        ("0,forward,1410,86401,24", r"time is 86401, but it must be positive, between 1e-06 and 86400 s"),
+        ("0,forward,1410,0.05,1e-320", r"energy is 1e-320, but it must be positive, between 1e-06 and 864000000 J"),
         (
             "0,forward,1410,0.05,1e10",
-            r"energy is 10000000000.0, but it must be positive, between 1e-06 and 1000000000 J",
+            r"energy is 10000000000, but it must be positive, between 1e-06 and 864000000 J",
         ),
-        ("-1,forward,1410,0.05,24", r"stage is -1.0, but it must be between 0 and 1048575;"),
+        ("-1,forward,1410,0.05,24", r"stage is -1, but it must be between 0 and 1048575;"),
         ("1e308,forward,1410,0.05,24", r"stage is 1e\+308, but it must be between 0 and 1048575;"),
         ("0,forward,1410," + "9" * 500 + ",24", r"time is inf, but it must be positive"),
     ],
@@ -60,8 +60,21 @@ def test_values_out_of_range_name_file_line_field_value_and_range(tmp_path, row,
 
 
 def test_limits_themselves_are_accepted(tmp_path):
-    p = load_profile(write(tmp_path, HEADER + "0,forward,1,0.000001,0.000001\n0,forward,100000,86400,1e9\n"), 0.0)
-    assert p.points[(0, "forward")] == [ProfilePoint(100000, 86400.0, 1e9), ProfilePoint(1, 1e-6, 1e-6)]
+    p = load_profile(write(tmp_path, HEADER + "0,forward,1,0.000001,0.000001\n0,forward,100000,86400,864e6\n"), 0.0)
+    assert p.points[(0, "forward")] == [ProfilePoint(100000, 86400.0, 864e6), ProfilePoint(1, 1e-6, 1e-6)]
+
+
+def test_a_row_over_10_kw_a_version_it_does_not_read_and_numbers_as_strings_are_refused(tmp_path):
+    """2000 J in 6 ms (333 kW: millijoules written as joules), a JSON profile of version 99, and
+    "0.006" where a number belongs are each refused with what to write instead."""
+    with pytest.raises(ProfileError, match=r"p.csv:2: 2000 J in 0.006 s is 333,333 W, over the 10,000 W .* joules"):
+        load_profile(write(tmp_path, HEADER + "0,forward,1410,0.006,2000\n"), 80.0)
+    with pytest.raises(ProfileError, match="p.json: profile version 99 is not 1"):
+        load_profile(write(tmp_path, json.dumps({**doc(), "version": 99}), "p.json"))
+    text = doc()
+    text["points"][0]["time"] = "0.006"
+    with pytest.raises(ProfileError, match=r"p.json: points\[0\]: time '0.006' is not a number but a string"):
+        load_profile(write(tmp_path, json.dumps(text), "p.json"))
 
 
 @pytest.mark.parametrize("power", [float("nan"), -1.0, 1e308, "many"])
@@ -133,7 +146,7 @@ def test_file_over_the_size_limit_is_refused_unread(tmp_path):
 
 def test_size_limit_holds_max_rows_as_save_profile_writes_them(tmp_path):
     def size(rows: int) -> int:
-        longest = ProfilePoint(100_000, 0.00012345678901234567, 123456.78901234567)
+        longest = ProfilePoint(100_000, 1.2345678901234567e-05, 0.09234567890123457)  # 7.5 kW
         points = {
             ((1 << 20) - 1, "backward_weight"): [
                 ProfilePoint(longest.frequency - i, longest.time, longest.energy) for i in range(rows)
