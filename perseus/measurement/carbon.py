@@ -410,6 +410,14 @@ class CarbonAwareSDK(CarbonIntensityProvider):
                 else f"Carbon Aware SDK forecast for {self._what} has no data points"
             )
         end = ahead[0].timestamp + timedelta(hours=hours)  # as expected_intensity counts: from the first point
+        last, minutes = rows[-1]
+        covered = last.timestamp + timedelta(minutes=minutes or 0)
+        if covered < end:  # the mean would hold the last value over hours nobody forecast
+            reach = (covered - ahead[0].timestamp).total_seconds() / 3600
+            raise CarbonIntensityError(
+                f"Carbon Aware SDK forecast for {self._what} covers {reach:.3g} h from now (to "
+                f"{covered.isoformat()}), not {hours:g} h: ask for at most {reach:.3g} h"
+            )
         return [p for i, p in enumerate(ahead) if i == 0 or p.timestamp < end]
 
     @property

@@ -123,7 +123,10 @@ class Monitor:
         self.sync = sync
         if clock is None:
             if not self.gpus:
-                raise ConfigError("Monitor measures no GPU, so it needs a clock: pass clock=REAL_CLOCK (perseus.clock)")
+                raise ConfigError(
+                    "Monitor measures no GPU (gpu_indices selects none, or none is visible), so nothing times its "
+                    "windows: select a GPU, or pass clock=REAL_CLOCK (from perseus.clock) to measure CPUs alone"
+                )
             clock = self.gpus[0].clock
         self.clock = clock
         self._now = clock.now
@@ -178,6 +181,8 @@ class Monitor:
 
     def begin_window(self, name: str, sync: bool | None = None) -> None:
         """Start window `name`; `sync` (default: the Monitor's) waits for the GPUs first."""
+        if not isinstance(name, str):
+            raise MeasurementError(f"a measurement window's name must be a string, got {name!r}")
         if name in self._open:
             raise MeasurementError(f"measurement window {name!r} is already open; end it first or use another name")
         if self.sync if sync is None else sync:

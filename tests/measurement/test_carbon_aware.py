@@ -137,6 +137,9 @@ def test_forecast_and_expected_intensity(webapi):
     assert urllib.parse.urlsplit(webapi.paths[-1]).path == "/emissions/forecasts/current"
     # 1 h from the point in force: half an hour at 300, half an hour at 500.
     assert provider.expected_intensity(1.0) == pytest.approx(400.0)
+    assert provider.expected_intensity(4.0) == pytest.approx(225.0)  # the whole forecast
+    with pytest.raises(CarbonIntensityError, match="covers 4 h from now .*not 5 h: ask for at most 4 h"):
+        provider.expected_intensity(5.0)  # not the last value held for an hour nobody forecast
 
 
 def test_responses_are_cached_until_the_ttl(webapi):

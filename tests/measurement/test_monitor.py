@@ -67,6 +67,8 @@ def test_duplicate_and_unknown_names(gpus):
     monitor.end_window("step")
     with pytest.raises(MeasurementError, match="'step'"):
         monitor.end_window("step")
+    with pytest.raises(MeasurementError, match="window's name must be a string, got 3"):
+        monitor.begin_window(3)  # type: ignore[arg-type]
 
 
 def test_cancel_discards_the_window(clock, gpus):
@@ -116,6 +118,8 @@ def test_gpu_selection_errors(gpus):
         Monitor(gpus=gpus, gpu_indices=[5])
     with pytest.raises(ConfigError, match="no CPU with index 0; available: none"):
         Monitor(gpus=gpus, cpus=[], cpu_indices=[0])
+    with pytest.raises(ConfigError, match="Monitor measures no GPU .*select a GPU, or pass clock=REAL_CLOCK"):
+        Monitor(gpus=gpus, gpu_indices=[], cpus=[])
 
 
 def test_default_gpus_come_from_perseus_gpu(monkeypatch):
