@@ -4,11 +4,16 @@ the others to its pace (or clear it); without --factor or --clear, show each pip
 from __future__ import annotations
 
 import argparse
+import time
 
 from perseus.cli.service_args import add_service_arguments, check_job_id, fetch_status, service_client, unreachable
+from perseus.client.planner_client import PlannerClient
 from perseus.exceptions import ConfigError
 from perseus.wire.limits import DEFAULT_ADDRESS, MAX_STRAGGLER_FACTOR
-from perseus.wire.messages import JobStatus
+from perseus.wire.messages import JobStatus, Status
+
+#: How long a declaration waits for the re-plan it causes before printing the table.
+REPLAN_WAIT_S = 5.0
 
 EPILOG = f"""examples:
   perseus straggler --job job-1a2b3c4d5e6f7a8b --pipeline 1 --factor 1.2
@@ -63,13 +68,33 @@ def run(args: argparse.Namespace) -> int:
         )
     with service_client(args) as client:
         if args.factor is not None or args.clear:
+            before = fetch_status(client, args, args.job).jobs[0].plan_version
             if not client.declare_straggler(args.job, args.pipeline, None if args.clear else args.factor):
                 raise unreachable(args)
             what = "cleared" if args.clear else f"declared {args.factor:g}x"
             print(f"job {args.job}: pipeline {args.pipeline} {what}")
-        status = fetch_status(client, args, args.job)
+            status = _replanned(client, args, before)
+        else:
+            status = fetch_status(client, args, args.job)
     print(format_pipelines(status.jobs[0]))
     return 0
+
+
+def _replanned(client: PlannerClient, args: argparse.Namespace, before: int) -> Status:
+    """The job's status once a plan newer than version `before` is published (the service solves
+    the re-plan in the background), or after REPLAN_WAIT_S, saying it is still to come."""
+    deadline = time.monotonic() + REPLAN_WAIT_S
+    while True:
+        status = fetch_status(client, args, args.job)
+        if status.jobs[0].plan_version > before:
+            return status
+        if time.monotonic() >= deadline:
+            print(
+                f"no plan published within {REPLAN_WAIT_S:g} s (none may change, or it is still being solved): "
+                f"`perseus straggler --job {args.job}` shows the plans later"
+            )
+            return status
+        time.sleep(0.1)
 
 
 def format_pipelines(job: JobStatus) -> str:

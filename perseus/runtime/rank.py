@@ -387,11 +387,13 @@ class PerseusRank:
             )
 
     def _unprofiled(self, assignment: Any) -> tuple[int, ...]:
-        """The stages the plan still waits for, as the service last said (none if it did not)."""
+        """The other stages the plan still waits for, as the service last said (none if it did not).
+        Not this rank's own: it is planning, so its sweep is done and its profile on the way (what
+        the service said may predate the upload)."""
         profiled = getattr(assignment, "profiled_stages", None)
         if not profiled:
             return ()
-        return tuple(s for s in range(len(self.schedule.stages)) if s not in profiled)
+        return tuple(s for s in range(len(self.schedule.stages)) if s not in profiled and s != self.stage)
 
     def _follow_round(self, sweep_round: int) -> None:
         """A new round of the service's sweep: the profile of the earlier one never reached it (it

@@ -265,6 +265,18 @@ class Handlers:
                 msg.pipeline,
                 msg.factor,
             )
+        others = {k: f for k, f in job.measurements.declared.items() if k != msg.pipeline}
+        if others:
+            slowest = job.straggler()
+            assert slowest is not None  # a declaration stands
+            log.info(
+                "job %s: declared stragglers %s; the slowest, pipeline %d (%.3fx, %s), sets the others' pace",
+                job.job_id,
+                ", ".join(f"pipeline {k} {f:.3f}x" for k, f in sorted(job.measurements.declared.items())),
+                slowest[0],
+                slowest[1],
+                slowest[2],
+            )
         self.results.plan(job)
         return Ack(job.phase.value)
 

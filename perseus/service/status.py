@@ -14,12 +14,15 @@ if TYPE_CHECKING:  # annotations only: job.py imports this module
 
 
 def describe(job: Job, measured: Measured) -> str:
-    """One planned iteration measured against the plans' prediction."""
-    time_p, energy_p, _ = job.plan_book.predicted()
+    """One planned iteration measured against the prediction of the plans it ran (a reference
+    window's: maximum clocks)."""
+    time_p, energy_p, _ = job.plan_book.predicted(running=True)
     versions = sorted({p.version for p in job.plans.values()})
+    references = sorted(k for k, p in job.plans.items() if p.reference)
+    window = f", pipeline {','.join(map(str, references))} at maximum clocks for reference" if references else ""
     off_clock = job.measurements.off_clock_instructions
     return (
-        f"job {job.job_id} iteration {measured.iteration} (plan v{','.join(map(str, versions))}): "
+        f"job {job.job_id} iteration {measured.iteration} (plan v{','.join(map(str, versions))}{window}): "
         f"time {measured.time_s:.4f} s (predicted {time_p:.4f} s, {100 * (measured.time_s / time_p - 1):+.1f}%), "
         f"energy {measured.energy_j:.1f} J (predicted {energy_p:.1f} J, "
         f"{100 * (measured.energy_j / energy_p - 1):+.1f}%)"

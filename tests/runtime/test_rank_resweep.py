@@ -5,6 +5,7 @@ Simulated GPU on a virtual clock; the tables are the service's, applied by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 
@@ -148,3 +149,20 @@ def test_the_progress_line_names_the_stages_the_plan_waits_for(gpu):
     lines = out.getvalue().splitlines()
     assert lines[-2].endswith("planning at default clocks, waiting for stage 0 to be profiled"), lines
     assert lines[-1].endswith("planning at default clocks"), lines
+
+
+def test_the_progress_line_never_has_a_rank_wait_for_its_own_stage(gpu):
+    """A rank that is planning has swept its stage and sent the profile; a table from before the
+    service got it lists the stage as unprofiled, and the rank said it waited for itself."""
+    out = io.StringIO()
+    client = TableClient()
+    rank = make_rank(gpu, client, profiling=SETTINGS, progress=Progress(out, tty=False))
+    # Stage 1 (this rank's) swept: no steps for it, though the service lists only stage 0 as profiled.
+    client.state.apply_table(dataclasses.replace(table(0, profiled=(1,)), profiled_stages=(0,)))
+    try:
+        run(rank, gpu, 3)
+    finally:
+        rank.close()
+    lines = out.getvalue().splitlines()
+    assert lines[-1].endswith("planning at default clocks"), lines
+    assert not any("waiting for stage" in line for line in lines), lines

@@ -24,6 +24,7 @@ def test_a_reference_window_is_saved_with_the_plan_it_checks_and_restored_as_tha
     assert live.publish({0: (MODELS, None)}, 20) == [0]
     assert live.plans[0].reference and live.plans[0].energy_j == 200.0
     assert live.predicted()[1] == 180.0  # status tells the plan's figures meanwhile
+    assert live.predicted(running=True)[1] == 200.0  # what the window's iterations should measure
 
     saved = json.loads(json.dumps(live.record(0)))  # as the job record keeps it
     assert saved["reference"] is True and plan_result(saved["checks"]) == PLAN

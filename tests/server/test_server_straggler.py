@@ -61,7 +61,9 @@ def test_declared_and_detected_stragglers_replan_the_other_pipeline(serve, capsy
 
         # An operator declares pipeline 1 20% slow.
         assert main(["straggler", "--job", job_id, "--pipeline", "1", "--factor", "1.2", "--address", ep]) == 0
-        assert f"job {job_id}: pipeline 1 declared 1.2x" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert f"job {job_id}: pipeline 1 declared 1.2x" in out
+        assert f"{1.2 * base_time:.4f}" in out  # the command waited for the re-plan it caused
         slowed = ranks.until_version([0, 1], 2)
         assert slowed[2] is base[2] and slowed[3] is base[3]  # the straggler keeps its plan
         assert sum(slowed[0].frequencies) + sum(slowed[1].frequencies) < sum(base[0].frequencies) + sum(
@@ -79,6 +81,9 @@ def test_declared_and_detected_stragglers_replan_the_other_pipeline(serve, capsy
         assert main(["straggler", "--job", job_id, "--address", ep]) == 0
         table = capsys.readouterr().out
         assert "declared 1.200x" in table and f"{1.2 * base_time:.4f}" in table
+        assert clients[0].declare_straggler(job_id, 0, 1.1)  # shadowed by pipeline 1's 1.2x: said so
+        assert "the slowest, pipeline 1 (1.200x, declared), sets the others' pace" in served.log()
+        assert clients[0].declare_straggler(job_id, 0, None)
 
         assert main(["straggler", "--job", job_id, "--pipeline", "1", "--clear", "--address", ep]) == 0
         assert ranks.until_version([0, 1], 3)[0].frequencies == base[0].frequencies
