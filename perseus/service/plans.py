@@ -113,18 +113,26 @@ class PlanBook:
         keys: dict[int, PlanKey] = dict(enumerate(self.base_keys()))
         if straggler is None:
             return keys
-        slow, factor, source = straggler
-        bases = {k: b for k in keys if (b := self.base(k)) is not None}
-        if len(bases) < len(keys):  # a base plan is unsolved
+        pace = self.pace(straggler)
+        if pace is None:  # a base plan is unsolved
             return keys
-        if source == "declared" or self.dp == 1:
-            pace = factor * bases[slow].iteration_time_s
-        else:
-            pace = factor * statistics.median(b.iteration_time_s for k, b in bases.items() if k != slow)
         for k in keys:
-            if k != slow and pace > bases[k].iteration_time_s:
+            base = self.base(k)
+            if k != straggler[0] and base is not None and pace > base.iteration_time_s:
                 keys[k] = (self.models(k), deadline_key(pace))
         return keys
+
+    def pace(self, straggler: Straggling) -> float | None:
+        """The straggler's iteration time on the model's scale: its factor times its own
+        no-slowdown plan's (declared: its planned time) or the others' median (detected: their
+        measured time is what it was compared with); None while a base plan is unsolved."""
+        slow, factor, source = straggler
+        bases = {k: b for k in range(self.dp) if (b := self.base(k)) is not None}
+        if len(bases) < self.dp:
+            return None
+        if source == "declared" or self.dp == 1:
+            return factor * bases[slow].iteration_time_s
+        return factor * statistics.median(b.iteration_time_s for k, b in bases.items() if k != slow)
 
     def missing(
         self, wanted: dict[int, PlanKey], profile: Callable[[Models], Profile | None]

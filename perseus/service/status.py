@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from perseus.service.plans import PublishedPlan, Straggling
 from perseus.service.tally import Measured
 from perseus.service.verification import FALLBACK
 from perseus.wire.messages import JobStatus, PipelineStatus
@@ -17,6 +18,9 @@ def describe(job: Job, measured: Measured) -> str:
     """One planned iteration measured against the prediction of the plans it ran (a reference
     window's: maximum clocks)."""
     time_p, energy_p, _ = job.plan_book.predicted(running=True)
+    straggler = job.straggler()
+    pace = job.plan_book.pace(straggler) if straggler is not None else None
+    time_p = max(time_p, pace or 0.0)  # the job runs at its straggler's pace, whatever the plans'
     versions = sorted({p.version for p in job.plans.values()})
     references = sorted(k for k, p in job.plans.items() if p.reference)
     window = f", pipeline {','.join(map(str, references))} at maximum clocks for reference" if references else ""
@@ -46,7 +50,7 @@ def job_status(job: Job) -> JobStatus:
                 pipeline=k,
                 plan_version=plan.version if plan else 0,
                 deadline_s=plan.deadline_s if plan else None,
-                predicted_iteration_time_s=plan.iteration_time_s if plan else None,
+                predicted_iteration_time_s=_predicted_time(job, plan, slow),
                 measured_iteration_time_s=measurements.measured_time_s(k),
                 straggler=slow[2] if slow is not None else "",
                 straggler_factor=slow[1] if slow is not None else None,
@@ -84,6 +88,15 @@ def job_status(job: Job) -> JobStatus:
         saving_withheld=saving_withheld(job),
         profile_dropped=job.profile_dropped,
     )
+
+
+def _predicted_time(job: Job, plan: PublishedPlan | None, straggling: Straggling | None) -> float | None:
+    """A pipeline's predicted iteration time: its plan's; a straggler's, its pace (its plan
+    would run faster on a GPU as fast as the profiled one)."""
+    if plan is None:
+        return None
+    pace = job.plan_book.pace(straggling) if straggling is not None else None
+    return max(plan.iteration_time_s, pace or 0.0)
 
 
 def saving_withheld(job: Job) -> str:

@@ -78,6 +78,8 @@ def test_declared_and_detected_stragglers_replan_the_other_pipeline(serve, capsy
             1.2,
             None,
         )
+        # The straggler runs its no-slowdown plan at its pace: that is its predicted time.
+        assert job.pipelines[1].predicted_iteration_time_s == pytest.approx(1.2 * base_time, rel=1e-5)
         assert main(["straggler", "--job", job_id, "--address", ep]) == 0
         table = capsys.readouterr().out
         assert "declared 1.200x" in table and f"{1.2 * base_time:.4f}" in table
