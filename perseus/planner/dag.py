@@ -68,6 +68,19 @@ def schedule_edges(schedule: Schedule) -> tuple[list[Instruction], np.ndarray, n
     return nodes, pairs[:, 0].copy(), pairs[:, 1].copy()
 
 
+def ending_stages(schedule: Schedule) -> frozenset[int]:
+    """The stages that may finish an iteration: those whose last instruction no other stage's
+    waits for (1F1B, GPipe, interleaved: the first, whose last backward ends the iteration; with
+    weight passes that wait for nothing downstream, every stage). A pipeline's iteration time is
+    their compute time: a stage another waits for starts a step as soon as its data-parallel
+    gradient sync lets it, which beside a straggler is earlier than the pipeline's own start."""
+    nodes, src, dst = schedule_edges(schedule)
+    stage = np.array([ins.stage for ins in nodes], dtype=np.int64)
+    ends = np.cumsum([len(row) for row in schedule.stages]) - 1
+    waited = set(stage[src[(stage[src] != stage[dst]) & np.isin(src, ends)]].tolist())
+    return frozenset(s for s, row in enumerate(schedule.stages) if row and s not in waited)
+
+
 def build_dag(schedule: Schedule) -> nx.DiGraph:
     """The dependency graph of `schedule` (nodes are Instructions; `graph.graph["schedule"]` is
     the schedule). A cycle means the schedule would deadlock: ScheduleError names it."""

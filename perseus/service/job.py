@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from perseus.planner.dag import ending_stages
 from perseus.profiler.profile import Profile
 from perseus.schedules import Schedule
 from perseus.service import persistence, status
@@ -49,6 +50,8 @@ class Job:
         self.sweeps = SweepWatch(spec.warmup_iterations)  # stage profiles overdue: asked again, then failed
         self.plan_book = PlanBook(spec.dp, self.roster.models)
         self.measurements = Measurements(spec)
+        if self.schedule is not None:
+            self.measurements.ending_stages = ending_stages(self.schedule)
         self.model = PipelineModels(spec)  # calibration on measured timelines, verification of plans
         self.error = ""
         self.error_retryable = False  # the error came from what a run measured: a new run tries again
@@ -88,6 +91,7 @@ class Job:
     def set_schedule(self, schedule: Schedule) -> None:
         """The schedule a worker built from the spec (see `build_schedule`)."""
         self.schedule = schedule
+        self.measurements.ending_stages = ending_stages(schedule)
         self._changed()
 
     def fail(self, message: str, *, retryable: bool = False) -> None:

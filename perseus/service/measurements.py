@@ -30,6 +30,8 @@ class Measurements:
         self.spec = spec
         self.job_id = spec.job_id()
         self.declared: dict[int, float] = {}  # pipeline -> factor an operator declared
+        # The stages whose compute time is a pipeline's (perseus.planner.dag.ending_stages); None: all.
+        self.ending_stages: frozenset[int] | None = None
         self.restart({})
 
     def restart(self, plans: dict[int, PublishedPlan]) -> None:
@@ -104,7 +106,8 @@ class Measurements:
     ) -> None:
         k = info.dp_index
         time_s = report.time_s if report.compute_time_s is None else report.compute_time_s
-        measured = self.pipeline_tally[k].add(report.rank, report.iteration, time_s, report.energy_j)
+        paces = self.ending_stages is None or info.stage in self.ending_stages
+        measured = self.pipeline_tally[k].add(report.rank, report.iteration, time_s, report.energy_j, paces)
         if measured is None or measured.odd_rank is not None:
             return
         self.measured_time[k].append(measured.time_s)

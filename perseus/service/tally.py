@@ -53,24 +53,26 @@ class IterationTally:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self._limit = max(2, min(PENDING_LIMIT, PENDING_REPORTS // world_size))
-        self._pending: dict[int, dict[int, tuple[float, float]]] = {}
+        self._pending: dict[int, dict[int, tuple[float, float, bool]]] = {}
         self._completed = Completed()
 
-    def add(self, rank: int, iteration: int, time_s: float, energy_j: float) -> Measured | None:
+    def add(self, rank: int, iteration: int, time_s: float, energy_j: float, paces: bool = True) -> Measured | None:
         """Record one report; the iteration's total once its last rank reports (repeats overwrite;
-        a repeat of a completed iteration is ignored)."""
+        a repeat of a completed iteration is ignored). The iteration takes the slowest time of
+        the ranks that pace it (`paces`; every rank where none does)."""
         if iteration in self._completed:
             return None
         ranks = self._pending.setdefault(iteration, {})
-        ranks[rank] = (time_s, energy_j)
+        ranks[rank] = (time_s, energy_j, paces)
         if len(ranks) == self.world_size:
             del self._pending[iteration]
             self._completed.add(iteration)
-            slowest = max(ranks, key=lambda r: ranks[r][0])
+            pacing = [r for r, (_, _, p) in ranks.items() if p] or list(ranks)
+            slowest = max(pacing, key=lambda r: ranks[r][0])
             time_s = ranks[slowest][0]
-            median = statistics.median_low(t for t, _ in ranks.values())
+            median = statistics.median_low(t for t, _, _ in ranks.values())
             odd = slowest if time_s > ODD_TIME * median else None
-            return Measured(iteration, time_s, sum(e for _, e in ranks.values()), odd)
+            return Measured(iteration, time_s, sum(e for _, e, _ in ranks.values()), odd)
         if len(self._pending) > self._limit:
             del self._pending[min(self._pending)]
         return None
