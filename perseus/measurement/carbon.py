@@ -154,7 +154,9 @@ class IntensityTimeSeries(CarbonIntensityProvider):
     def from_csv(
         cls, path: str | os.PathLike[str], clock: Clock | None = None, speedup: float = 1.0
     ) -> IntensityTimeSeries:
-        """Read a CSV with the header `timestamp,g_per_kwh` (ISO 8601 times)."""
+        """Read a CSV with the header `timestamp,g_per_kwh` (ISO 8601 times). With a `clock`, the
+        replay starts at the first row when this is called (see the class); without one, the rows
+        are read at today's wall-clock time, so they must cover now."""
         try:
             with open(path, newline="", encoding="utf-8") as f:
                 rows = list(csv.reader(f))
