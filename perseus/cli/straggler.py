@@ -21,8 +21,9 @@ EPILOG = f"""examples:
   perseus straggler --job job-1a2b3c4d5e6f7a8b --pipeline 1 --clear
   perseus straggler --job job-1a2b3c4d5e6f7a8b      show pipelines, deadlines and stragglers
 
-The service also detects stragglers from the iteration times ranks report; a declared factor
-takes precedence when it is the larger. Address: --address (default {DEFAULT_ADDRESS}).
+A declaration (or --clear) waits up to {REPLAN_WAIT_S:g} s for the re-plan it causes, then prints the
+plans. The service also detects stragglers from the iteration times ranks report; the slowest
+straggler, declared or detected, sets the others' pace. Address: --address (default {DEFAULT_ADDRESS}).
 """
 
 
