@@ -80,7 +80,7 @@ class Results:
             version = plan.version if plan else 0
             if verdict.action == HOLDS:
                 log.info(
-                    "job %s: pipeline %d plan v%d holds: %.4f s against its target %.4f s (%+.1f%%)",
+                    "job %s: pipeline %d plan v%d holds: %.4f s against its target %.4f s (%+.2f%%)",
                     job.job_id,
                     k,
                     version,

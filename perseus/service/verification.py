@@ -218,7 +218,7 @@ class PlanCheck:
                 self.excess,
                 measured,
                 target,
-                f"plan v{self.version} ran {100 * self.excess:+.1f}% over its target {PERSISTS} windows in a row: "
+                f"plan v{self.version} ran {100 * self.excess:+.2f}% over its target {PERSISTS} windows in a row: "
                 "one window at maximum clocks checks that the host did not slow meanwhile",
             )
         if self.confirming and self.references < MAX_REFERENCES and self.reference_s is not None:
@@ -233,7 +233,7 @@ class PlanCheck:
                 self.excess,
                 measured,
                 target,
-                f"plan v{self.version} ran {100 * self.excess:+.1f}% over a fresh target: one window at maximum "
+                f"plan v{self.version} ran {100 * self.excess:+.2f}% over a fresh target: one window at maximum "
                 "clocks after it tells the plan's excess from a host that slowed meanwhile",
             )
         self.confirming = False
