@@ -264,8 +264,12 @@ class GlobalPowerLimitOptimizer:
         elapsed = distributed.all_reduce([self.monitor.clock.now() - self._measure_began], "max")[0]
         if elapsed >= self.min_measure_s or elapsed <= 0:
             return False
+        wanted = math.ceil(1.1 * self._steps * self.min_measure_s / elapsed)
+        room = self._room()
+        if room is not None and room <= self._steps:
+            return False  # epochs too short for more: as many as they hold
         before = self.measure_steps
-        self.measure_steps = math.ceil(1.1 * self._steps * self.min_measure_s / elapsed)
+        self.measure_steps = wanted if room is None else min(wanted, room)
         if before == self.profile_steps and (self.verbose or logs_info(logger)):
             notice(
                 logger,
@@ -275,6 +279,13 @@ class GlobalPowerLimitOptimizer:
             )
         return True
 
+    def _room(self) -> int | None:
+        """The most steps a limit's measurement can take in an epoch as long as the last one
+        (None before an epoch ended): a longer one would be cut at every epoch's end."""
+        if self._last_epoch_steps is None:
+            return None
+        return max(self.profile_steps, self._last_epoch_steps - self.warmup_steps)
+
     def on_epoch_end(self) -> None:
         if self.phase is Phase.CLOSED:
             return
@@ -282,6 +293,17 @@ class GlobalPowerLimitOptimizer:
             self._in_step = False
             self._step_ended()
         self._last_epoch_steps = self._epoch_steps
+        room = self._room()
+        if self.phase in (Phase.WARMUP, Phase.MEASURE) and room is not None and room < self.measure_steps:
+            logger.warning(
+                "epochs of %d steps leave room for %d measured steps per limit, fewer than the %d that span %d steps "
+                "of the energy counters: each limit is read more coarsely",
+                self._epoch_steps,
+                room,
+                self.measure_steps,
+                MIN_COUNTER_STEPS,
+            )
+            self.measure_steps = room
         if self.phase in (Phase.WARMUP, Phase.MEASURE):
             if self.phase is Phase.MEASURE:
                 self.monitor.end_window(self._window, cancel=True)

@@ -329,3 +329,16 @@ def test_measurements_shorter_than_ten_counter_steps_are_lengthened(monkeypatch,
         assert got.time_s == pytest.approx(want.time_s, rel=0.01)
     assert optimizer.selected_mw == 225_000  # as on exact counters (see the full sweep above)
     optimizer.close()
+
+
+def test_a_lengthened_measurement_fits_the_epochs(monkeypatch, caplog):
+    """Epochs of 20 steps leave room for 18 measured steps after 2 of warm-up: a measurement
+    lengthened to span 2 s of 50 ms steps (45) would be cut at every epoch's end and the sweep
+    never end. It measures 18 per limit instead, says so, and chooses."""
+    monkeypatch.setenv("PERSEUS_SIM_MODE", "realistic")
+    optimizer, gpus, _ = make(num_gpus=1, profile_steps=3, early_stop=False, selector=MaxSlowdownConstraint(1.1))
+    train(optimizer, gpus, epochs=40, steps=20, work=Work(0.05, alpha=0.3))
+    assert optimizer.phase is Phase.DONE and optimizer.measure_steps == 18
+    assert "epochs of 20 steps leave room for 18 measured steps per limit" in caplog.text
+    assert len(optimizer.measurements) == len(A100_SWEEP_W)
+    optimizer.close()
