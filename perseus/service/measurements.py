@@ -6,13 +6,14 @@ against the plan it ran (fed to the straggler detector), and the stragglers an o
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable
 
 from perseus.service.plans import PublishedPlan, Straggling
 from perseus.service.ranks import bad_field
-from perseus.service.straggler import StragglerDetector
+from perseus.service.straggler import Straggler, StragglerDetector
 from perseus.service.tally import IterationTally, Mean, Measured
 from perseus.wire.messages import ReportIteration
 from perseus.wire.spec import JobSpec, RankInfo
@@ -164,6 +165,22 @@ class Measurements:
                 current.factor,
             )
         return True
+
+    def detected_record(self) -> list[float] | None:
+        """The detected straggler as a job record keeps it: [pipeline, factor], or None."""
+        current = self.detector.current
+        return None if current is None else [current.pipeline, current.factor]
+
+    def resume_detected(self, record: object) -> None:
+        """Start the detector from a `detected_record` (ValueError or TypeError if it is not one)."""
+        if not isinstance(record, list) or len(record) != 2:
+            raise ValueError(f"expected [pipeline, factor], got {record!r}")
+        pipeline, factor = record
+        if isinstance(pipeline, bool) or not (isinstance(pipeline, int) and 0 <= pipeline < self.spec.dp):
+            raise ValueError(f"pipeline {pipeline!r} is not one of 0..{self.spec.dp - 1}")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 < factor < math.inf:
+            raise ValueError(f"factor {factor!r} is not a straggler's (a number above 1)")
+        self.detector.current = Straggler(pipeline, float(factor))
 
     def declare(self, pipeline: int, factor: float | None) -> None:
         """An operator's word that `pipeline` runs `factor` x its planned time (None: it no longer does)."""

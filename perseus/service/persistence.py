@@ -3,7 +3,9 @@
 `to_record` is everything a restarted service needs besides the uploaded profiles (saved beside
 it) and the signature cache: measurements are not kept (the ranks report again), but the job's
 measured baseline (what its saving is measured against: the ranks never run it again) and each
-pipeline model's calibration, verification margin and measured baseline are.
+pipeline model's calibration, verification margin and measured baseline are, and the straggler
+detected last (the plans in force were made for it: the detector starts from it, so a restart
+neither forgets it until it is detected again nor keeps its plans after it recovered).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def to_record(job: Job) -> dict[str, Any]:
         "last_version": job.plan_book.last_version,
         "plans": {str(k): job.plan_book.record(k) for k in sorted(job.plans)},
         "declared": {str(k): f for k, f in sorted(job.measurements.declared.items())},
+        "detected": job.measurements.detected_record(),
         "baseline": job.measurements.baseline.to_record(),
         "models": [[list(m), state.to_record()] for m, state in job.model.calibrations.states.items()],
     }
@@ -110,6 +113,11 @@ def restore(job: Job, doc: dict[str, Any], stage_profiles: dict[str, Profile], c
     if "inherited" in doc:  # else (an earlier release) every cached profile is checked, as add_cached left it
         profiling.inherited = {str(m) for m in doc["inherited"]}
     job.measurements.restart(job.plans)
+    if doc.get("detected") is not None:
+        try:
+            job.measurements.resume_detected(doc["detected"])
+        except (TypeError, ValueError) as e:  # detected again from the ranks' next iterations
+            log.warning("job %s: detected straggler not resumed: %s", job.job_id, e)
     if doc.get("baseline") is not None:
         try:
             job.measurements.baseline = Mean.from_record(doc["baseline"])

@@ -286,3 +286,30 @@ def test_solved_deadlines_are_bounded_but_base_and_in_force_plans_kept():
         job.add_result(key, _result(key[1], 120.0))
         job.publish()
     assert len(job.results) == MAX_RESULTS and base_key in job.results and job.plans[0].key in job.results
+
+
+def test_a_restart_keeps_the_detected_straggler_until_it_recovers():
+    """The plans in force were made for the detected straggler: a restarted service keeps them
+    (no re-plan to no slowdown and back), and goes back to no slowdown once it recovers."""
+    job = _dp_job()
+    ranks = _Ranks(job)
+    ranks.run([1.0, 1.2], 10)
+    ((key, _),) = job.missing_plans()
+    job.add_result(key, _result(key[1], 120.0, freq=1110))
+    assert job.publish() == [0]
+    record = job.to_record()
+    assert record["detected"][0] == 1 and record["detected"][1] == pytest.approx(1.2, abs=0.03)
+    uploads = {"stage-0": stage_profile(0), "stage-1": stage_profile(1)}
+
+    again = Job.from_record(record, uploads, {})
+    assert again.straggler()[:3:2] == (1, "detected") and again.publish() == []
+    assert again.plans[0].deadline_s == key[1] and again.to_record() == record
+    resumed = _Ranks(again)
+    resumed.iteration = ranks.iteration  # the ranks ran on while the service restarted
+    resumed.run([key[1], 1.0], 12)  # recovered while the service was down
+    assert again.straggler() is None and resumed.changes == 1
+    assert again.publish() == [0] and again.plans[0].deadline_s is None
+
+    for bad in ([1], [2, 1.2], [1, 0.9], [1, "1.2"], [True, 1.2], "x", [1, float("nan")]):
+        damaged = Job.from_record({**record, "detected": bad}, uploads, {})
+        assert damaged.straggler() is None  # detected again from the next iterations; the job resumes
