@@ -112,9 +112,10 @@ def main() -> None:
             optimizer.on_epoch_end()
             record = reporter.on_epoch_end()
             if rank == 0:
+                carbon = "carbon unknown" if record.carbon_g is None else f"{record.carbon_g:.3f} g CO2e"
                 print(
                     f"epoch {epoch + 1}: loss {loss.item():.4f}, power limit {gpu.power_limit_mw() / 1000:.0f} W, "
-                    f"{record.energy_j:.0f} J, {record.carbon_g:.3f} g CO2e (rank 0's GPU)"
+                    f"{record.energy_j:.0f} J, {carbon} (rank 0's GPU)"
                 )
         reporter.on_train_end()
 

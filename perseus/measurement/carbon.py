@@ -127,7 +127,10 @@ class IntensityTimeSeries(CarbonIntensityProvider):
     With a `clock` the series is replayed: its first timestamp is "now" when the series is
     built, and time moves `speedup` times as fast as the clock (with a VirtualClock, a day of
     grid data plays out as simulated training runs). Without a clock, "now" is wall-clock UTC.
-    The forecast is the series itself (perfect foresight), which is what a replay needs.
+    The forecast is the series itself (perfect foresight), which is what a replay needs. Replayed,
+    the last value holds past the end; read at wall-clock time, it holds for one step of the
+    series (its median spacing) and past that reading is a CarbonIntensityError (a stale file is
+    not taken for today's grid).
     """
 
     def __init__(self, points: Sequence[IntensityPoint], clock: Clock | None = None, speedup: float = 1.0) -> None:
@@ -146,6 +149,11 @@ class IntensityTimeSeries(CarbonIntensityProvider):
             raise ConfigError(f"IntensityTimeSeries speedup must be > 0, got {speedup!r}")
         self.points = list(points)
         self._stamps = [p.timestamp for p in self.points]
+        # At wall-clock time the last value holds for the series' typical step; one point holds for good.
+        steps = sorted(b - a for a, b in zip(self._stamps, self._stamps[1:]))
+        self._covered_until = (
+            self._stamps[-1] + steps[len(steps) // 2] if steps else datetime.max.replace(tzinfo=timezone.utc)
+        )
         self._clock = clock
         self._speedup = float(speedup)
         self._origin = clock.now() if clock is not None else 0.0
@@ -201,6 +209,12 @@ class IntensityTimeSeries(CarbonIntensityProvider):
         if when < self.points[0].timestamp:
             raise CarbonIntensityError(
                 f"the intensity series starts at {self.points[0].timestamp.isoformat()}, after {when.isoformat()}"
+            )
+        if self._clock is None and when >= self._covered_until:
+            raise CarbonIntensityError(
+                f"the intensity series ends at {self.points[-1].timestamp.isoformat()} (its last value holds one step, "
+                f"to {self._covered_until.isoformat()}), before now ({when.isoformat()}): give a series that covers "
+                "now, or replay it on a clock (from_csv(path, clock=...))"
             )
         return bisect.bisect_right(self._stamps, when) - 1
 
@@ -304,9 +318,13 @@ class ElectricityMaps(CarbonIntensityProvider):
 
     def _points(self, data: Any, key: str) -> list[IntensityPoint]:
         items = data.get(key) if isinstance(data, dict) else None
-        if not isinstance(items, list) or not items:
+        if not isinstance(items, list):
             raise CarbonIntensityError(
                 f"Electricity Maps {key} for zone {self.zone}: the response has no '{key}' list: {str(data)[:200]!r}"
+            )
+        if not items:
+            raise CarbonIntensityError(
+                f"Electricity Maps {key} for zone {self.zone}: the '{key}' list is empty (no data for the zone now)"
             )
         return sorted((self._point(item, key) for item in items), key=lambda p: p.timestamp)
 
@@ -473,13 +491,15 @@ class CarbonAwareSDK(CarbonIntensityProvider):
 
 @dataclass(frozen=True)
 class EpochCarbon:
-    """Energy, carbon and time of one epoch (or the totals over all, `epoch` = 0)."""
+    """Energy, carbon and time of one epoch (or the totals over all, `epoch` = 0). `g_per_kwh`
+    and `carbon_g` are None where the provider had given no intensity yet (energy and time are
+    always measured)."""
 
     epoch: int
     time_s: float
     energy_j: float
-    g_per_kwh: float
-    carbon_g: float
+    g_per_kwh: float | None
+    carbon_g: float | None
 
 
 class CarbonReporter:
@@ -496,6 +516,11 @@ class CarbonReporter:
     `codecarbon_csv`: also append the run's totals at `on_train_end` to a CodeCarbon-style
     `emissions.csv` (CodeCarbon's columns and units: kWh, kg CO2e; see
     perseus.measurement.codecarbon_csv), described by `run_info` (project name, country, ...).
+
+    A provider that fails (a CarbonIntensityError: the service down, an HTTP error) never stops
+    training nor loses an epoch's energy: the last intensity read is reused, with a warning;
+    before any was read, the epoch's carbon is unknown (None) and the totals count it at the
+    first intensity read later.
     """
 
     def __init__(
@@ -518,19 +543,25 @@ class CarbonReporter:
         # Over finished epochs, for the CSV; CPU and RAM stay None unless a counter measured them.
         self._energy_j: dict[str, float | None] = {"gpu": 0.0, "cpu": None, "ram": None}
         self._window = f"perseus.carbon.{id(self)}"
+        self._open = False  # an epoch's window is open
         self._begin_intensity: float | None = None
+        self._last_intensity: float | None = None  # the provider's last good reading
+        self._failing = False  # the last reading failed (warned once per outage)
 
     def on_epoch_begin(self) -> None:
-        if self._begin_intensity is not None:
+        if self._open:
             self.monitor.end_window(self._window, cancel=True)
-        self._begin_intensity = self.provider.current()
+        self._begin_intensity = self._intensity()
         self.monitor.begin_window(self._window)
+        self._open = True
 
     def on_epoch_end(self) -> EpochCarbon:
-        if self._begin_intensity is None:
+        if not self._open:
             raise ConfigError("CarbonReporter.on_epoch_end called without on_epoch_begin")
         measurement = self.monitor.end_window(self._window)
-        intensity = (self._begin_intensity + self.provider.current()) / 2
+        self._open = False
+        readings = [g for g in (self._begin_intensity, self._intensity()) if g is not None]
+        intensity = sum(readings) / len(readings) if readings else None
         self._begin_intensity = None
         for kind, energies in (
             ("gpu", measurement.gpu_energy_j),
@@ -544,15 +575,35 @@ class CarbonReporter:
             time_s=measurement.time_s,
             energy_j=measurement.total_energy_j,
             g_per_kwh=intensity,
-            carbon_g=emissions_g(measurement, intensity),
+            carbon_g=None if intensity is None else emissions_g(measurement, intensity),
         )
         self.epochs.append(record)
-        self._tell(
-            f"epoch {record.epoch}: {record.time_s:.1f} s, {record.energy_j:.1f} J, {record.carbon_g:.3f} g CO2e "
-            f"at {record.g_per_kwh:.0f} g/kWh"
+        carbon = (
+            "carbon unknown (no intensity read yet)"
+            if record.carbon_g is None
+            else f"{record.carbon_g:.3f} g CO2e at {record.g_per_kwh:.0f} g/kWh"
         )
+        self._tell(f"epoch {record.epoch}: {record.time_s:.1f} s, {record.energy_j:.1f} J, {carbon}")
         self._write(asdict(record))
         return record
+
+    def _intensity(self) -> float | None:
+        """The provider's intensity now; if it fails, the last one read (None before any)."""
+        try:
+            self._last_intensity = self.provider.current()
+            self._failing = False
+        except CarbonIntensityError as e:
+            level = logging.DEBUG if self._failing else logging.WARNING  # once per outage
+            self._failing = True
+            if self._last_intensity is None:
+                logger.log(
+                    level,
+                    "carbon intensity unavailable (%s); the carbon of epochs until one is read is counted then",
+                    e,
+                )
+            else:
+                logger.log(level, "carbon intensity unavailable (%s); reusing %.0f g/kWh", e, self._last_intensity)
+        return self._last_intensity
 
     def _tell(self, line: str) -> None:
         """One line for the user (rank 0 speaks for the job, of its own devices)."""
@@ -565,24 +616,37 @@ class CarbonReporter:
             logger.debug("%s", text)
 
     def totals(self) -> EpochCarbon:
-        """Sums over finished epochs; `g_per_kwh` is the energy-weighted mean."""
+        """Sums over finished epochs; `g_per_kwh` is the energy-weighted mean. Epochs that ended
+        before any intensity was read count at the first one read after them (carbon None while
+        none was read)."""
         energy = sum(e.energy_j for e in self.epochs)
-        carbon = sum(e.carbon_g for e in self.epochs)
+        first = next((e.g_per_kwh for e in self.epochs if e.g_per_kwh is not None), self._last_intensity)
+        carbon = None
+        if first is not None:
+            carbon = sum(e.carbon_g if e.carbon_g is not None else emissions_g(e.energy_j, first) for e in self.epochs)
         return EpochCarbon(
             epoch=0,
             time_s=sum(e.time_s for e in self.epochs),
             energy_j=energy,
-            g_per_kwh=carbon / energy * JOULES_PER_KWH if energy > 0 else 0.0,
+            g_per_kwh=None if carbon is None else round(carbon / energy * JOULES_PER_KWH, 6) if energy > 0 else first,
             carbon_g=carbon,
         )
 
     def on_train_end(self) -> EpochCarbon:
-        if self._begin_intensity is not None:
+        if self._open:
             self.monitor.end_window(self._window, cancel=True)
+            self._open = False
             self._begin_intensity = None
         total = self.totals()
         epochs = f"{len(self.epochs)} epoch{'s' if len(self.epochs) != 1 else ''}"
-        self._tell(f"training: {epochs}, {total.time_s:.1f} s, {total.energy_j:.1f} J, {total.carbon_g:.3f} g CO2e")
+        unknown = sum(e.carbon_g is None for e in self.epochs)
+        if total.carbon_g is None:
+            carbon = "carbon unknown (the provider gave no intensity)"
+        else:
+            carbon = f"{total.carbon_g:.3f} g CO2e"
+            if unknown:
+                carbon += f" ({unknown} epoch{'s' if unknown != 1 else ''} at the first intensity read after it)"
+        self._tell(f"training: {epochs}, {total.time_s:.1f} s, {total.energy_j:.1f} J, {carbon}")
         line = asdict(total)
         del line["epoch"]
         self._write({"total": True, "epochs": len(self.epochs), **line})

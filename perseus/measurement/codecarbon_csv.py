@@ -74,7 +74,7 @@ class RunEnergy:
     gpu_energy_j: float
     cpu_energy_j: float | None
     ram_energy_j: float | None
-    carbon_g: float
+    carbon_g: float | None
     gpu_count: int
     gpu_name: str
 
@@ -119,15 +119,15 @@ def row(run: RunEnergy, info: RunInfo, when: datetime | None = None) -> dict[str
         return joules / seconds if seconds > 0 else 0.0
 
     measured_j = [j for j in (run.gpu_energy_j, run.cpu_energy_j, run.ram_energy_j) if j is not None]
-    emissions_kg = run.carbon_g / 1000
+    emissions_kg = None if run.carbon_g is None else run.carbon_g / 1000
     return {
         "timestamp": (when or datetime.now(timezone.utc)).isoformat(timespec="seconds"),
         "project_name": info.project_name,
         "run_id": str(uuid.uuid4()),
         "experiment_id": info.experiment_id,
         "duration": seconds,
-        "emissions": emissions_kg,
-        "emissions_rate": emissions_kg / seconds if seconds > 0 else 0.0,
+        "emissions": "" if emissions_kg is None else emissions_kg,
+        "emissions_rate": "" if emissions_kg is None else emissions_kg / seconds if seconds > 0 else 0.0,
         "cpu_power": power(run.cpu_energy_j),
         "gpu_power": power(run.gpu_energy_j),
         "ram_power": power(run.ram_energy_j),

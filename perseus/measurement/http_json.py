@@ -50,6 +50,7 @@ class CachedJSON:
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 body = response.read()
+                status = response.status
         except urllib.error.HTTPError as e:
             raise self._http_error(endpoint, e) from None
         except TimeoutError:
@@ -58,6 +59,11 @@ class CachedJSON:
             if isinstance(e.reason, TimeoutError):
                 raise self._timeout(endpoint) from None
             raise CarbonIntensityError(f"cannot reach {self.service} at {self.base_url}: {e.reason}") from None
+        if status == 204 or not body.strip():
+            raise CarbonIntensityError(
+                f"{self.service} {endpoint} has no data for {what} (HTTP {status}, an empty reply); check the "
+                "location or zone, or that the service's data source covers it and the time asked"
+            )
         try:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError):

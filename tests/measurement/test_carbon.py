@@ -92,6 +92,12 @@ class FakeElectricityMaps:
                     return self._reply(403, b'{"message": "Forbidden: not in plan"}')
                 if fake.mode == "malformed":
                     return self._reply(200, b'{"zone": "DE", "carbonIntensity": 3')
+                if fake.mode == "204":
+                    return self._reply(204, b"")
+                if fake.mode == "empty-list":
+                    return self._reply(200, b'{"zone": "DE", "forecast": [], "history": []}')
+                if fake.mode == "500":
+                    return self._reply(500, b'{"message": "internal error"}')
                 if fake.mode == "no-intensity":
                     return self._reply(200, b'{"zone": "DE", "datetime": "2024-05-01T12:00:00Z"}')
                 if path not in ROUTES:
@@ -215,6 +221,15 @@ def test_malformed_json_and_missing_fields_are_clear_errors(server):
         client(server).forecast(1)
 
 
+def test_no_content_and_empty_lists_say_there_is_no_data(server):
+    server.mode = "204"
+    with pytest.raises(CarbonIntensityError, match=r"has no data for zone DE \(HTTP 204"):
+        client(server).current()
+    server.mode = "empty-list"
+    with pytest.raises(CarbonIntensityError, match="the 'forecast' list is empty"):
+        client(server).forecast(1)
+
+
 def test_unreachable_server_is_a_clear_error(server):
     url = server.url
     server.close()
@@ -259,6 +274,15 @@ def test_time_series_replays_on_a_clock(tmp_path):
     assert [p.g_per_kwh for p in series.history(2)] == [100, 700]
     clock.advance(600)  # past the end: the last value holds
     assert series.current() == 300
+
+
+def test_a_stale_series_at_wall_clock_time_is_an_error_not_todays_grid():
+    now = datetime.now(timezone.utc)
+    hourly = [IntensityPoint(now - timedelta(hours=h), 100.0 * h) for h in (5, 4, 3)]
+    with pytest.raises(CarbonIntensityError, match="ends at .* before now .*replay it on a clock"):
+        IntensityTimeSeries(hourly).current()
+    assert IntensityTimeSeries(hourly[:2] + [IntensityPoint(now - timedelta(minutes=30), 300)]).current() == 300
+    assert IntensityTimeSeries([IntensityPoint(now - timedelta(days=9), 250)]).current() == 250  # one point: constant
 
 
 def test_time_series_before_its_start_is_an_error():
@@ -317,3 +341,54 @@ def test_reporter_writes_each_epoch_and_the_totals(tmp_path, monkeypatch):
     assert totals["total"] is True and totals["epochs"] == 2
     assert totals["carbon_g"] == pytest.approx(first["carbon_g"] + second["carbon_g"])
     assert total.energy_j == pytest.approx(totals["energy_j"])
+
+
+def test_a_failing_provider_loses_no_epoch_and_never_stops_training(tmp_path, monkeypatch, server, caplog):
+    """Down before any reading: the epoch's energy is kept, its carbon unknown, and the totals count
+    it at the first intensity read later; down later: the last intensity is reused."""
+    monkeypatch.setenv("PERSEUS_SIM_DIR", str(tmp_path / "sim"))
+    clock = VirtualClock()
+    gpus = sim_gpus("a100-sxm", 1, clock)
+    report = tmp_path / "carbon.jsonl"
+    csv_path = tmp_path / "emissions.csv"
+    reporter = CarbonReporter(
+        Monitor(gpus=gpus, cpus=[]), client(server, cache_ttl_s=0), report, codecarbon_csv=csv_path
+    )
+    work = Work(1.0)
+    epochs = []
+    for mode in ("500", "ok", "500"):
+        server.mode = mode
+        reporter.on_epoch_begin()
+        for _ in range(3):
+            gpus[0].execute(work)
+        epochs.append(reporter.on_epoch_end())
+    total = reporter.on_train_end()
+
+    energy = predict("a100-sxm", work, 1410)[1] * 3
+    assert [e.energy_j for e in epochs] == pytest.approx([energy] * 3)
+    assert epochs[0].carbon_g is None and epochs[0].g_per_kwh is None
+    assert epochs[1].g_per_kwh == epochs[2].g_per_kwh == 322.0  # LATEST's value, reused while down
+    assert total.energy_j == pytest.approx(3 * energy) and total.carbon_g == pytest.approx(3 * energy / 3.6e6 * 322)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2  # once per outage
+    assert "counted then" in warnings[0] and "reusing 322 g/kWh" in warnings[1]
+    lines = [json.loads(line) for line in report.read_text().splitlines()]
+    assert lines[0]["carbon_g"] is None and lines[-1]["carbon_g"] == pytest.approx(total.carbon_g)
+    assert "emissions" in csv_path.read_text().splitlines()[0]
+
+
+def test_a_provider_that_never_answers_leaves_carbon_unknown_and_the_csv_empty_there(tmp_path, monkeypatch, server):
+    monkeypatch.setenv("PERSEUS_SIM_DIR", str(tmp_path / "sim"))
+    gpus = sim_gpus("a100-sxm", 1, VirtualClock())
+    csv_path = tmp_path / "emissions.csv"
+    server.mode = "500"
+    reporter = CarbonReporter(Monitor(gpus=gpus, cpus=[]), client(server), codecarbon_csv=csv_path)
+    reporter.on_epoch_begin()
+    gpus[0].execute(Work(1.0))
+    reporter.on_epoch_end()
+    total = reporter.on_train_end()
+    assert total.carbon_g is None and total.g_per_kwh is None and total.energy_j > 0
+    import csv as csv_module
+
+    (row,) = csv_module.DictReader(csv_path.open())
+    assert row["emissions"] == "" and row["emissions_rate"] == "" and float(row["gpu_energy"]) > 0
