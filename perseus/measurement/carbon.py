@@ -90,7 +90,7 @@ class CarbonIntensityProvider(abc.ABC):
             seg_end = min(points[i + 1].timestamp, end) if i + 1 < len(points) else end
             if seg_end > seg_start:
                 total += point.g_per_kwh * (seg_end - seg_start).total_seconds()
-        return total / (end - start).total_seconds()
+        return round(total / (end - start).total_seconds(), 6)  # no float noise (399.99999999999994) in reports
 
 
 def _check_intensity(value: Any, what: str) -> float:
