@@ -15,6 +15,7 @@ from perseus.profiler import load_profile
 from perseus.profiler.profile import REPEATS
 from perseus.schedules import SCHEDULES, build_schedule
 from perseus.schedules.instruction import Kind
+from perseus.wire.limits import MAX_INSTRUCTIONS
 
 EPILOG = """examples:
   perseus plan --profile gpt3.csv --blocking-power 83.64 --stages 8 --microbatches 96
@@ -35,6 +36,13 @@ instruction kind (forward, backward, ...) and SM frequency (MHz), with seconds a
 
 # A plan this much shorter than its deadline stopped at its least energy (rounding leaves less).
 LEAST_ENERGY_NOTE = 0.005
+# Instructions `perseus plan` solves: 4x what the service takes for a live job (MAX_INSTRUCTIONS).
+# Measured (GPT-3 A100 profile tiled, no slowdown, 2-core machine): 64 x 1024 1F1B, 131,072
+# instructions, 204 s and 1.6 GB; the LP relaxation's simplex grows faster than the job above it.
+MAX_PLAN_INSTRUCTIONS = 1 << 17
+# Deadlines up to this factor of the all-max-clock time (a plan stops at its least energy well before).
+MAX_SLOWDOWN = 10.0
+MAX_FRONTIER_POINTS = 1000
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -117,10 +125,17 @@ def run(args: argparse.Namespace) -> int:
             "--split-backward is the input part's share of each backward, strictly between 0 and 1; got "
             f"{args.split_backward:g}"
         )
-    if args.frontier_points < 2:
+    if not 2 <= args.frontier_points <= MAX_FRONTIER_POINTS:
         raise ConfigError(
-            f"--frontier-points must be at least 2 (the fastest and the least-energy plan), got {args.frontier_points}"
+            f"--frontier-points must be from 2 (the fastest and the least-energy plan) to {MAX_FRONTIER_POINTS}, "
+            f"got {args.frontier_points}"
         )
+    if args.max_slowdown is not None and args.max_slowdown > MAX_SLOWDOWN:
+        raise ConfigError(
+            f"--max-slowdown {args.max_slowdown:g} is past what is worth planning: at most {MAX_SLOWDOWN:g}, a factor "
+            "(1.1 is 10% slower; a plan stops at its least energy, about 1.2-1.5x on the profiles we know)"
+        )
+    _check_size(args)
     for flag, path in (("--out", args.out), ("--frontier", args.frontier)):
         if path is not None and path.is_dir():
             raise ConfigError(
@@ -137,12 +152,20 @@ def run(args: argparse.Namespace) -> int:
         pyplot()  # fail before planning if matplotlib is missing
     profile = load_profile(args.profile, args.blocking_power)
     schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
-    if args.repeat_profile is not None:
-        profile = profile.repeated(schedule.num_virtual_stages, args.repeat_profile)
-    elif len(profile.stages()) > schedule.num_virtual_stages:
+    profiled = len(profile.stages())
+    if profiled > schedule.num_virtual_stages:
         print(
-            f"note: {args.profile} profiles {len(profile.stages())} stages; this pipeline has "
+            f"note: {args.profile} profiles {profiled} stages; this pipeline has "
             f"{schedule.num_virtual_stages}, so it plans with the profile's stages 0-{schedule.num_virtual_stages - 1}"
+            + (f" (--repeat-profile {args.repeat_profile} repeats none)" if args.repeat_profile else "")
+        )
+    elif args.repeat_profile is not None:
+        profile = profile.repeated(schedule.num_virtual_stages, args.repeat_profile)
+    elif schedule.num_chunks > 1 and profiled < schedule.num_virtual_stages:
+        print(
+            f"note: {args.profile} profiles {profiled} stages, not this schedule's {schedule.num_virtual_stages} "
+            f"virtual stages ({schedule.num_stages} ranks x {schedule.num_chunks} chunks): every chunk of a rank "
+            "takes its rank's rows, so those rows must be one chunk's instruction, not the whole rank's"
         )
     if args.split_backward is not None:
         profile = profile.with_split_backward(args.split_backward)
@@ -154,6 +177,11 @@ def run(args: argparse.Namespace) -> int:
             "does not profile apart; pass --split-backward F to give F of each backward to the input part (e.g. 0.5)"
         )
     planner = Planner(schedule, profile)
+    if args.deadline is not None and args.deadline > MAX_SLOWDOWN * planner.max_frequency_time_s:
+        raise ConfigError(
+            f"--deadline {args.deadline:g} s is {args.deadline / planner.max_frequency_time_s:.3g}x the all-max-clock "
+            f"time ({planner.max_frequency_time_s:.6g} s), past what is worth planning: at most {MAX_SLOWDOWN:g}x"
+        )
     plan = planner.plan(deadline=args.deadline, max_slowdown=args.max_slowdown, padded=args.padded)
 
     ev = planner.evaluator
@@ -163,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
     for name, baseline in (("uniform clock", uniform_plan), ("EnvPipe", envpipe_plan)):
         try:
             rows.append(baseline(ev, plan.deadline_s))
-        except PlanError:
-            missed.append(name)  # deadline below the all-max time: out of this baseline's reach
+        except PlanError as e:  # deadline below the all-max time, or no clock every stage has
+            missed.append((name, "no clock every stage profiles" if "no frequency" in str(e) else ""))
     base = planner.energy_at_pace(rows[0].energy_j, rows[0].iteration_time_s, pace)
     print(
         f"{schedule.name}, {schedule.num_stages} stage{'s' * (schedule.num_stages != 1)} x "
@@ -178,8 +206,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r.name:<22} {r.iteration_time_s:>12.6g} {padded:>12.6g} {100 * (1 - padded / base):>7.2f}%")
     saving = planner.saving(plan)
     print(f"{'Perseus':<22} {plan.iteration_time_s:>12.6g} {base * (1 - saving):>12.6g} {100 * saving:>7.2f}%")
-    for name in missed:
-        print(f"{name:<22} {'cannot meet the deadline':>34}")
+    for name, reason in missed:
+        print(f"{name:<22} {reason or 'cannot meet the deadline':>34}")
     own = "" if plan.padded or pace <= planner.max_frequency_time_s else " (over its own iteration)"
     print(
         f"lower bound {plan.lower_bound_j:.6g} J on the plan's {plan.energy_j:.6g} J{own}: Perseus is within "
@@ -248,3 +276,26 @@ def _plots(folder: Path, planner, plan, frontier, baselines) -> None:
     points = {r.name: (r.iteration_time_s, r.energy_j) for r in baselines}
     points["Perseus plan"] = (plan.iteration_time_s, plan.energy_j)
     write_bytes_atomic(folder / "frontier.png", plot_frontier(frontier, points))
+
+
+def _check_size(args: argparse.Namespace) -> None:
+    """Refuse, before building anything, a pipeline past MAX_PLAN_INSTRUCTIONS; note one past
+    what the service takes for a live job."""
+    kinds = 3 if args.schedule == "zb-h1" else 2  # forward and backward (input and weight apart)
+    if min(args.stages, args.microbatches, args.chunks) < 1:
+        return  # build_schedule names the bad number
+    count = kinds * args.stages * args.microbatches * args.chunks
+    shape = f"{args.stages} stages x {args.microbatches} microbatches" + (
+        f" x {args.chunks} chunks" if args.chunks > 1 else ""
+    )
+    if count > MAX_PLAN_INSTRUCTIONS:
+        raise ConfigError(
+            f"{shape} is {count:,} instructions, over the {MAX_PLAN_INSTRUCTIONS:,} perseus plan solves (64 x 1024 "
+            "1F1B takes about 3.5 minutes and 1.6 GB); plan fewer stages or microbatches (past the pipeline's warm-up "
+            "every microbatch repeats the one before, and so does its plan)"
+        )
+    if count > MAX_INSTRUCTIONS:
+        print(
+            f"note: {shape} is {count:,} instructions, over the {MAX_INSTRUCTIONS:,} the planner service takes for a "
+            "live job; a plan this large takes minutes"
+        )

@@ -106,7 +106,7 @@ def test_flag_mistakes_are_caught_before_planning(tmp_path, profile_csv, capsys)
     assert "pass --blocking-power W" in capsys.readouterr().err
     assert main([*base, "--blocking-power", "70", "--frontier", str(tmp_path / "f.csv"), "--frontier-points", "1"]) == 1
     out, err = capsys.readouterr()
-    assert "--frontier-points must be at least 2" in err
+    assert "--frontier-points must be from 2" in err
     assert out == ""  # no savings table printed before the failure
     assert not (tmp_path / "f.csv").exists()
 
@@ -192,7 +192,9 @@ def test_a_deadline_past_the_least_energy_time_says_so(profile_csv, capsys):
     from perseus.cli.main import main
 
     base = ["plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "3", "--microbatches", "6"]
-    assert main([*base, "--max-slowdown", "110"]) == 0  # a percentage meant as a factor
+    assert main([*base, "--max-slowdown", "110"]) == 1  # a percentage meant as a factor
+    assert "at most 10, a factor (1.1 is 10% slower" in capsys.readouterr().err
+    assert main([*base, "--max-slowdown", "5"]) == 0
     assert "before the deadline: its least energy" in capsys.readouterr().out
     assert main([*base, "--max-slowdown", "1.0"]) == 0
     assert "its least energy" not in capsys.readouterr().out
@@ -254,3 +256,40 @@ def test_a_profile_deeper_than_the_pipeline_is_noted_and_padded_must_be_a_bool(p
     planner = Planner(build_schedule("1f1b", 3, 6), load_profile(profile_csv, 70.0))
     with pytest.raises(ConfigError, match="padded must be True or False, got 'yes'"):
         planner.plan(max_slowdown=1.1, padded="yes")
+
+
+def test_sizes_and_slowdowns_past_what_is_worth_planning_are_refused_before_building(profile_csv, capsys):
+    from perseus.cli.main import main
+
+    base = ["plan", "--profile", str(profile_csv), "--blocking-power", "70"]
+    assert main([*base, "--stages", "3", "--microbatches", "1000000000"]) == 1
+    assert "6,000,000,000 instructions, over the 131,072 perseus plan solves" in capsys.readouterr().err
+    assert (
+        main([*base, "--schedule", "interleaved-1f1b", "--stages", "3", "--microbatches", "6", "--chunks", "20000"])
+        == 1
+    )
+    assert "x 20000 chunks is 720,000 instructions" in capsys.readouterr().err
+    assert main([*base, "--stages", "3", "--microbatches", "6", "--frontier-points", "100000"]) == 1
+    assert "--frontier-points must be from 2 (the fastest and the least-energy plan) to 1000" in capsys.readouterr().err
+    assert main([*base, "--stages", "3", "--microbatches", "6", "--max-slowdown", "1e6"]) == 1
+    assert "--max-slowdown 1e+06 is past what is worth planning: at most 10" in capsys.readouterr().err
+    assert main([*base, "--stages", "3", "--microbatches", "6", "--deadline", "1e6"]) == 1
+    assert "x the all-max-clock time" in capsys.readouterr().err
+
+
+def test_a_profile_of_one_row_set_per_rank_for_chunks_and_stages_without_a_common_clock_are_said(tmp_path, capsys):
+    from perseus.cli.main import main
+    from perseus.profiler import Profile, ProfilePoint
+
+    rows = [ProfilePoint(f, 0.01 * 1410 / f, 2.0 * 1410 / f) for f in (1410, 1200, 1000)]
+    shifted = [ProfilePoint(p.frequency + 5, p.time, p.energy) for p in rows]
+    points = {(s, k): (shifted if s == 1 else rows) for s in range(2) for k in ("forward", "backward")}
+    path = tmp_path / "p.json"
+    save_profile(Profile(points, 50.0), path)
+    args = ["plan", "--profile", str(path), "--stages", "2", "--microbatches", "4"]
+    assert main(args) == 0
+    assert "uniform clock               no clock every stage profiles" in capsys.readouterr().out
+    assert main([*args, "--schedule", "interleaved-1f1b", "--chunks", "2"]) == 0
+    assert "every chunk of a rank takes its rank's rows" in capsys.readouterr().out
+    assert main([*args[:3], "--stages", "1", "--microbatches", "4", "--repeat-profile", "tile"]) == 0
+    assert "(--repeat-profile tile repeats none)" in capsys.readouterr().out
