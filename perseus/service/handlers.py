@@ -219,7 +219,7 @@ class Handlers:
         self._watch_sweep(job, msg.rank, msg.iteration)
         if done is not None:
             measured, planned = done
-            count = job.measurements.planned.count
+            count = job.measurements.since_published
             odd = job.measurements.odd
             if measured.odd_rank is not None and (odd <= LOG_FIRST or odd % self.log_every == 0):
                 log.warning(

@@ -413,7 +413,8 @@ class Job:
         start = self.last_iteration + plan_lead(self.measurements.recent_time_s) if self.last_iteration >= 0 else 0
         changed = self.plan_book.publish(self.wanted(), start)
         if changed:
-            self.measurements.published(self.plans, changed, self.last_iteration)
+            in_force = {k: (p.key, self.plan_book.checked(p).stage_frequencies) for k, p in self.plans.items()}
+            self.measurements.published(self.plans, changed, self.last_iteration, in_force)
             self.model.plans_published(self.plans, changed, self.pipelines_of)
             self._changed()
         return changed

@@ -11,7 +11,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 
-from perseus.service.plans import PublishedPlan, Straggling
+from perseus.service.plans import PlanKey, PublishedPlan, Straggling
 from perseus.service.ranks import bad_field
 from perseus.service.straggler import Straggler, StragglerDetector
 from perseus.service.tally import IterationTally, Mean, Measured
@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 
 HISTORY = 8  # plan changes per pipeline kept to read measured iterations against their plan
 RECENT = 8  # iterations per pipeline whose median its status reports
+
+# What the planned mean measures: each pipeline's (plan key, frequencies), a reference window
+# counted as the plan it checks (see PlanBook.checked).
+PlansInForce = dict[int, tuple[PlanKey, tuple[tuple[int, ...], ...]]]
 
 
 class Measurements:
@@ -50,22 +54,33 @@ class Measurements:
         self.detector = StragglerDetector(spec.dp)
         self._fed = False  # the detector has values it has not decided on
         self.baseline = Mean()
-        self.planned = Mean()
+        # Each pipeline's baseline iterations (its compute time): how far its slowest pipeline
+        # lagged then, which the planned iterations' saving is only comparable with.
+        self.baseline_pipelines = [Mean() for _ in range(spec.dp)]
+        self.planned = Mean()  # iterations of the plans in force, reference windows left out
+        self.planned_in_force: PlansInForce = {}
+        self.since_published = 0  # planned iterations (reference windows too) since the last publication
         self.odd = 0  # iterations left out of the means: one rank's time far from the others' (see Measured)
         self._off_clock = [0, 0]  # since the latest plan: instructions off their clock, reports telling it
         self.recent_time_s: float | None = None
 
-    def published(self, plans: dict[int, PublishedPlan], changed: list[int], last_iteration: int) -> None:
+    def published(
+        self, plans: dict[int, PublishedPlan], changed: list[int], last_iteration: int, in_force: PlansInForce
+    ) -> None:
         """New plans for the pipelines `changed`: measured iterations are read against them from
-        their start, and the planned mean starts over."""
+        their start, and the planned mean starts over unless the plans `in_force` are those it
+        measures (a reference window begins or ends: its iterations are left out meanwhile)."""
         for k in changed:
             plan = plans[k]
             history = self.history[k]
             while history and history[-1][0] > last_iteration:
                 history.pop()  # superseded before its start: the ranks never run it (see PlannerClient)
             history.append((plan.start_iteration, plan.iteration_time_s))
-        self.planned = Mean()
-        self._off_clock = [0, 0]
+        self.since_published = 0
+        if in_force != self.planned_in_force:
+            self.planned = Mean()
+            self.planned_in_force = in_force
+            self._off_clock = [0, 0]
 
     def record(
         self,
@@ -80,12 +95,15 @@ class Measurements:
         no-slowdown plan (`base_time_s`; see `update_stragglers`). `is_baseline` tells the
         baseline iterations (default clocks, no profiling) where the ranks say which they are;
         without it, the warm-up iterations are."""
-        self._record_pipeline(info, report, base_time_s)
-        if (
-            report.off_clock is not None
-            and plans
-            and report.iteration >= max(p.start_iteration for p in plans.values())
-        ):
+        warmup = self.spec.warmup_iterations
+        baseline = (lambda i: i < warmup) if is_baseline is None else is_baseline
+        first_planned = max((p.start_iteration for p in plans.values()), default=None)
+
+        def planned(iteration: int) -> bool:
+            return first_planned is not None and iteration >= first_planned
+
+        self._record_pipeline(info, report, base_time_s, lambda i: baseline(i) and not planned(i))
+        if report.off_clock is not None and planned(report.iteration):
             self._off_clock[0] += report.off_clock
             self._off_clock[1] += 1
         measured = self.tally.add(report.rank, report.iteration, report.time_s, report.energy_j)
@@ -95,15 +113,21 @@ class Measurements:
             self.odd += 1
             return measured, False
         self.recent_time_s = measured.time_s
-        if plans and measured.iteration >= max(p.start_iteration for p in plans.values()):
-            self.planned.add(measured)
+        if planned(measured.iteration):
+            self.since_published += 1
+            if not any(p.reference for p in plans.values()):  # a window at maximum clocks saves nothing
+                self.planned.add(measured)
             return measured, True
-        if measured.iteration < self.spec.warmup_iterations if is_baseline is None else is_baseline(measured.iteration):
+        if baseline(measured.iteration):
             self.baseline.add(measured)
         return measured, False
 
     def _record_pipeline(
-        self, info: RankInfo, report: ReportIteration, base_time_s: Callable[[int], float | None]
+        self,
+        info: RankInfo,
+        report: ReportIteration,
+        base_time_s: Callable[[int], float | None],
+        is_baseline: Callable[[int], bool],
     ) -> None:
         k = info.dp_index
         time_s = report.time_s if report.compute_time_s is None else report.compute_time_s
@@ -112,6 +136,8 @@ class Measurements:
         if measured is None or measured.odd_rank is not None:
             return
         self.measured_time[k].append(measured.time_s)
+        if is_baseline(measured.iteration):
+            self.baseline_pipelines[k].add(measured)
         if len(self.completed) < 1024:  # taken after every report; bounded all the same
             self.completed.append((k, measured))
         planned = self._planned_time_at(k, measured.iteration)
@@ -165,6 +191,16 @@ class Measurements:
                 current.factor,
             )
         return True
+
+    def baseline_lag(self) -> tuple[int, float] | None:
+        """(the slowest pipeline, its time over the others' median) in the baseline iterations;
+        None with one pipeline, or before each has a baseline iteration."""
+        times = [m.time_s for m in self.baseline_pipelines]
+        if len(times) < 2 or any(t is None for t in times):
+            return None
+        known = [float(t) for t in times if t is not None]
+        slowest = max(range(len(known)), key=lambda k: known[k])
+        return slowest, known[slowest] / statistics.median(t for k, t in enumerate(known) if k != slowest)
 
     def detected_record(self) -> list[float] | None:
         """The detected straggler as a job record keeps it: [pipeline, factor], or None."""

@@ -2,7 +2,8 @@
 
 `to_record` is everything a restarted service needs besides the uploaded profiles (saved beside
 it) and the signature cache: measurements are not kept (the ranks report again), but the job's
-measured baseline (what its saving is measured against: the ranks never run it again) and each
+measured baseline (what its saving is measured against: the ranks never run it again; each
+pipeline's too, which tells whether a straggler slowed it) and each
 pipeline model's calibration, verification margin and measured baseline are, and the straggler
 detected last (the plans in force were made for it: the detector starts from it, so a restart
 neither forgets it until it is detected again nor keeps its plans after it recovered).
@@ -48,6 +49,7 @@ def to_record(job: Job) -> dict[str, Any]:
         "declared": {str(k): f for k, f in sorted(job.measurements.declared.items())},
         "detected": job.measurements.detected_record(),
         "baseline": job.measurements.baseline.to_record(),
+        "baseline_pipelines": [m.to_record() for m in job.measurements.baseline_pipelines],
         "models": [[list(m), state.to_record()] for m, state in job.model.calibrations.states.items()],
     }
 
@@ -120,7 +122,11 @@ def restore(job: Job, doc: dict[str, Any], stage_profiles: dict[str, Profile], c
             log.warning("job %s: detected straggler not resumed: %s", job.job_id, e)
     if doc.get("baseline") is not None:
         try:
-            job.measurements.baseline = Mean.from_record(doc["baseline"])
+            baseline = Mean.from_record(doc["baseline"])
+            pipelines = [Mean.from_record(m) for m in doc.get("baseline_pipelines", [Mean().to_record()] * spec.dp)]
+            if len(pipelines) != spec.dp:
+                raise ValueError(f"{len(pipelines)} pipelines' baselines for dp={spec.dp}")
+            job.measurements.baseline, job.measurements.baseline_pipelines = baseline, pipelines
         except (TypeError, ValueError) as e:
             log.warning("job %s: measured baseline not resumed: %s", job.job_id, e)
     job.model.plans_published(job.plans, sorted(job.plans), job.pipelines_of)

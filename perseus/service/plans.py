@@ -231,15 +231,18 @@ class PlanBook:
         self.plans[pipeline] = plan
         self.results[plan.key] = checks if plan.reference and checks is not None else plan.result()
 
+    def checked(self, plan: PublishedPlan) -> PublishedPlan | PlanResult:
+        """The plan whose figures a pipeline is predicted by: a reference window's, the plan it
+        checks (the window runs maximum clocks for a few iterations, then that plan resumes)."""
+        solved = self.results.get(plan.key)
+        return solved if plan.reference and isinstance(solved, PlanResult) else plan
+
     def predicted(self, running: bool = False) -> tuple[float, float, float]:
         """Iteration time (the slowest pipeline's plan), energy and energy at maximum clocks
         (summed over pipelines); a pipeline without a plan is counted at its peers' mean. A
         pipeline in a reference window counts its plan (the one the window checks), not the
         window; with `running`, the window (maximum clocks: what its iterations should measure)."""
-        plans: list[PublishedPlan | PlanResult] = []
-        for plan in self.plans.values():
-            solved = self.results.get(plan.key)
-            plans.append(solved if plan.reference and not running and isinstance(solved, PlanResult) else plan)
+        plans = [plan if running else self.checked(plan) for plan in self.plans.values()]
         energy = sum(p.energy_j for p in plans) * self.dp / len(plans)
         baseline = sum(p.baseline_energy_j for p in plans) * self.dp / len(plans)
         return max(p.iteration_time_s for p in plans), energy, baseline

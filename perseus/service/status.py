@@ -91,18 +91,43 @@ def job_status(job: Job) -> JobStatus:
 
 
 def _predicted_time(job: Job, plan: PublishedPlan | None, straggling: Straggling | None) -> float | None:
-    """A pipeline's predicted iteration time: its plan's; a straggler's, its pace (its plan
-    would run faster on a GPU as fast as the profiled one)."""
+    """A pipeline's predicted iteration time: its plan's (in a reference window, the plan it
+    checks); a straggler's, its pace (its plan would run faster on a GPU as fast as the profiled one)."""
     if plan is None:
         return None
     pace = job.plan_book.pace(straggling) if straggling is not None else None
-    return max(plan.iteration_time_s, pace or 0.0)
+    return max(job.plan_book.checked(plan).iteration_time_s, pace or 0.0)
+
+
+STRAGGLER_CHANGE = 0.05  # a job paced this much faster or slower than in its baseline ran another workload
 
 
 def saving_withheld(job: Job) -> str:
-    """Why the planned iterations' saving is not claimed: every pipeline's plan fell back to
-    maximum clocks ("" otherwise). Whatever they then measure against the baseline is noise or
-    the baseline's own drift, not a saving of Perseus' plans."""
+    """Why the planned iterations' saving is not claimed ("" where it is): every pipeline's plan
+    fell back to maximum clocks, so whatever they measure against the baseline is noise or the
+    baseline's own drift; or the job's straggler changed since the baseline, whose energy per
+    iteration was then that of another pace (idle GPUs waiting for a slower pipeline, or none)."""
+    return _fallen_back(job) or _straggler_changed(job)
+
+
+def _straggler_changed(job: Job) -> str:
+    lag = job.measurements.baseline_lag()
+    if lag is None or not job.plans:
+        return ""
+    straggler = job.straggler()
+    factor = 1.0 if straggler is None else straggler[1]
+    if abs(factor / lag[1] - 1) <= STRAGGLER_CHANGE:
+        return ""
+    then = "no straggler" if lag[1] <= 1 + STRAGGLER_CHANGE else f"pipeline {lag[0]} at {lag[1]:.3f}x the others' time"
+    now = "no straggler" if straggler is None else f"pipeline {straggler[0]} straggling {factor:.3f}x"
+    return (
+        f"the baseline iterations ran with {then}, the planned ones with {now}: a job runs at its slowest "
+        "pipeline's pace, so its energy per iteration changed with its straggler, not with the plans alone "
+        "(predicted_saving is the plans' own figure)"
+    )
+
+
+def _fallen_back(job: Job) -> str:
     planned = sorted(job.plans)
     checks = [job.model.checks[k] for k in planned]
     if not planned or any(check.state != FALLBACK for check in checks):

@@ -4,7 +4,9 @@ plans are given as PlanResults, so no solver runs here)."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
+import re
 
 import pytest
 from server_helpers import job_spec, rank_info, stage_profile
@@ -313,3 +315,77 @@ def test_a_restart_keeps_the_detected_straggler_until_it_recovers():
     for bad in ([1], [2, 1.2], [1, 0.9], [1, "1.2"], [True, 1.2], "x", [1, float("nan")]):
         damaged = Job.from_record({**record, "detected": bad}, uploads, {})
         assert damaged.straggler() is None  # detected again from the next iterations; the job resumes
+
+
+def _baseline_then_plan(times: list[float]) -> tuple[Job, _Ranks]:
+    """dp=2 x 2 stages whose warm-up (the baseline) runs at `times`, then their no-slowdown plans."""
+    job = Job(job_spec(world_size=4, dp=2, rank_mapping="torch", warmup_iterations=4))
+    for r in range(4):
+        job.add_rank(rank_info(r, stage=r % 2, dp_index=r // 2))
+    for s in (0, 1):
+        job.add_profile(s, s, stage_profile(s))
+    ranks = _Ranks(job)
+    ranks.run(times, 4)
+    ((key, _),) = job.missing_plans()
+    job.add_result(key, _result(1.0, 150.0))
+    assert job.publish() == [0, 1]
+    return job, ranks
+
+
+def _slow_to_pace(job: Job) -> float:
+    ((key, _),) = job.missing_plans()
+    job.add_result(key, _result(key[1], 120.0, freq=1110))
+    assert job.publish() == [0]
+    return key[1]
+
+
+def test_the_saving_is_claimed_only_while_the_straggler_is_the_baselines():
+    """The baseline ran with pipeline 1 1.3x slow. While it straggles, the planned iterations are
+    measured against that baseline; once it recovers, the job's pace (and the energy its idle GPUs
+    burnt waiting) changed under the plans, so no saving is claimed, and the status says why."""
+    job, ranks = _baseline_then_plan([1.0, 1.3])
+    assert job.measurements.baseline_lag() == (1, pytest.approx(1.3, rel=0.03))
+    ranks.run([1.0, 1.3], 12)
+    pace = _slow_to_pace(job)
+    ranks.run([pace, 1.3], 12)
+    status = job.status()
+    assert status.saving_withheld == "" and status.measured_saving is not None
+
+    ranks.run([pace, 1.0], 12)  # pipeline 1 recovered
+    assert job.straggler() is None and job.publish() == [0]
+    ranks.run([1.0, 1.0], 6)
+    status = job.status()
+    assert status.planned_iterations > 0 and status.measured_saving is None
+    pattern = r"ran with pipeline 1 at 1\.\d+x the others. time, the planned ones with no straggler"
+    assert re.search(pattern, status.saving_withheld)
+
+    restarted = Job.from_record(json.loads(json.dumps(job.to_record())), {}, {})
+    assert restarted.measurements.baseline_lag() == job.measurements.baseline_lag()
+
+
+def test_a_straggler_that_appears_after_the_baseline_withholds_the_saving():
+    job, ranks = _baseline_then_plan([1.0, 1.0])
+    ranks.run([1.0, 1.0], 8)
+    assert job.status().saving_withheld == "" and job.status().measured_saving is not None
+    ranks.run([1.0, 1.25], 12)
+    pace = _slow_to_pace(job)
+    ranks.run([pace, 1.25], 6)
+    withheld = job.status().saving_withheld
+    assert withheld.startswith("the baseline iterations ran with no straggler, the planned ones with pipeline 1")
+
+
+def test_a_reference_window_neither_counts_as_planned_nor_restarts_the_planned_mean():
+    job, ranks = _baseline_then_plan([1.0, 1.0])
+    ranks.run([1.0, 1.0], 8)
+    before = job.status().planned_iterations
+    assert before > 0
+    job.plan_book.references[0] = _result(0.9, 200.0)  # verification's window at maximum clocks
+    assert job.publish() == [0] and job.plans[0].reference
+    ranks.run([0.9, 1.0], 8)
+    status = job.status()
+    assert status.planned_iterations == before  # the window's iterations are not the plan's
+    assert status.pipelines[0].predicted_iteration_time_s == pytest.approx(1.0)  # the plan it checks
+    del job.plan_book.references[0]
+    assert job.publish() == [0] and not job.plans[0].reference  # the plan resumes under a new version
+    ranks.run([1.0, 1.0], 8)
+    assert job.status().planned_iterations > before  # counted on from before the window

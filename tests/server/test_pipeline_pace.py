@@ -41,7 +41,7 @@ def test_a_straggler_is_measured_against_the_others_own_pace_not_their_wait_for_
         k: PublishedPlan(((1410,), (1410,)), 0.36, 100.0, 90.0, 0.36, 100.0, version=1, start_iteration=0)
         for k in (0, 1)
     }
-    measurements.published(plans, [0, 1], -1)
+    measurements.published(plans, [0, 1], -1, {k: (p.key, p.stage_frequencies) for k, p in plans.items()})
     for iteration in range(10):
         for rank, time_s in times.items():
             report = ReportIteration(spec.job_id(), rank, iteration, time_s + 0.001, 50.0, compute_time_s=time_s)
