@@ -13,7 +13,7 @@ from typing import Any
 
 from perseus.cli.common import add_gpu_argument, select_gpus
 from perseus.devices.cpu import RaplCPU, rapl_cpus
-from perseus.exceptions import ConfigError, DeviceError, DeviceNotFoundError
+from perseus.exceptions import DeviceError, DeviceNotFoundError
 from perseus.measurement import Measurement, Monitor
 from perseus.metrics.exporter import DEFAULT_HOST as DEFAULT_METRICS_HOST
 from perseus.metrics.exporter import MetricsServer, start_metrics_server
@@ -26,7 +26,8 @@ EPILOG = """examples:
                     the GPUs' energy, power, SM clock and power limit on http://127.0.0.1:9401/metrics
                     while the command runs
 
-The command's exit code becomes perseus' exit code (128+N when signal N killed it).
+The command's exit code becomes perseus' exit code (128+N when signal N killed it; 127 when
+the command is not found, 126 when it cannot be executed, as in a shell).
 Ctrl-C and SIGTERM are passed on to the command; the energy up to its exit is still reported.
 """
 
@@ -51,8 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object on stdout (keys time_s, gpu_energy_j as a list in GPU "
-        "index order, gpu_indices, cpu_energy_j, total_energy_j, average_power_w, exit_code)",
+        help="print one JSON object on stdout (keys time_s, gpu_energy_j as a list in GPU index order, "
+        "gpu_indices, cpu_energy_j and dram_energy_j by package (null where unreadable), total_energy_j, "
+        "average_power_w, command, exit_code, and error where the command could not start)",
     )
     parser.add_argument(
         "--prometheus-port",
@@ -82,17 +84,22 @@ def run(args: argparse.Namespace) -> int:
         if args.prometheus_port is not None:
             metrics = _serve_metrics(monitor, args.prometheus_port, args.prometheus_host)
         monitor.begin_window("command")
-        exit_code = _run_forwarding_signals(cmd)
-        measurement = monitor.end_window("command")
+        exit_code, error = _run_forwarding_signals(cmd)
+        measurement = monitor.end_window("command", expect_short=True)  # noted below, with the command
     finally:
         if metrics is not None:
             metrics.close()
         monitor.close()
     assert measurement is not None
+    if error:
+        print(f"perseus monitor: {error}", file=sys.stderr)
     if args.json:
-        print(json.dumps(_as_json(measurement, cmd, exit_code)))
-    else:
+        print(json.dumps({**_as_json(measurement, cmd, exit_code), **({"error": error} if error else {})}))
+    elif not error:
         _print_summary(measurement, cmd, exit_code)
+    note = _short_window_note(measurement)
+    if note and not error:
+        print(f"perseus monitor: {note}" if args.json else f"  {note}", file=sys.stderr)
     return exit_code
 
 
@@ -115,8 +122,9 @@ def _readable_cpus() -> list[RaplCPU]:
         return []
 
 
-def _run_forwarding_signals(cmd: list[str]) -> int:
-    """Run `cmd` to completion, passing SIGINT and SIGTERM on; its exit code (128+N on signal N).
+def _run_forwarding_signals(cmd: list[str]) -> tuple[int, str]:
+    """Run `cmd` to completion, passing SIGINT and SIGTERM on; its exit code (128+N on signal N)
+    and "", or a shell's code (127: not found, 126: not executable) and why it did not start.
 
     The handlers go in before the command starts, so a signal can never kill perseus and leave
     the command running; one that arrives before the command exists is passed on once it does.
@@ -139,16 +147,16 @@ def _run_forwarding_signals(cmd: list[str]) -> int:
         try:
             procs.append(subprocess.Popen(cmd))
         except FileNotFoundError:
-            raise ConfigError(f"command not found: {cmd[0]!r}") from None
+            return 127, f"command not found: {cmd[0]!r} (check its name and $PATH)"
         except PermissionError:
-            raise ConfigError(f"command not executable: {cmd[0]!r}") from None
+            return 126, f"command not executable: {cmd[0]!r} (chmod +x it, or run it with its interpreter)"
         for signum in pending:
             procs[0].send_signal(signum)
         code = procs[0].wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return 128 - code if code < 0 else code
+    return (128 - code if code < 0 else code), ""
 
 
 def _terminal_delivers_sigint() -> bool:
@@ -191,9 +199,13 @@ def _print_summary(m: Measurement, cmd: list[str], exit_code: int) -> None:
     what = "all GPUs" if len(counted) == 1 else "sum of " + " + ".join(counted)
     lines.append(f"  {'total':<{width}}{m.total_energy_j:12.1f} J")
     lines.append(f"  {'average power':<{width}}{m.average_power_w:12.1f} W ({what})")
-    if m.gpu_energy_j and m.time_s < SHORT_WINDOW_S:
-        lines.append(
-            f"  note: GPU energy counters advance in steps (every 100 ms on many GPUs), so a {m.time_s:.3g} s window "
-            "can be off by a step's energy at each end; measure a command that runs for seconds"
-        )
     print("\n".join(lines), file=sys.stderr)
+
+
+def _short_window_note(m: Measurement) -> str:
+    if not m.gpu_energy_j or m.time_s >= SHORT_WINDOW_S:
+        return ""
+    return (
+        f"note: GPU energy counters advance in steps (every 100 ms on many GPUs), so a {m.time_s:.3g} s window "
+        "can be off by a step's energy at each end; measure a command that runs for seconds"
+    )

@@ -133,7 +133,7 @@ class PowerLimitCallback(TrainerCallback):
         if logs is None or not self._figures_open or self.optimizer is None or "perseus/energy_j" in logs:
             return
         monitor = self.optimizer.monitor
-        m = monitor.end_window(FIGURES_WINDOW)
+        m = monitor.end_window(FIGURES_WINDOW, expect_short=True)  # summed; power_w left out if short
         monitor.begin_window(FIGURES_WINDOW, sync=False)  # the GPUs were just synchronised
         energy_j = sum(m.gpu_energy_j.values())
         self._energy_j += energy_j

@@ -15,6 +15,7 @@ are sampled by a PowerMonitor and integrated.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +28,12 @@ from perseus.devices.local_rank import local_gpu_indices
 from perseus.devices.select import get_gpus
 from perseus.exceptions import ConfigError, DeviceError, MeasurementError
 from perseus.measurement.power import PowerMonitor
+
+log = logging.getLogger(__name__)
+
+# A window this many energy-counter steps long reads its energy to within a step at each end
+# (10% over 20 steps); a shorter one is said once per Monitor, for windows a loop opens each step.
+SHORT_WINDOW_STEPS = 20
 
 
 class CPUEnergy(Protocol):
@@ -134,6 +141,8 @@ class Monitor:
         counted = [g for g in self.gpus if g.has_energy_counter()]
         sampled = [g for g in self.gpus if not g.has_energy_counter()]
         self._counter_indices = tuple(g.index for g in counted)
+        self._counter_step_s = max((g.energy_counter_period_s() for g in counted), default=0.0)
+        self._short_said = False
         self._counter_reads = tuple(g.energy_mj for g in counted)
         self._sampled_indices = tuple(g.index for g in sampled)
         self._syncs = tuple(g.synchronize for g in self.gpus)
@@ -181,8 +190,8 @@ class Monitor:
 
     def begin_window(self, name: str, sync: bool | None = None) -> None:
         """Start window `name`; `sync` (default: the Monitor's) waits for the GPUs first."""
-        if not isinstance(name, str):
-            raise MeasurementError(f"a measurement window's name must be a string, got {name!r}")
+        if not isinstance(name, str) or not name:
+            raise MeasurementError(f"a measurement window's name must be a non-empty string, got {name!r}")
         if name in self._open:
             raise MeasurementError(f"measurement window {name!r} is already open; end it first or use another name")
         if self.sync if sync is None else sync:
@@ -190,15 +199,25 @@ class Monitor:
         self._open[name] = self._snapshot()
 
     @overload
-    def end_window(self, name: str, cancel: Literal[False] = False, sync: bool | None = None) -> Measurement: ...
+    def end_window(
+        self, name: str, cancel: Literal[False] = False, sync: bool | None = None, *, expect_short: bool = False
+    ) -> Measurement: ...
     @overload
-    def end_window(self, name: str, cancel: Literal[True], sync: bool | None = None) -> None: ...
+    def end_window(
+        self, name: str, cancel: Literal[True], sync: bool | None = None, *, expect_short: bool = False
+    ) -> None: ...
     @overload
-    def end_window(self, name: str, cancel: bool, sync: bool | None = None) -> Measurement | None: ...
-    def end_window(self, name: str, cancel: bool = False, sync: bool | None = None) -> Measurement | None:
+    def end_window(
+        self, name: str, cancel: bool, sync: bool | None = None, *, expect_short: bool = False
+    ) -> Measurement | None: ...
+    def end_window(
+        self, name: str, cancel: bool = False, sync: bool | None = None, *, expect_short: bool = False
+    ) -> Measurement | None:
         """End window `name` and return its Measurement.
 
-        With `cancel`, discard the window (nothing is read or waited for) and return None.
+        With `cancel`, discard the window (nothing is read or waited for) and return None. A
+        window shorter than SHORT_WINDOW_STEPS energy-counter steps is said once per Monitor (a
+        WARNING), unless `expect_short` (the caller sums such windows, or says so itself).
         """
         try:
             begin = self._open.pop(name)
@@ -226,7 +245,25 @@ class Monitor:
                     for i, e0, e1 in zip(self._cpu_indices, begin[3], end[3])
                     if e0 is not None and e1 is not None
                 }
+        if not expect_short and self._counter_indices and t1 - t0 < SHORT_WINDOW_STEPS * self._counter_step_s:
+            self._say_short(name, t1 - t0)
         return Measurement(t1 - t0, gpu, cpu, dram)
+
+    def _say_short(self, name: str, seconds: float) -> None:
+        if self._short_said:
+            return
+        self._short_said = True
+        step = self._counter_step_s
+        log.warning(
+            "measurement window %r lasted %.3g s, but the GPU energy counter steps every %.0f ms: such a window reads "
+            "whole counter steps (0 J, or a power above the GPU's maximum), off by up to a step at each end; measure "
+            "windows of %.0f s or more (%d steps), or sum many short ones (said once per Monitor)",
+            name,
+            seconds,
+            1000 * step,
+            SHORT_WINDOW_STEPS * step,
+            SHORT_WINDOW_STEPS,
+        )
 
     @contextmanager
     def window(self, name: str, sync: bool | None = None) -> Iterator[Window]:

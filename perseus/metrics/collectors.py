@@ -54,7 +54,11 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "perseus_job_ranks_registered": ("gauge", "Ranks registered so far"),
     "perseus_job_last_iteration": ("gauge", "Last iteration every rank reported"),
     "perseus_job_plan_version": ("gauge", "Newest plan version in force"),
-    "perseus_job_replans": ("counter", "Plans published after the first (stragglers, recoveries, restarts)"),
+    "perseus_job_plan_changes": (
+        "counter",
+        "Plan versions published after the first: reference windows and their resumes, stragglers, recoveries, "
+        "re-plans, restarts (verification's re-plans alone: perseus_pipeline_replans)",
+    ),
     "perseus_job_iteration_seconds": (
         "gauge",
         "Iteration time: measured mean at max clocks (baseline), measured mean under the plan (planned), "
@@ -78,6 +82,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "gauge",
         "How much slower than planned the pipeline runs (1: not a straggler)",
     ),
+    "perseus_pipeline_replans": ("gauge", "Verification's re-plans of the pipeline's plan this run (status: replans)"),
     # each pipeline model's calibration (a model per set of GPU models; stages: its pipelines' stages)
     "perseus_model_iteration_seconds": (
         "gauge",
@@ -194,7 +199,7 @@ def _job_families(jobs: Sequence[JobFigures]) -> Iterator[Metric]:
         f["perseus_job_ranks_registered"].add_metric([job], st.ranks_registered)
         f["perseus_job_last_iteration"].add_metric([job], st.last_iteration)
         f["perseus_job_plan_version"].add_metric([job], st.plan_version)
-        f["perseus_job_replans"].add_metric([job], figures.replans)
+        f["perseus_job_plan_changes"].add_metric([job], figures.plan_changes)
         for kind, value in (
             ("baseline", st.baseline_iteration_time_s),
             ("planned", st.planned_iteration_time_s),
@@ -226,6 +231,7 @@ def _job_families(jobs: Sequence[JobFigures]) -> Iterator[Metric]:
                 pipeline["perseus_pipeline_deadline_seconds"].add_metric(labels, p.deadline_s)
             factor = p.straggler_factor if p.straggler_factor is not None else 1.0
             pipeline["perseus_pipeline_straggler_factor"].add_metric(labels, factor)
+            pipeline["perseus_pipeline_replans"].add_metric(labels, p.replans)
         for c in st.calibrations:
             _add_calibration(model, job, c)
         for (k, s), energy_j in sorted(figures.stage_energy_j.items()):
@@ -268,7 +274,7 @@ class GPUCollector(Collector):
         with self._lock:
             # The next window opens before this one closes: no energy falls between the two.
             self.monitor.begin_window(self._name(self._window + 1), sync=False)
-            m = self.monitor.end_window(self._name(self._window), sync=False)
+            m = self.monitor.end_window(self._name(self._window), sync=False, expect_short=True)  # summed
             self._window += 1
             for index, joules in m.gpu_energy_j.items():
                 self._energy_j[index] += joules

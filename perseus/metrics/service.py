@@ -60,7 +60,7 @@ class JobFigures:
     """One job: its status and what its ranks reported, per (pipeline, stage)."""
 
     status: JobStatus
-    replans: int  # plans published after the first (stragglers, recoveries, restarts)
+    plan_changes: int  # plan versions published after the first (reference windows, stragglers, restarts...)
     stage_energy_j: Mapping[tuple[int, int], float]
     stage_iterations: Mapping[tuple[int, int], int]  # iteration reports counted per stage (all its ranks)
 
@@ -125,7 +125,7 @@ class ServiceMetrics:
         jobs = tuple(
             JobFigures(
                 status=job.status(),
-                replans=max(0, job.plan_book.last_version - 1),
+                plan_changes=max(0, job.plan_book.last_version - 1),
                 stage_energy_j=dict(self._energy.get(job_id, {})),
                 stage_iterations=dict(self._iterations.get(job_id, {})),
             )

@@ -366,7 +366,7 @@ class GlobalPowerLimitOptimizer:
             gpu.reset_power_limit()
 
     def _end_measurement(self) -> None:
-        m = self.monitor.end_window(self._window)
+        m = self.monitor.end_window(self._window, expect_short=True)  # lengthened, or capped with a warning
         energy_j = sum(m.gpu_energy_j[g.index] for g in self.gpus)
         limit = self.power_limits_mw[self._sweep_index]
         local = PowerLimitMeasurement(limit, m.time_s / self._steps, energy_j / self._steps)

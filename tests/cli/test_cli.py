@@ -98,13 +98,12 @@ def test_monitor_preserves_the_exit_code_and_prints_a_summary(env):
     assert "counters advance in steps" in result.stderr  # a short command: its reading is only so exact
 
 
-def test_monitor_says_nothing_of_counter_steps_for_a_long_window(capsys):
-    from perseus.cli.monitor import _print_summary
+def test_monitor_says_nothing_of_counter_steps_for_a_long_window():
+    from perseus.cli.monitor import _short_window_note
     from perseus.measurement import Measurement
 
-    _print_summary(Measurement(10.0, {0: 836.4}), ["python", "train.py"], 0)
-    err = capsys.readouterr().err
-    assert "average power" in err and "counters advance in steps" not in err
+    assert _short_window_note(Measurement(10.0, {0: 836.4})) == ""
+    assert "counters advance in steps" in _short_window_note(Measurement(0.5, {0: 83.6}))
 
 
 def test_monitor_needs_a_command_and_reports_a_missing_one(env, capsys):
@@ -112,9 +111,13 @@ def test_monitor_needs_a_command_and_reports_a_missing_one(env, capsys):
     assert code == 2
     assert "usage:" in err and "after --" in err
     result = perseus(env, "monitor", "--", "no-such-command-perseus")
-    assert result.returncode == 1
+    assert result.returncode == 127  # as a shell says it
     assert "command not found: 'no-such-command-perseus'" in result.stderr
     assert "Traceback" not in result.stderr
+    result = perseus(env, "monitor", "--json", "--", "no-such-command-perseus")
+    out = json.loads(result.stdout)  # a script reading the JSON still gets one object
+    assert result.returncode == 127 and out["exit_code"] == 127 and "command not found" in out["error"]
+    assert out["command"] == ["no-such-command-perseus"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -9,6 +9,7 @@ import pytest
 from perseus.clock import VirtualClock
 from perseus.devices.sim import SimGPU, sim_gpus
 from perseus.devices.sim_presets import PRESETS
+from perseus.devices.sim_realism import SimRealism
 from perseus.devices.sim_work import Work, predict
 from perseus.exceptions import ConfigError, MeasurementError
 from perseus.measurement import Measurement, Monitor
@@ -67,8 +68,30 @@ def test_duplicate_and_unknown_names(gpus):
     monitor.end_window("step")
     with pytest.raises(MeasurementError, match="'step'"):
         monitor.end_window("step")
-    with pytest.raises(MeasurementError, match="window's name must be a string, got 3"):
+    with pytest.raises(MeasurementError, match="window's name must be a non-empty string, got 3"):
         monitor.begin_window(3)  # type: ignore[arg-type]
+    with pytest.raises(MeasurementError, match="non-empty string, got ''"):
+        monitor.begin_window("")
+
+
+def test_a_window_a_few_counter_steps_long_is_said_once(clock, tmp_path, caplog):
+    """A stepping counter (100 ms) reads a 50 ms window as 0 J or a whole step: one WARNING says
+    so, naming the window and the length to measure; windows of 20 steps and more say nothing."""
+    gpu = SimGPU("a100-sxm", 0, clock=clock, state_dir=str(tmp_path), realism=SimRealism(counter_period_s=0.1))
+    monitor = Monitor(gpus=[gpu])
+    with caplog.at_level("WARNING", logger="perseus.measurement.monitor"):
+        with monitor.window("long"):
+            clock.advance(2.0)
+        assert not caplog.records
+        for _ in range(3):
+            monitor.begin_window("step")
+            clock.advance(0.05)
+            monitor.end_window("step")
+        monitor.begin_window("summed")
+        clock.advance(0.05)
+        monitor.end_window("summed", expect_short=True)
+    (record,) = caplog.records
+    assert "window 'step' lasted 0.05 s" in record.getMessage() and "windows of 2 s or more" in record.getMessage()
 
 
 def test_cancel_discards_the_window(clock, gpus):
