@@ -218,6 +218,7 @@ class Handlers:
             )
         self._watch_sweep(job, msg.rank, msg.iteration)
         if done is not None:
+            self.keeper.measured(job)
             measured, planned = done
             count = job.measurements.since_published
             odd = job.measurements.odd

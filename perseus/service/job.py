@@ -19,7 +19,7 @@ from perseus.profiler.profile import Profile
 from perseus.schedules import Schedule
 from perseus.service import persistence, status
 from perseus.service.iterations import RankIterations
-from perseus.service.measurements import Measurements
+from perseus.service.measurements import Measurements, PlansInForce
 from perseus.service.model import PipelineModels, max_clock_result
 from perseus.service.overdue import Overdue, SweepWatch
 from perseus.service.planning import PlanResult, job_schedule
@@ -413,11 +413,14 @@ class Job:
         start = self.last_iteration + plan_lead(self.measurements.recent_time_s) if self.last_iteration >= 0 else 0
         changed = self.plan_book.publish(self.wanted(), start)
         if changed:
-            in_force = {k: (p.key, self.plan_book.checked(p).stage_frequencies) for k, p in self.plans.items()}
-            self.measurements.published(self.plans, changed, self.last_iteration, in_force)
+            self.measurements.published(self.plans, changed, self.last_iteration, self.plans_in_force())
             self.model.plans_published(self.plans, changed, self.pipelines_of)
             self._changed()
         return changed
+
+    def plans_in_force(self) -> PlansInForce:
+        """Each pipeline's plan key and frequencies, a reference window's those of the plan it checks."""
+        return {k: (p.key, self.plan_book.checked(p).stage_frequencies) for k, p in self.plans.items()}
 
     def declare_straggler(self, pipeline: int, factor: float | None) -> None:
         self.measurements.declare(pipeline, factor)

@@ -21,6 +21,7 @@ from perseus.wire.spec import JobSpec
 log = logging.getLogger(__name__)
 
 SAVE_INTERVAL_S = 0.5  # rank registrations are saved this often (ranks re-register after a crash)
+MEASURED_SAVE_S = 10.0  # a job's measured iterations are saved this often (see perseus.service.persistence)
 
 
 class Keeper:
@@ -32,6 +33,7 @@ class Keeper:
         self.jobs = jobs
         self.unsaved: set[str] = set()
         self.saved_at = 0.0
+        self._measured_saved: dict[str, float] = {}  # job -> when its measurements were last due a save
 
     def guard(self, job: Job, what: str, action: Callable[..., None], *args: Any) -> None:
         """Run one job's `action(*args)` on the loop thread: a write error degrades the job (the
@@ -56,6 +58,13 @@ class Keeper:
         if job.warning:
             log.info("job %s: its state is saved again", job.job_id)
             job.degrade("")
+
+    def measured(self, job: Job) -> None:
+        """An iteration of `job` completed: saved with the next batch, once per MEASURED_SAVE_S."""
+        now = time.monotonic()
+        if now - self._measured_saved.get(job.job_id, -MEASURED_SAVE_S) >= MEASURED_SAVE_S:
+            self._measured_saved[job.job_id] = now
+            self.unsaved.add(job.job_id)
 
     def save_due(self) -> bool:
         """Whether unsaved jobs wait and the last batch was saved SAVE_INTERVAL_S ago or more."""
@@ -98,6 +107,7 @@ class Keeper:
     def forget(self, job_id: str) -> None:
         """Stop saving an evicted job and delete its state folder (its cached profiles stay)."""
         self.unsaved.discard(job_id)
+        self._measured_saved.pop(job_id, None)
         try:
             self.state.remove_job(job_id)
         except OSError as e:

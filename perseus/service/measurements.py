@@ -59,6 +59,7 @@ class Measurements:
         self.baseline_pipelines = [Mean() for _ in range(spec.dp)]
         self.planned = Mean()  # iterations of the plans in force, reference windows left out
         self.planned_in_force: PlansInForce = {}
+        self.saved_iteration = -1  # the latest iteration before the service restarted, as last saved
         self.since_published = 0  # planned iterations (reference windows too) since the last publication
         self.odd = 0  # iterations left out of the means: one rank's time far from the others' (see Measured)
         self._off_clock = [0, 0]  # since the latest plan: instructions off their clock, reports telling it

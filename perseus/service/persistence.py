@@ -1,9 +1,11 @@
 """A job as its job.json record holds it (see perseus.service.state), and back.
 
 `to_record` is everything a restarted service needs besides the uploaded profiles (saved beside
-it) and the signature cache: measurements are not kept (the ranks report again), but the job's
+it) and the signature cache: measurements are mostly not kept (the ranks report again), but the job's
 measured baseline (what its saving is measured against: the ranks never run it again; each
-pipeline's too, which tells whether a straggler slowed it) and each
+pipeline's too, which tells whether a straggler slowed it), the mean of the plans in force and
+the latest iteration (saved every MEASURED_SAVE_S while iterations come: a finished job's status
+tells them after a restart), and each
 pipeline model's calibration, verification margin and measured baseline are, and the straggler
 detected last (the plans in force were made for it: the detector starts from it, so a restart
 neither forgets it until it is detected again nor keeps its plans after it recovered).
@@ -50,6 +52,8 @@ def to_record(job: Job) -> dict[str, Any]:
         "detected": job.measurements.detected_record(),
         "baseline": job.measurements.baseline.to_record(),
         "baseline_pipelines": [m.to_record() for m in job.measurements.baseline_pipelines],
+        "planned": job.measurements.planned.to_record(),
+        "last_iteration": max(job.last_iteration, job.measurements.saved_iteration),
         "models": [[list(m), state.to_record()] for m, state in job.model.calibrations.states.items()],
     }
 
@@ -129,4 +133,11 @@ def restore(job: Job, doc: dict[str, Any], stage_profiles: dict[str, Profile], c
             job.measurements.baseline, job.measurements.baseline_pipelines = baseline, pipelines
         except (TypeError, ValueError) as e:
             log.warning("job %s: measured baseline not resumed: %s", job.job_id, e)
+    try:
+        if doc.get("planned") is not None and job.plans:  # the plans in force go on: so does their mean
+            job.measurements.planned = Mean.from_record(doc["planned"])
+            job.measurements.planned_in_force = job.plans_in_force()
+        job.measurements.saved_iteration = max(-1, int(doc.get("last_iteration", -1)))
+    except (TypeError, ValueError) as e:
+        log.warning("job %s: measured planned iterations not resumed: %s", job.job_id, e)
     job.model.plans_published(job.plans, sorted(job.plans), job.pipelines_of)

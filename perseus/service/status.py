@@ -69,7 +69,8 @@ def job_status(job: Job) -> JobStatus:
         ranks_registered=len(job.ranks),
         profiled_stages=job.profiled_stages,
         plan_version=max((p.version for p in job.plans.values()), default=0),
-        last_iteration=job.last_iteration,
+        # Before any report since the service restarted: the latest it had saved.
+        last_iteration=job.last_iteration if job.last_iteration >= 0 else measurements.saved_iteration,
         error=job.error,
         warning=job.warning,
         predicted_iteration_time_s=time_p,

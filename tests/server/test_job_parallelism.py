@@ -389,3 +389,26 @@ def test_a_reference_window_neither_counts_as_planned_nor_restarts_the_planned_m
     assert job.publish() == [0] and not job.plans[0].reference  # the plan resumes under a new version
     ranks.run([1.0, 1.0], 8)
     assert job.status().planned_iterations > before  # counted on from before the window
+
+
+def test_a_restarted_service_tells_a_finished_jobs_last_iteration_and_planned_mean():
+    """The ranks finished, then the service restarted: its status still tells how far the job got
+    and what its plans measured (not "no iteration reported yet"); ranks that run on add to them."""
+    job, ranks = _baseline_then_plan([1.0, 1.0])
+    ranks.run([1.0, 1.0], 8)
+    before = job.status()
+    again = Job.from_record(json.loads(json.dumps(job.to_record())), {}, {})
+    after = again.status()
+    assert after.last_iteration == before.last_iteration == ranks.iteration - 1
+    assert after.planned_iterations == before.planned_iterations > 0
+    assert after.measured_saving == pytest.approx(before.measured_saving)
+    resumed = _Ranks(again)
+    resumed.iteration = ranks.iteration
+    resumed.run([1.0, 1.0], 2)
+    assert again.status().planned_iterations == before.planned_iterations + 2
+    assert again.status().last_iteration == ranks.iteration + 1
+
+    again.rerun()  # a new run of the job: its iterations start over
+    assert again.status().last_iteration == -1 and again.status().planned_iterations == 0
+    damaged = Job.from_record({**job.to_record(), "planned": [1, "x"]}, {}, {})
+    assert damaged.status().planned_iterations == 0 and damaged.plans  # the job resumes all the same
