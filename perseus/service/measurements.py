@@ -21,6 +21,7 @@ from perseus.wire.spec import JobSpec, RankInfo
 log = logging.getLogger(__name__)
 
 HISTORY = 8  # plan changes per pipeline kept to read measured iterations against their plan
+DECLARED_OFF = 0.10  # a declared factor this far from the pipeline's measured one is said (WARNING, status)
 RECENT = 8  # iterations per pipeline whose median its status reports
 
 # What the planned mean measures: each pipeline's (plan key, frequencies), a reference window
@@ -35,6 +36,7 @@ class Measurements:
         self.spec = spec
         self.job_id = spec.job_id()
         self.declared: dict[int, float] = {}  # pipeline -> factor an operator declared
+        self.declared_off: dict[int, str] = {}  # pipeline -> why its declared factor contradicts its iterations
         # The stages whose compute time is a pipeline's (perseus.planner.dag.ending_stages); None: all.
         self.ending_stages: frozenset[int] | None = None
         self.restart({})
@@ -179,6 +181,7 @@ class Measurements:
         self._fed = False
         previous = self.detector.current
         current = self.detector.update()
+        self._check_declared()
         if current == previous:
             return False
         if current is None:
@@ -202,6 +205,27 @@ class Measurements:
         known = [float(t) for t in times if t is not None]
         slowest = max(range(len(known)), key=lambda k: known[k])
         return slowest, known[slowest] / statistics.median(t for k, t in enumerate(known) if k != slowest)
+
+    def _check_declared(self) -> None:
+        """Say where a declared factor is not what the pipeline's iterations measure: the others
+        then run at a pace it does not keep (slower than needed, or not slow enough)."""
+        medians = self.detector.medians()
+        for k, factor in self.declared.items():
+            others = [m for j, m in medians.items() if j != k]
+            if k not in medians or not others:
+                continue
+            measured = medians[k] / statistics.median(others)
+            if abs(measured / factor - 1) <= DECLARED_OFF:
+                self.declared_off.pop(k, None)
+                continue
+            if k not in self.declared_off:
+                why = (
+                    f"declared {factor:.3f}x, but its iterations measure {measured:.3f}x the others' time: the "
+                    f"others run at a pace it does not keep; declare what it runs (perseus straggler --job "
+                    f"{self.job_id} --pipeline {k} --factor {max(1.0, measured):.2f}) or withdraw it (--clear)"
+                )
+                log.warning("job %s: pipeline %d %s", self.job_id, k, why)
+                self.declared_off[k] = why
 
     def detected_record(self) -> list[float] | None:
         """The detected straggler as a job record keeps it: [pipeline, factor], or None."""
@@ -231,6 +255,7 @@ class Measurements:
             raise bad_field(
                 f"pipeline {pipeline} does not exist: job {self.job_id} has dp={dp} (pipelines 0..{dp - 1})"
             )
+        self.declared_off.pop(pipeline, None)
         if factor is None:
             self.declared.pop(pipeline, None)
         else:

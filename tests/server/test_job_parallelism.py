@@ -412,3 +412,22 @@ def test_a_restarted_service_tells_a_finished_jobs_last_iteration_and_planned_me
     assert again.status().last_iteration == -1 and again.status().planned_iterations == 0
     damaged = Job.from_record({**job.to_record(), "planned": [1, "x"]}, {}, {})
     assert damaged.status().planned_iterations == 0 and damaged.plans  # the job resumes all the same
+
+
+def test_a_declared_factor_the_iterations_contradict_is_said_with_what_to_declare(caplog):
+    """Pipeline 2 was declared 1.5x slow, but runs as fast as the others: they would wait for a
+    pace nobody keeps. One WARNING and the pipeline's status say so, with the command to fix it."""
+    job = _dp_job(dp=3)
+    job.declare_straggler(2, 1.5)
+    ((key, _),) = job.missing_plans()
+    job.add_result(key, _result(1.5, 120.0, freq=1110))
+    assert job.publish() == [0, 1]
+    ranks = _Ranks(job)
+    with caplog.at_level("WARNING", logger="perseus.service.measurements"):
+        ranks.run([1.5, 1.5, 1.0], 12)
+    (record,) = [r for r in caplog.records if "declared 1.500x" in r.getMessage()]
+    reason = job.status().pipelines[2].reason
+    assert "its iterations measure 1.0" in reason and "--pipeline 2 --factor 1.0" in reason
+    job.declare_straggler(2, 1.02)  # what it runs: nothing more to say
+    ranks.run([1.5, 1.5, 1.0], 4)
+    assert job.status().pipelines[2].reason == ""
