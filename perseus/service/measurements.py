@@ -21,7 +21,9 @@ from perseus.wire.spec import JobSpec, RankInfo
 log = logging.getLogger(__name__)
 
 HISTORY = 8  # plan changes per pipeline kept to read measured iterations against their plan
-DECLARED_OFF = 0.10  # a declared factor this far from the pipeline's measured one is said (WARNING, status)
+# A declared factor this far from the pipeline's measured one is said (WARNING, status), and the
+# measured one sets the pace until the pipeline runs near the declared one again.
+DECLARED_OFF = 0.10
 RECENT = 8  # iterations per pipeline whose median its status reports
 
 # What the planned mean measures: each pipeline's (plan key, frequencies), a reference window
@@ -36,7 +38,8 @@ class Measurements:
         self.spec = spec
         self.job_id = spec.job_id()
         self.declared: dict[int, float] = {}  # pipeline -> factor an operator declared
-        self.declared_off: dict[int, str] = {}  # pipeline -> why its declared factor contradicts its iterations
+        # Pipeline -> (its measured factor, why) where that contradicts its declared one.
+        self.declared_off: dict[int, tuple[float, str]] = {}
         # The stages whose compute time is a pipeline's (perseus.planner.dag.ending_stages); None: all.
         self.ending_stages: frozenset[int] | None = None
         self.restart({})
@@ -179,22 +182,20 @@ class Measurements:
         if not self._fed:
             return False
         self._fed = False
+        before = self.straggler()
         previous = self.detector.current
         current = self.detector.update()
         self._check_declared()
-        if current == previous:
-            return False
-        if current is None:
-            assert previous is not None  # it differs from current
+        if current is None and previous is not None:
             log.info("job %s: pipeline %d recovered; back to the no-slowdown plans", self.job_id, previous.pipeline)
-        else:
+        elif current is not None and current != previous:
             log.info(
                 "job %s: pipeline %d straggles (%.3fx the others' iteration time)",
                 self.job_id,
                 current.pipeline,
                 current.factor,
             )
-        return True
+        return self.straggler() != before
 
     def baseline_lag(self) -> tuple[int, float] | None:
         """(the slowest pipeline, its time over the others' median) in the baseline iterations;
@@ -207,25 +208,32 @@ class Measurements:
         return slowest, known[slowest] / statistics.median(t for k, t in enumerate(known) if k != slowest)
 
     def _check_declared(self) -> None:
-        """Say where a declared factor is not what the pipeline's iterations measure: the others
-        then run at a pace it does not keep (slower than needed, or not slow enough)."""
+        """Where a declared factor is not what the pipeline's iterations measure, the measured one
+        sets the pace (the others would wait for a pace nobody keeps, or not wait long enough),
+        revised only past the detector's threshold (no re-plan for noise); said once."""
         medians = self.detector.medians()
         for k, factor in self.declared.items():
             others = [m for j, m in medians.items() if j != k]
             if k not in medians or not others:
                 continue
             measured = medians[k] / statistics.median(others)
+            held = self.declared_off.get(k)
             if abs(measured / factor - 1) <= DECLARED_OFF:
-                self.declared_off.pop(k, None)
+                if self.declared_off.pop(k, None) is not None:
+                    log.info("job %s: pipeline %d runs its declared %.3fx again", self.job_id, k, factor)
                 continue
-            if k not in self.declared_off:
-                why = (
-                    f"declared {factor:.3f}x, but its iterations measure {measured:.3f}x the others' time: the "
-                    f"others run at a pace it does not keep; declare what it runs (perseus straggler --job "
-                    f"{self.job_id} --pipeline {k} --factor {max(1.0, measured):.2f}) or withdraw it (--clear)"
-                )
+            if held is not None and abs(measured / held[0] - 1) <= self.detector.threshold:
+                continue
+            pace = f"{measured:.3f}x" if measured > 1 + self.detector.threshold else "no straggler"
+            why = (
+                f"declared {factor:.3f}x, but its iterations measure {measured:.3f}x the others' time: planned at "
+                f"the measured pace ({pace}) meanwhile, so that the others wait for no pace it does not keep; the "
+                f"declaration applies again once it runs near it. Declare what it runs (perseus straggler --job "
+                f"{self.job_id} --pipeline {k} --factor {max(1.0, measured):.2f}) or withdraw it (--clear)"
+            )
+            if held is None:
                 log.warning("job %s: pipeline %d %s", self.job_id, k, why)
-                self.declared_off[k] = why
+            self.declared_off[k] = (measured, why)
 
     def detected_record(self) -> list[float] | None:
         """The detected straggler as a job record keeps it: [pipeline, factor], or None."""
@@ -263,7 +271,15 @@ class Measurements:
 
     def straggler(self) -> Straggling | None:
         """(pipeline, factor, "declared" or "detected") of the slowest straggler, if any."""
-        candidates = [(f, k, "declared") for k, f in self.declared.items() if k < self.spec.dp]
+        candidates = []
+        for k, factor in self.declared.items():
+            off = self.declared_off.get(k)
+            if off is not None:  # its iterations contradict it: their factor, if any
+                factor = off[0]
+                if factor <= 1 + self.detector.threshold:
+                    continue
+            if k < self.spec.dp:
+                candidates.append((factor, k, "declared"))
         detected = self.detector.current
         if detected is not None:
             candidates.append((detected.factor, detected.pipeline, "detected"))

@@ -59,7 +59,8 @@ class PipelineModels:
         self.calibrations = Calibrations(spec)
         self.checks = [PlanCheck(spec.tolerance) for _ in range(spec.dp)]
         self.without_timeline: set[int] = set()  # ranks that send no spans (earlier releases)
-        self.baseline_iterations: set[int] = set()  # iterations some pipeline measured at baseline
+        # Iteration -> the pipelines that measured it at baseline (every stage at default clocks).
+        self.baseline_iterations: dict[int, set[int]] = {}
         self.verdicts: list[tuple[int, Verdict]] = []
 
     # ---- ranks and spans ----------------------------------------------------------------------
@@ -97,12 +98,14 @@ class PipelineModels:
         pipeline = self.spans.add(info, spans, instructions)
         if pipeline is None:
             return False
-        if len(self.baseline_iterations) < 4096:
-            self.baseline_iterations.add(spans.iteration)
+        if len(self.baseline_iterations) < 4096 or spans.iteration in self.baseline_iterations:
+            self.baseline_iterations.setdefault(spans.iteration, set()).add(pipeline)
         return True
 
     def is_baseline(self, iteration: int) -> bool:
-        return iteration in self.baseline_iterations
+        """Whether every pipeline ran `iteration` at baseline: the job's baseline is no iteration
+        where a rank still profiled at a lower clock (its sweep ends after the others')."""
+        return len(self.baseline_iterations.get(iteration, ())) == self.spec.dp
 
     def timelines(self, pipelines: list[int]) -> list[Timeline]:
         return [tl for k in pipelines for tl in self.spans.timelines[k]]

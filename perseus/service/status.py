@@ -59,7 +59,7 @@ def job_status(job: Job) -> JobStatus:
                 verification=check.state,
                 verified_iteration_time_s=check.measured_s,
                 replans=check.replans,
-                reason="; ".join(r for r in (check.reason, measurements.declared_off.get(k, "")) if r),
+                reason="; ".join(r for r in (check.reason, measurements.declared_off.get(k, (0.0, ""))[1]) if r),
             )
         )
     return JobStatus(

@@ -18,6 +18,7 @@ from perseus.service.planning import PlanResult
 from perseus.wire.messages import ReportIteration
 from perseus.wire.parallelism import merge_tensor_parallel, rank_coordinates, rank_of
 from perseus.wire.phases import JobPhase
+from perseus.wire.spans import ReportSpans
 
 A100, A40 = "sim-a100", "sim-a40"
 
@@ -414,9 +415,11 @@ def test_a_restarted_service_tells_a_finished_jobs_last_iteration_and_planned_me
     assert damaged.status().planned_iterations == 0 and damaged.plans  # the job resumes all the same
 
 
-def test_a_declared_factor_the_iterations_contradict_is_said_with_what_to_declare(caplog):
+def test_a_declared_factor_the_iterations_contradict_gives_way_to_the_measured_one(caplog):
     """Pipeline 2 was declared 1.5x slow, but runs as fast as the others: they would wait for a
-    pace nobody keeps. One WARNING and the pipeline's status say so, with the command to fix it."""
+    pace nobody keeps (an outsider's job ran 48.6% slower so). Its measured factor sets the pace
+    instead; one WARNING and the pipeline's status say so, with the command to fix it. Once it
+    runs near the declared factor, the declaration applies again."""
     job = _dp_job(dp=3)
     job.declare_straggler(2, 1.5)
     ((key, _),) = job.missing_plans()
@@ -425,9 +428,37 @@ def test_a_declared_factor_the_iterations_contradict_is_said_with_what_to_declar
     ranks = _Ranks(job)
     with caplog.at_level("WARNING", logger="perseus.service.measurements"):
         ranks.run([1.5, 1.5, 1.0], 12)
-    (record,) = [r for r in caplog.records if "declared 1.500x" in r.getMessage()]
+    assert len([r for r in caplog.records if "declared 1.500x" in r.getMessage()]) == 1
+    assert ranks.changes == 1 and job.straggler() is None  # planned at the measured pace: none
+    assert job.publish() == [0, 1] and job.plans[0].deadline_s is None  # back to no slowdown
     reason = job.status().pipelines[2].reason
     assert "its iterations measure 1.0" in reason and "--pipeline 2 --factor 1.0" in reason
-    job.declare_straggler(2, 1.02)  # what it runs: nothing more to say
-    ranks.run([1.5, 1.5, 1.0], 4)
-    assert job.status().pipelines[2].reason == ""
+    ranks.run([1.0, 1.0, 1.0], 12)
+    assert ranks.changes == 1 and job.straggler() is None  # stable: no flapping
+
+    ranks.run([1.0, 1.0, 1.45], 12)  # now it runs near its declared factor
+    assert job.straggler() == (2, 1.5, "declared") and job.status().pipelines[2].reason == ""
+
+
+def test_the_jobs_baseline_is_only_iterations_every_pipeline_ran_at_baseline():
+    """Pipeline 0's stage 1 still sweeps (a lower clock) while pipeline 1 already runs at default
+    clocks: those iterations are not the job's baseline, which every rank must run at default
+    clocks (an outsider's job had its baseline 7.3% slow from such iterations)."""
+    job = Job(job_spec(world_size=4, dp=2, rank_mapping="torch", warmup_iterations=2))
+    for r in range(4):
+        job.add_rank(rank_info(r, stage=r % 2, dp_index=r // 2, timeline=True))
+    steps = len(job.schedule.stages[0])
+    begins = tuple(range(0, 1000 * steps, 1000))
+    ends = tuple(b + 900 for b in begins)
+
+    def spans(rank: int, iteration: int, phase: str) -> ReportSpans:
+        return ReportSpans(job.job_id, rank, iteration, phase, None, 1000 * steps, begins, ends)
+
+    for iteration in (1, 2, 3):
+        profiling = iteration < 3  # pipeline 0's stage 1 (rank 1) ends its sweep at iteration 3
+        for rank in range(4):
+            job.add_spans(spans(rank, iteration, "profiling" if rank == 1 and profiling else "planning"))
+        for rank in range(4):
+            job.record(ReportIteration(job.job_id, rank, iteration, 0.5 if rank == 1 and profiling else 0.4, 50.0))
+    status = job.status()
+    assert status.baseline_iterations == 1 and status.baseline_iteration_time_s == pytest.approx(0.4)
