@@ -61,7 +61,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     ),
     "perseus_job_iteration_seconds": (
         "gauge",
-        "Iteration time: measured mean at max clocks (baseline), measured mean under the plan (planned), "
+        "Iteration time: measured mean at default clocks (baseline), measured mean under the plan (planned), "
         "the plan's prediction (predicted)",
     ),
     "perseus_job_iteration_energy_joules": (
@@ -71,6 +71,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     ),
     "perseus_job_predicted_saving_ratio": ("gauge", "1 - predicted energy / predicted max-clock energy"),
     "perseus_job_measured_saving_ratio": ("gauge", "1 - measured planned energy / measured baseline energy"),
+    "perseus_job_saving_withheld": (
+        "gauge",
+        "1 while no measured saving is claimed (perseus status --json: saving_withheld says why), else 0",
+    ),
     # each pipeline
     "perseus_pipeline_plan_version": ("gauge", "Plan version of the pipeline"),
     "perseus_pipeline_iteration_seconds": (
@@ -221,6 +225,7 @@ def _job_families(jobs: Sequence[JobFigures]) -> Iterator[Metric]:
         ):
             if ratio is not None:
                 f[name].add_metric([job], ratio)
+        f["perseus_job_saving_withheld"].add_metric([job], 1 if st.saving_withheld else 0)
         for p in st.pipelines:
             labels = [job, str(p.pipeline)]
             pipeline["perseus_pipeline_plan_version"].add_metric(labels, p.plan_version)

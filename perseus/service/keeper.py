@@ -28,12 +28,14 @@ class Keeper:
     """Keeps `jobs` (the service's, by id) in the state directory `state`. `unsaved`: jobs with rank
     registrations (or a failed write) not yet written."""
 
-    def __init__(self, state: StateDir, jobs: dict[str, Job]) -> None:
+    def __init__(self, state: StateDir, jobs: dict[str, Job], clock: Callable[[], float] = time.monotonic) -> None:
         self.state = state
         self.jobs = jobs
+        self._clock = clock
         self.unsaved: set[str] = set()
         self.saved_at = 0.0
         self._measured_saved: dict[str, float] = {}  # job -> when its measurements were last due a save
+        self._measured_since: set[str] = set()  # jobs with iterations measured since that
 
     def guard(self, job: Job, what: str, action: Callable[..., None], *args: Any) -> None:
         """Run one job's `action(*args)` on the loop thread: a write error degrades the job (the
@@ -60,15 +62,23 @@ class Keeper:
             job.degrade("")
 
     def measured(self, job: Job) -> None:
-        """An iteration of `job` completed: saved with the next batch, once per MEASURED_SAVE_S."""
-        now = time.monotonic()
-        if now - self._measured_saved.get(job.job_id, -MEASURED_SAVE_S) >= MEASURED_SAVE_S:
-            self._measured_saved[job.job_id] = now
-            self.unsaved.add(job.job_id)
+        """An iteration of `job` completed: saved at most once per MEASURED_SAVE_S, and once more
+        that long after its last (a finished job's final figures are kept too)."""
+        self._measured_since.add(job.job_id)
+        self._due_measured(self._clock())
+
+    def _due_measured(self, now: float) -> None:
+        for job_id in list(self._measured_since):
+            if now - self._measured_saved.get(job_id, -MEASURED_SAVE_S) >= MEASURED_SAVE_S:
+                self._measured_saved[job_id] = now
+                self._measured_since.discard(job_id)
+                self.unsaved.add(job_id)
 
     def save_due(self) -> bool:
         """Whether unsaved jobs wait and the last batch was saved SAVE_INTERVAL_S ago or more."""
-        return bool(self.unsaved) and time.monotonic() - self.saved_at >= SAVE_INTERVAL_S
+        now = self._clock()
+        self._due_measured(now)
+        return bool(self.unsaved) and now - self.saved_at >= SAVE_INTERVAL_S
 
     def save_unsaved(self) -> None:
         for job_id in sorted(self.unsaved):
@@ -77,7 +87,13 @@ class Keeper:
                 self.unsaved.discard(job_id)
             else:
                 self.guard(job, "saving its state", self.save, job)
-        self.saved_at = time.monotonic()
+        self.saved_at = self._clock()
+
+    def save_all(self) -> None:
+        """Save every job with something unsaved, measured iterations too (the service stops)."""
+        self.unsaved |= self._measured_since
+        self._measured_since.clear()
+        self.save_unsaved()
 
     def load_jobs(self) -> Iterator[tuple[Job, int]]:
         """Each job of the state directory that can be resumed, with its estimated memory
@@ -108,6 +124,7 @@ class Keeper:
         """Stop saving an evicted job and delete its state folder (its cached profiles stay)."""
         self.unsaved.discard(job_id)
         self._measured_saved.pop(job_id, None)
+        self._measured_since.discard(job_id)
         try:
             self.state.remove_job(job_id)
         except OSError as e:

@@ -139,7 +139,7 @@ class PlannerService:
         if not self._transport.bound:
             self.bind()
         self._transport.serve(self.handle, self.tend, self._stop)
-        self.keeper.save_unsaved()
+        self.keeper.save_all()
         log.info("planner service stopped")
 
     def tend(self) -> None:

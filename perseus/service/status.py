@@ -31,6 +31,12 @@ def describe(job: Job, measured: Measured) -> str:
         f"energy {measured.energy_j:.1f} J (predicted {energy_p:.1f} J, "
         f"{100 * (measured.energy_j / energy_p - 1):+.1f}%)"
         + ("" if off_clock is None else f"; {off_clock:.1f} instructions per iteration off their planned clock")
+        + (
+            ""
+            if straggler is None
+            else f"; pipeline {straggler[0]} straggles {straggler[1]:.3f}x, its energy predicted as profiled (its "
+            "extra work or slower GPUs are not in the profile)"
+        )
     )
 
 

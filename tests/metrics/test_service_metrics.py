@@ -84,6 +84,7 @@ def test_a_scrape_shows_the_service_its_job_its_pipelines_and_stages(serve):
         ("perseus_job_info", {**job, "phase": "planned"}, 1),
         ("perseus_job_plan_version", job, 1),
         ("perseus_job_plan_changes_total", job, 0),
+        ("perseus_job_saving_withheld", job, 0),
         ("perseus_pipeline_replans", pipeline, 0),
         ("perseus_job_world_size", job, 2),
         ("perseus_job_predicted_saving_ratio", job, status.predicted_saving),

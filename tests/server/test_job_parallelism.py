@@ -15,6 +15,7 @@ from perseus.exceptions import ConfigError, ServiceError
 from perseus.profiler.profile import Profile, ProfilePoint
 from perseus.service.job import Job
 from perseus.service.planning import PlanResult
+from perseus.service.tally import Measured
 from perseus.wire.messages import ReportIteration
 from perseus.wire.parallelism import merge_tensor_parallel, rank_coordinates, rank_of
 from perseus.wire.phases import JobPhase
@@ -462,3 +463,41 @@ def test_the_jobs_baseline_is_only_iterations_every_pipeline_ran_at_baseline():
             job.record(ReportIteration(job.job_id, rank, iteration, 0.5 if rank == 1 and profiling else 0.4, 50.0))
     status = job.status()
     assert status.baseline_iterations == 1 and status.baseline_iteration_time_s == pytest.approx(0.4)
+
+
+def test_measured_iterations_are_saved_every_10_s_and_once_after_the_last(tmp_path):
+    """A job's measured figures are written at most every MEASURED_SAVE_S while iterations come,
+    and once more that long after the last, so a finished job's final figures survive a restart."""
+    from perseus.service.keeper import MEASURED_SAVE_S, Keeper
+    from perseus.service.state import StateDir
+
+    job, ranks = _baseline_then_plan([1.0, 1.0])
+    now = [100.0]
+    keeper = Keeper(StateDir(tmp_path / "state"), {job.job_id: job}, clock=lambda: now[0])
+    saved = []
+    keeper.state.save_job = saved.append  # type: ignore[method-assign]
+    for _ in range(5):  # five iterations within a second: one save
+        keeper.measured(job)
+        if keeper.save_due():
+            keeper.save_unsaved()
+        now[0] += 0.2
+    assert len(saved) == 1
+    ranks.run([1.0, 1.0], 3)  # the job's last iterations; nothing comes after them
+    keeper.measured(job)
+    now[0] += MEASURED_SAVE_S / 2
+    assert not keeper.save_due()
+    now[0] += MEASURED_SAVE_S
+    assert keeper.save_due()
+    keeper.save_unsaved()
+    assert len(saved) == 2 and saved[-1]["last_iteration"] == ranks.iteration - 1
+    now[0] += 3 * MEASURED_SAVE_S
+    assert not keeper.save_due()  # nothing new measured
+
+
+def test_an_iterations_log_line_says_a_stragglers_energy_is_predicted_as_profiled():
+    job, ranks = _baseline_then_plan([1.0, 1.3])
+    ranks.run([1.0, 1.3], 12)
+    line = job.describe(Measured(ranks.iteration, 1.3, 300.0))
+    assert "pipeline 1 straggles 1.2" in line or "pipeline 1 straggles 1.3" in line
+    assert "energy predicted as profiled" in line
+    assert "straggles" not in _baseline_then_plan([1.0, 1.0])[0].describe(Measured(5, 1.0, 300.0))
