@@ -10,10 +10,13 @@ from perseus.cli.service_args import add_service_arguments, check_job_id, fetch_
 from perseus.client.planner_client import PlannerClient
 from perseus.exceptions import ConfigError
 from perseus.wire.limits import DEFAULT_ADDRESS, MAX_STRAGGLER_FACTOR
-from perseus.wire.messages import JobStatus, Status
+from perseus.wire.messages import JobStatus
 
 #: How long a declaration waits for the re-plan it causes before printing the table.
 REPLAN_WAIT_S = 5.0
+#: What the service says in the reason of a pipeline whose new plan is being solved
+#: (perseus.service.status.SOLVING; not imported: this command pays only for the client's imports).
+SOLVING = "being solved"
 
 EPILOG = f"""examples:
   perseus straggler --job job-1a2b3c4d5e6f7a8b --pipeline 1 --factor 1.2
@@ -22,8 +25,11 @@ EPILOG = f"""examples:
   perseus straggler --job job-1a2b3c4d5e6f7a8b      show pipelines, deadlines and stragglers
 
 A declaration (or --clear) waits up to {REPLAN_WAIT_S:g} s for the re-plan it causes, then prints the
-plans. The service also detects stragglers from the iteration times ranks report; the slowest
-straggler, declared or detected, sets the others' pace. Address: --address (default {DEFAULT_ADDRESS}).
+plans; where it changes no plan, it says so at once, and why. The service also detects stragglers
+from the iteration times ranks report; the slowest straggler, declared or detected, sets the others'
+pace. A declared factor over 10% from what the pipeline's iterations measure is contradicted by
+measurement: the measured factor sets the pace instead, and the reply says so.
+Address: --address (default {DEFAULT_ADDRESS}).
 """
 
 
@@ -69,33 +75,69 @@ def run(args: argparse.Namespace) -> int:
         )
     with service_client(args) as client:
         if args.factor is not None or args.clear:
-            before = fetch_status(client, args, args.job).jobs[0].plan_version
+            before = fetch_status(client, args, args.job).jobs[0]
             if not client.declare_straggler(args.job, args.pipeline, None if args.clear else args.factor):
                 raise unreachable(args)
             what = "cleared" if args.clear else f"declared {args.factor:g}x"
             print(f"job {args.job}: pipeline {args.pipeline} {what}")
-            status = _replanned(client, args, before)
+            job = _settled(client, args, before.plan_version)
+            for line in _outcome(args, before, job):
+                print(line)
         else:
-            status = fetch_status(client, args, args.job)
-    print(format_pipelines(status.jobs[0]))
+            job = fetch_status(client, args, args.job).jobs[0]
+    print(format_pipelines(job))
     return 0
 
 
-def _replanned(client: PlannerClient, args: argparse.Namespace, before: int) -> Status:
+def _settled(client: PlannerClient, args: argparse.Namespace, before: int) -> JobStatus:
     """The job's status once a plan newer than version `before` is published (the service solves
-    the re-plan in the background), or after REPLAN_WAIT_S, saying it is still to come."""
+    the re-plan in the background); at once where no pipeline awaits one (nothing changes), and
+    after REPLAN_WAIT_S at the latest."""
     deadline = time.monotonic() + REPLAN_WAIT_S
     while True:
-        status = fetch_status(client, args, args.job)
-        if status.jobs[0].plan_version > before:
-            return status
-        if time.monotonic() >= deadline:
-            print(
-                f"no plan published within {REPLAN_WAIT_S:g} s (none may change, or it is still being solved): "
-                f"`perseus straggler --job {args.job}` shows the plans later"
-            )
-            return status
+        job = fetch_status(client, args, args.job).jobs[0]
+        if job.plan_version > before or not _solving(job) or time.monotonic() >= deadline:
+            return job
         time.sleep(0.1)
+
+
+def _solving(job: JobStatus) -> bool:
+    return any(SOLVING in p.reason for p in job.pipelines)
+
+
+def _outcome(args: argparse.Namespace, before: JobStatus, after: JobStatus) -> list[str]:
+    """What the declaration did, above the plans (nothing there: it re-planned), and what the
+    service says of the pipeline (a declaration its iterations contradict, say)."""
+    reason = after.pipelines[args.pipeline].reason if args.pipeline < len(after.pipelines) else ""
+    lines = [] if after.plan_version > before.plan_version else [_unpublished(args, before, after)]
+    return lines + ([f"pipeline {args.pipeline}: {reason}"] if reason else [])
+
+
+def _unpublished(args: argparse.Namespace, before: JobStatus, after: JobStatus) -> str:
+    """Why no plan was published: it is still being solved, or none changes (and why)."""
+    if _solving(after):
+        return (
+            f"no plan published within {REPLAN_WAIT_S:g} s, it is still being solved: `perseus straggler --job "
+            f"{args.job}` shows the plans later"
+        )
+    if after.plan_version == 0:
+        return (
+            f"nothing to re-plan: the job has no plan yet ({after.phase}); its first plans are made for the "
+            "stragglers as they are then"
+        )
+    return f"nothing to re-plan: {_unchanged(args, before, after)}"
+
+
+def _unchanged(args: argparse.Namespace, before: JobStatus, after: JobStatus) -> str:
+    """Why no plan changes: the pace the stragglers set now is the one the plans in force run at."""
+    slow = next((p for p in after.pipelines if p.straggler), None)
+    if slow is None:
+        pace = "no straggler sets a pace"
+    else:
+        pace = f"pipeline {slow.pipeline} ({slow.straggler} {slow.straggler_factor:.3f}x) sets the others' pace"
+    was = before.pipelines[args.pipeline].straggler if args.pipeline < len(before.pipelines) else ""
+    held = f"pipeline {args.pipeline} held no declaration that set the pace; " if args.clear and not was else ""
+    return f"{held}{pace}, and the plans in force already run the clocks for it"
 
 
 def format_pipelines(job: JobStatus) -> str:

@@ -73,7 +73,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "perseus_job_measured_saving_ratio": ("gauge", "1 - measured planned energy / measured baseline energy"),
     "perseus_job_saving_withheld": (
         "gauge",
-        "1 while no measured saving is claimed (perseus status --json: saving_withheld says why), else 0",
+        "1 while no measured saving is claimed (none measured yet, or withheld: perseus status --json's "
+        "saving_withheld says why), else 0",
     ),
     # each pipeline
     "perseus_pipeline_plan_version": ("gauge", "Plan version of the pipeline"),
@@ -225,7 +226,7 @@ def _job_families(jobs: Sequence[JobFigures]) -> Iterator[Metric]:
         ):
             if ratio is not None:
                 f[name].add_metric([job], ratio)
-        f["perseus_job_saving_withheld"].add_metric([job], 1 if st.saving_withheld else 0)
+        f["perseus_job_saving_withheld"].add_metric([job], 1 if st.measured_saving is None else 0)
         for p in st.pipelines:
             labels = [job, str(p.pipeline)]
             pipeline["perseus_pipeline_plan_version"].add_metric(labels, p.plan_version)

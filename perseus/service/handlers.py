@@ -266,9 +266,8 @@ class Handlers:
                 msg.pipeline,
                 msg.factor,
             )
-        if len(job.measurements.declared) > 1:  # only the slowest sets the pace: say which
-            slowest = job.straggler()
-            assert slowest is not None  # a declaration stands
+        slowest = job.straggler()
+        if len(job.measurements.declared) > 1 and slowest is not None:  # only the slowest sets the pace: say which
             log.info(
                 "job %s: declared stragglers %s; the slowest, pipeline %d (%.3fx, %s), sets the others' pace",
                 job.job_id,

@@ -418,6 +418,11 @@ class Job:
             self._changed()
         return changed
 
+    def kept(self, key: PlanKey, result: PlanResult) -> list[int]:
+        """The pipelines that want the plan solved for `key` and already run its clocks: their plan
+        stays (see PlanBook.runs)."""
+        return [k for k, wanted in self.wanted().items() if wanted == key and self.plan_book.runs(k, key, result)]
+
     def plans_in_force(self) -> PlansInForce:
         """Each pipeline's plan key and frequencies, a reference window's those of the plan it checks."""
         return {k: (p.key, self.plan_book.checked(p).stage_frequencies) for k, p in self.plans.items()}

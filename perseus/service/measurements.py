@@ -100,9 +100,9 @@ class Measurements:
         Each pipeline's iterations also feed the straggler detector, at the scale of its
         no-slowdown plan (`base_time_s`; see `update_stragglers`). `is_baseline` tells the
         baseline iterations (default clocks, no profiling) where the ranks say which they are;
-        without it, the warm-up iterations are."""
+        without it, the warm-up iterations are, but the first (it sets up: see SpanBook.add)."""
         warmup = self.spec.warmup_iterations
-        baseline = (lambda i: i < warmup) if is_baseline is None else is_baseline
+        baseline = (lambda i: 0 < i < warmup) if is_baseline is None else is_baseline
         first_planned = max((p.start_iteration for p in plans.values()), default=None)
 
         def planned(iteration: int) -> bool:
@@ -197,6 +197,11 @@ class Measurements:
             )
         return self.straggler() != before
 
+    def stragglers_measured(self) -> bool:
+        """Whether every pipeline ran enough iterations under its plan for the detector to tell
+        its straggler, if any (not yet after a plan first applies, or the service restarted)."""
+        return len(self.detector.medians()) == self.spec.dp
+
     def baseline_lag(self) -> tuple[int, float] | None:
         """(the slowest pipeline, its time over the others' median) in the baseline iterations;
         None with one pipeline, or before each has a baseline iteration."""
@@ -224,12 +229,16 @@ class Measurements:
                 continue
             if held is not None and abs(measured / held[0] - 1) <= self.detector.threshold:
                 continue
-            pace = f"{measured:.3f}x" if measured > 1 + self.detector.threshold else "no straggler"
+            pace = (
+                f"the measured {measured:.3f}x sets the others' pace"
+                if measured > 1 + self.detector.threshold
+                else "the measured factor sets the pace: none, it is no straggler"
+            )
             why = (
-                f"declared {factor:.3f}x, but its iterations measure {measured:.3f}x the others' time: planned at "
-                f"the measured pace ({pace}) meanwhile, so that the others wait for no pace it does not keep; the "
-                f"declaration applies again once it runs near it. Declare what it runs (perseus straggler --job "
-                f"{self.job_id} --pipeline {k} --factor {max(1.0, measured):.2f}) or withdraw it (--clear)"
+                f"declared {factor:.3f}x, contradicted by measurement: its iterations measure {measured:.3f}x the "
+                f"others' time, so {pace}, until it runs near the declared factor (the others would otherwise wait "
+                f"for a pace it does not keep). Declare what it runs (perseus straggler --job {self.job_id} "
+                f"--pipeline {k} --factor {max(1.0, measured):.2f}) or withdraw it (--clear)"
             )
             if held is None:
                 log.warning("job %s: pipeline %d %s", self.job_id, k, why)
@@ -268,18 +277,24 @@ class Measurements:
             self.declared.pop(pipeline, None)
         else:
             self.declared[pipeline] = factor
+            # Against what its iterations measure now: a factor they contradict gets no plan of its
+            # own, which the next iteration would withdraw (and `perseus straggler` show as in force).
+            self._check_declared()
 
     def straggler(self) -> Straggling | None:
-        """(pipeline, factor, "declared" or "detected") of the slowest straggler, if any."""
+        """(pipeline, factor, "declared" or "detected") of the slowest straggler, if any. A
+        declaration its iterations contradict counts as their factor, measured against the others'
+        ("detected"), if it is a straggler's at all."""
         candidates = []
         for k, factor in self.declared.items():
+            source = "declared"
             off = self.declared_off.get(k)
-            if off is not None:  # its iterations contradict it: their factor, if any
-                factor = off[0]
+            if off is not None:
+                factor, source = off[0], "detected"
                 if factor <= 1 + self.detector.threshold:
                     continue
             if k < self.spec.dp:
-                candidates.append((factor, k, "declared"))
+                candidates.append((factor, k, source))
         detected = self.detector.current
         if detected is not None:
             candidates.append((detected.factor, detected.pipeline, "detected"))

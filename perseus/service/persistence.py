@@ -6,14 +6,16 @@ measured baseline (what its saving is measured against: the ranks never run it a
 pipeline's too, which tells whether a straggler slowed it), the mean of the plans in force and
 the latest iteration (saved every MEASURED_SAVE_S while iterations come: a finished job's status
 tells them after a restart), and each
-pipeline model's calibration, verification margin and measured baseline are, and the straggler
-detected last (the plans in force were made for it: the detector starts from it, so a restart
-neither forgets it until it is detected again nor keeps its plans after it recovered).
+pipeline model's calibration, verification margin and measured baseline are, each pipeline's
+latest reference window at maximum clocks (its plan's target, until a fresh one is measured), and
+the straggler detected last (the plans in force were made for it: the detector starts from it, so a
+restart neither forgets it until it is detected again nor keeps its plans after it recovered).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 from perseus.exceptions import ConfigError, ServiceError
@@ -55,6 +57,7 @@ def to_record(job: Job) -> dict[str, Any]:
         "planned": job.measurements.planned.to_record(),
         "last_iteration": max(job.last_iteration, job.measurements.saved_iteration),
         "models": [[list(m), state.to_record()] for m, state in job.model.calibrations.states.items()],
+        "references": [None if c.reference_s is None else [c.reference_s, c.reference_noise] for c in job.model.checks],
     }
 
 
@@ -141,3 +144,32 @@ def restore(job: Job, doc: dict[str, Any], stage_profiles: dict[str, Profile], c
     except (TypeError, ValueError) as e:
         log.warning("job %s: measured planned iterations not resumed: %s", job.job_id, e)
     job.model.plans_published(job.plans, sorted(job.plans), job.pipelines_of)
+    _resume_references(job, doc.get("references"))
+
+
+def _resume_references(job: Job, records: Any) -> None:
+    """Each pipeline's latest reference window (see PlanCheck.resume_reference); none where the
+    record has none (an earlier release) or a malformed one (each is measured again before a plan
+    is judged, as ever)."""
+    if records is None:
+        return
+    try:
+        references = [_reference(r) for r in records]
+        if len(references) != job.spec.dp:
+            raise ValueError(f"{len(references)} pipelines' references for dp={job.spec.dp}")
+    except (TypeError, ValueError) as e:
+        log.warning("job %s: verification's reference windows not resumed: %s", job.job_id, e)
+        return
+    for check, reference in zip(job.model.checks, references):
+        if reference is not None:
+            check.resume_reference(*reference)
+
+
+def _reference(record: Any) -> tuple[float, float] | None:
+    """(median, noise) of a saved reference window, or None; ValueError or TypeError if malformed."""
+    if record is None:
+        return None
+    reference_s, noise = (float(v) for v in record)
+    if not (0 < reference_s < math.inf and 0 <= noise < math.inf):
+        raise ValueError(f"not a reference window's median and noise: {record!r}")
+    return reference_s, noise

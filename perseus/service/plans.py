@@ -159,7 +159,7 @@ class PlanBook:
 
     def publish(self, wanted: dict[int, PlanKey], start_iteration: int) -> list[int]:
         """Publish, with one new version starting at `start_iteration`, the wanted plan of every
-        pipeline whose plan changes (another key, or the same key solved anew: a re-plan after
+        pipeline whose clocks change (another key, or the same key solved anew: a re-plan after
         verification) and is solved; the pipelines changed."""
         changed: dict[int, tuple[PlanKey, PlanResult]] = {}
         for k, key in wanted.items():
@@ -171,12 +171,7 @@ class PlanBook:
                 result = self.results.get(key)
             if isinstance(result, PlanResult):
                 result = self.references.get(k, result)
-                if (
-                    k not in self.plans
-                    or self.plans[k].key != key
-                    or self.plans[k].result() != result
-                    or self.plans[k].reference != (k in self.references)
-                ):
+                if not self.runs(k, key, result):
                     changed[k] = (key, result)
         if not changed:
             return []
@@ -192,6 +187,19 @@ class PlanBook:
                 reference=k in self.references,
             )
         return sorted(changed)
+
+    def runs(self, pipeline: int, key: PlanKey, result: PlanResult) -> bool:
+        """Whether the pipeline already runs `result`'s clocks on its GPU models (a reference window
+        or not, alike): a plan solved for another deadline, or anew, that sets every instruction to
+        the clock it runs is no change. A new version would start verification over (a reference
+        window) and the planned mean with it, for iterations that run as before."""
+        plan = self.plans.get(pipeline)
+        return (
+            plan is not None
+            and plan.models == key[0]
+            and plan.reference == (pipeline in self.references)
+            and plan.stage_frequencies == result.stage_frequencies
+        )
 
     def restart(self) -> None:
         """The job runs again from iteration 0: every plan applies at once."""

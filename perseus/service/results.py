@@ -220,13 +220,15 @@ class Results:
             self.plans_solved += 1
             self.planning_s += seconds
             job.add_result(key, plan)
+            kept = job.kept(key, plan)
             log.info(
-                "job %s: solved %s in %.2f s: %.4f s, %.1f J per pipeline",
+                "job %s: solved %s in %.2f s: %.4f s, %.1f J per pipeline%s",
                 job_id,
                 _describe_key(key),
                 seconds,
                 plan.iteration_time_s,
                 plan.energy_j,
+                f"; the clocks pipeline {', '.join(map(str, kept))} already runs: no new plan version" if kept else "",
             )
             _warn_switches(job_id, key, plan, document.get("switches"))
             # The plan is in force once published; its full document is a record for the operator,

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from perseus.service.plans import PublishedPlan, Straggling
+from perseus.service.plans import PlanKey, PublishedPlan, Straggling
 from perseus.service.tally import Measured
 from perseus.service.verification import FALLBACK
 from perseus.wire.messages import JobStatus, PipelineStatus
 
 if TYPE_CHECKING:  # annotations only: job.py imports this module
     from perseus.service.job import Job
+
+#: What the reason of a pipeline whose new plan is being solved says (`perseus straggler` waits for it).
+SOLVING = "being solved"
 
 
 def describe(job: Job, measured: Measured) -> str:
@@ -46,11 +49,13 @@ def job_status(job: Job) -> JobStatus:
         time_p, energy_p, baseline_p = job.plan_book.predicted()
     measurements = job.measurements
     straggler = measurements.straggler()
+    wanted = job.wanted()
     pipelines = []
     for k in range(job.spec.dp):
         plan = job.plans.get(k)
         slow = straggler if straggler is not None and straggler[0] == k else None
         check = job.model.checks[k]
+        reasons = (check.reason, measurements.declared_off.get(k, (0.0, ""))[1], _replan(job, k, wanted))
         pipelines.append(
             PipelineStatus(
                 pipeline=k,
@@ -65,7 +70,7 @@ def job_status(job: Job) -> JobStatus:
                 verification=check.state,
                 verified_iteration_time_s=check.measured_s,
                 replans=check.replans,
-                reason="; ".join(r for r in (check.reason, measurements.declared_off.get(k, (0.0, ""))[1]) if r),
+                reason="; ".join(r for r in reasons if r),
             )
         )
     return JobStatus(
@@ -106,6 +111,24 @@ def _predicted_time(job: Job, plan: PublishedPlan | None, straggling: Straggling
     return max(job.plan_book.checked(plan).iteration_time_s, pace or 0.0)
 
 
+def _replan(job: Job, pipeline: int, wanted: dict[int, PlanKey]) -> str:
+    """The new plan the pipeline awaits (a straggler's pace changed, or there is none now), or why
+    it runs its no-slowdown plan where it should run at a straggler's pace."""
+    plan, key = job.plans.get(pipeline), wanted.get(pipeline)
+    if plan is None or key is None or plan.key == key:
+        return ""
+    solved = job.results.get(key)
+    if solved is None:
+        return f"its plan for {_deadline(key)} is {SOLVING}; plan v{plan.version} runs meanwhile"
+    if isinstance(solved, str):
+        return f"no plan for {_deadline(key)} ({solved}): it runs its no-slowdown plan"
+    return ""  # solved, with the clocks it runs (PlanBook.runs)
+
+
+def _deadline(key: PlanKey) -> str:
+    return "no slowdown" if key[1] is None else f"a deadline of {key[1]:.4f} s (a straggler's pace)"
+
+
 STRAGGLER_CHANGE = 0.05  # a job paced this much faster or slower than in its baseline ran another workload
 
 
@@ -126,12 +149,19 @@ def _straggler_changed(job: Job) -> str:
     if abs(factor / lag[1] - 1) <= STRAGGLER_CHANGE:
         return ""
     then = "no straggler" if lag[1] <= 1 + STRAGGLER_CHANGE else f"pipeline {lag[0]} at {lag[1]:.3f}x the others' time"
-    now = "no straggler" if straggler is None else f"pipeline {straggler[0]} straggling {factor:.3f}x"
-    return (
-        f"the baseline iterations ran with {then}, the planned ones with {now}: a job runs at its slowest "
-        "pipeline's pace, so its energy per iteration changed with its straggler, not with the plans alone "
-        "(predicted_saving is the plans' own figure)"
+    pace = (
+        "a job runs at its slowest pipeline's pace, so its energy per iteration changes with its straggler, not with "
+        "the plans alone (predicted_saving is the plans' own figure)"
     )
+    measurements = job.measurements
+    if straggler is None and not measurements.stragglers_measured():
+        return (
+            f"the baseline iterations ran with {then}, and whether the planned ones still do is not measured yet "
+            f"(stragglers are decided on {measurements.detector.min_samples} iterations of every pipeline under its "
+            f"plan): {pace}"
+        )
+    now = "no straggler" if straggler is None else f"pipeline {straggler[0]} straggling {factor:.3f}x ({straggler[2]})"
+    return f"the baseline iterations ran with {then}, the planned ones with {now}: {pace}"
 
 
 def _fallen_back(job: Job) -> str:

@@ -140,6 +140,14 @@ class PlanCheck:
         elif target_s is not None:
             self.state = VERIFYING
 
+    def resume_reference(self, reference_s: float, noise: float) -> None:
+        """The latest reference before the service restarted: the target (and its status) from it,
+        stale, so the next window still takes a fresh reference before any plan is judged (the
+        host's speed since is unknown)."""
+        self.reference_s, self.reference_noise = reference_s, noise
+        self.reference_end = self.measured - FRESH - 1
+        self.target_s = self._target()
+
     def _target(self) -> float | None:
         """The target: the latest reference's median at the plan's scale, else the baseline's."""
         if self.reference_s is not None and self.baseline_target_s is not None:

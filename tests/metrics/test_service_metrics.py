@@ -41,7 +41,8 @@ def metrics_url(served: Served) -> str:
 
 def run_job(endpoint: str) -> tuple[str, list]:
     """A 2-stage job through warm-up, profiles, planning and 3 planned iterations (as in
-    tests/server): rank r reports 30 J at warm-up and 26 + r J per planned iteration."""
+    tests/server): rank r reports 30 J per warm-up iteration (the first sets up: no baseline) and
+    26 + r J per planned iteration."""
     spec = job_spec()
     clients = [PlannerClient(endpoint, timeout_s=2.0, poll_interval_s=0.05) for _ in range(2)]
     job_id = clients[0].register_job(spec)
@@ -49,7 +50,8 @@ def run_job(endpoint: str) -> tuple[str, list]:
         client.register_rank(job_id, rank_info(r))
     wait_until(lambda: all(c.assignment(0).phase == Phase.WARMUP for c in clients))
     for r, client in enumerate(clients):
-        client.report_iteration(job_id, r, 0, 0.25, 30.0)
+        for it in (0, 1):
+            client.report_iteration(job_id, r, it, 0.25, 30.0)
     clients[1].assignment(9)
     clients[0].upload_profile(job_id, 0, stage_profile(0))
     clients[1].upload_profile(job_id, 1, stage_profile(1))
@@ -96,9 +98,9 @@ def test_a_scrape_shows_the_service_its_job_its_pipelines_and_stages(serve):
         ("perseus_pipeline_straggler_factor", pipeline, 1.0),
         ("perseus_pipeline_iteration_seconds", {**pipeline, "kind": "predicted"}, status.predicted_iteration_time_s),
         # Energy counters: every report of each stage's rank, warm-up and planned.
-        ("perseus_stage_energy_joules_total", {**pipeline, "stage": "0"}, 30 + 3 * 26),
-        ("perseus_stage_energy_joules_total", {**pipeline, "stage": "1"}, 30 + 3 * 27),
-        ("perseus_stage_iteration_reports_total", {**pipeline, "stage": "1"}, 4),
+        ("perseus_stage_energy_joules_total", {**pipeline, "stage": "0"}, 2 * 30 + 3 * 26),
+        ("perseus_stage_energy_joules_total", {**pipeline, "stage": "1"}, 2 * 30 + 3 * 27),
+        ("perseus_stage_iteration_reports_total", {**pipeline, "stage": "1"}, 5),
         ("perseus_service_jobs", {"phase": "planned"}, 1),
         ("perseus_service_requests_total", {"type": "status", "code": "unknown_job"}, 1),
     ]
@@ -130,3 +132,27 @@ def test_a_busy_port_is_a_clear_error(serve, tmp_path):
     port = metrics_url(first).rsplit(":", 1)[1].split("/")[0]
     with pytest.raises(RuntimeError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
         serve(tmp_path / "other", extra=("--metrics-port", port))
+
+
+def test_no_saving_is_claimed_before_a_plan_ran(serve):
+    """Before any planned iteration no saving is measured, so none is claimed: the gauge says 1,
+    as its help says (while no reason is withheld: there is no measurement to withhold)."""
+    served = serve(extra=("--metrics-port", "0"))
+    url = metrics_url(served)
+    clients = [PlannerClient(served.endpoint, timeout_s=2.0) for _ in range(2)]
+    try:
+        job_id = clients[0].register_job(job_spec(warmup_iterations=3))
+        for r, client in enumerate(clients):
+            client.register_rank(job_id, rank_info(r))
+            for it in (0, 1, 2):  # warm-up: the measured baseline (the first sets up)
+                client.report_iteration(job_id, r, it, 0.25, 30.0)
+        assert all(c.flush(5.0) for c in clients)
+        status = clients[0].status(job_id).jobs[0]
+        samples = wait_until(lambda: (s := scrape(url)).get(("perseus_job_last_iteration", (("job", job_id),))) and s)
+    finally:
+        for c in clients:
+            c.close()
+    assert status.baseline_iterations == 2 and status.plan_version == 0 and status.measured_saving is None
+    assert status.saving_withheld == ""
+    assert at(samples, "perseus_job_saving_withheld", job=job_id) == 1
+    assert ("perseus_job_measured_saving_ratio", (("job", job_id),)) not in samples

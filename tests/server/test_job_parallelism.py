@@ -108,9 +108,16 @@ def test_a_declared_straggler_sets_the_deadline_and_can_be_cleared():
     ((key, _),) = job.missing_plans()
     job.add_result(key, "planning failed: no plan")  # a deadline the planner cannot meet
     assert job.error == "" and job.publish() == []  # the pipelines keep their no-slowdown plans
+    assert job.status().pipelines[0].reason == (
+        "no plan for a deadline of 1.5000 s (a straggler's pace) (planning failed: no plan): it runs its "
+        "no-slowdown plan"
+    )
     job.declare_straggler(2, 1.25)
     ((key, _),) = job.missing_plans()
-    job.add_result(key, _result(1.25, 130.0))
+    assert "its plan for a deadline of 1.2500 s (a straggler's pace) is being solved; plan v1 runs meanwhile" in (
+        job.status().pipelines[0].reason
+    )
+    job.add_result(key, _result(1.25, 130.0, freq=1110))
     assert job.publish() == [0, 1] and job.plans[0].version == job.plans[1].version == 2
     assert job.status().pipelines[2].straggler == "declared" and job.status().pipelines[2].straggler_factor == 1.25
     with pytest.raises(ServiceError, match="dp=3"):
@@ -218,7 +225,7 @@ def test_record_round_trip_keeps_plans_uploads_and_declarations():
     job = _dp_job()
     job.declare_straggler(1, 1.2)
     ((key, _),) = job.missing_plans()
-    job.add_result(key, _result(1.2, 120.0))
+    job.add_result(key, _result(1.2, 120.0, freq=1110))
     job.publish()
     record = job.to_record()
     uploads = {"stage-0": stage_profile(0), "stage-1": stage_profile(1)}
@@ -365,6 +372,23 @@ def test_the_saving_is_claimed_only_while_the_straggler_is_the_baselines():
     assert restarted.measurements.baseline_lag() == job.measurements.baseline_lag()
 
 
+def test_before_the_planned_iterations_tell_their_straggler_the_saving_withheld_says_so():
+    """The baseline ran with pipeline 1 1.3x slow; the plans' first iterations are too few for the
+    detector to tell whether it still straggles: the saving is withheld, and not for "no
+    straggler" (nothing measured that yet), until it is told."""
+    job, ranks = _baseline_then_plan([1.0, 1.3])
+    ranks.run([1.0, 1.3], 3)
+    status = job.status()
+    assert status.planned_iterations > 0 and status.measured_saving is None
+    pattern = (
+        r"^the baseline iterations ran with pipeline 1 at 1\.\d+x the others' time, and whether the planned ones "
+        r"still do is not measured yet \(stragglers are decided on 5 iterations of every pipeline under its plan\)"
+    )
+    assert re.search(pattern, status.saving_withheld) and "no straggler" not in status.saving_withheld
+    ranks.run([1.0, 1.3], 6)
+    assert job.straggler()[:3:2] == (1, "detected") and job.status().saving_withheld == ""
+
+
 def test_a_straggler_that_appears_after_the_baseline_withholds_the_saving():
     job, ranks = _baseline_then_plan([1.0, 1.0])
     ranks.run([1.0, 1.0], 8)
@@ -374,6 +398,29 @@ def test_a_straggler_that_appears_after_the_baseline_withholds_the_saving():
     ranks.run([pace, 1.25], 6)
     withheld = job.status().saving_withheld
     assert withheld.startswith("the baseline iterations ran with no straggler, the planned ones with pipeline 1")
+    assert "(detected)" in withheld
+
+
+def test_a_plan_with_the_clocks_in_force_is_no_change():
+    """The straggler slows further: the plan solved for its new pace sets every instruction to the
+    clock pipeline 0 runs already. No new version then: its planned mean goes on, and its plan's
+    check (whose new plan would take a reference window) is not started over."""
+    job, ranks = _baseline_then_plan([1.0, 1.0])
+    ranks.run([1.0, 1.2], 12)
+    pace = _slow_to_pace(job)
+    ranks.run([pace, 1.2], 8)
+    version, planned, check = job.plan_book.last_version, job.status().planned_iterations, job.model.checks[0]
+    assert planned > 0 and check.version == version
+    ranks.run([pace, 1.35], 12)  # now 1.35x: another pace
+    ((key, _),) = job.missing_plans()
+    assert key[1] > pace and "being solved; plan v2 runs meanwhile" in job.status().pipelines[0].reason
+    same = _result(key[1], 120.0, freq=1110)
+    job.add_result(key, same)
+    assert job.kept(key, same) == [0] and job.publish() == []
+    status = job.status()
+    assert job.plan_book.last_version == version and job.plans[0].deadline_s == pace  # the plan in force stays
+    assert status.planned_iterations == planned + 12 and status.pipelines[0].reason == ""
+    assert job.model.checks[0] is check and check.version == version and check.start == job.plans[0].start_iteration
 
 
 def test_a_reference_window_neither_counts_as_planned_nor_restarts_the_planned_mean():

@@ -248,7 +248,7 @@ def test_job_tallies_measured_iterations_and_predicts_per_replica():
     for r, (stage, dp) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
         job.add_rank(rank_info(r, stage=stage, dp_index=dp))
     for r in range(4):
-        done = job.record(ReportIteration(job.job_id, r, 0, 1.0 + r / 10, 100.0))
+        done = job.record(ReportIteration(job.job_id, r, 1, 1.0 + r / 10, 100.0))
     assert done is not None and done[0].time_s == pytest.approx(1.3) and done[0].energy_j == pytest.approx(400.0)
     status = job.status()
     assert status.baseline_iterations == 1 and status.baseline_energy_j == pytest.approx(400.0)
@@ -309,15 +309,27 @@ def test_one_ranks_wild_iteration_moves_neither_the_job_nor_its_plans():
 
 
 def test_an_iteration_one_rank_reports_far_longer_than_the_others_is_left_out_of_the_means():
-    job = _job()
-    job.record(ReportIteration(job.job_id, 0, 0, 1.0, 100.0))
-    job.record(ReportIteration(job.job_id, 1, 0, 1.0, 100.0))
+    job = _job(warmup_iterations=3)
     job.record(ReportIteration(job.job_id, 0, 1, 1.0, 100.0))
-    done = job.record(ReportIteration(job.job_id, 1, 1, 86_400.0, 1e7))
+    job.record(ReportIteration(job.job_id, 1, 1, 1.0, 100.0))
+    job.record(ReportIteration(job.job_id, 0, 2, 1.0, 100.0))
+    done = job.record(ReportIteration(job.job_id, 1, 2, 86_400.0, 1e7))
     assert done is not None and done[0].odd_rank == 1
     status = job.status()
     assert status.baseline_iterations == 1 and status.baseline_energy_j == pytest.approx(200.0)
     assert job.measurements.odd == 1
+
+
+def test_the_first_iteration_sets_up_and_is_no_part_of_the_baseline():
+    """Ranks that send no spans: the job's baseline is its warm-up iterations after the first, as
+    with spans (iteration 0 sets up: allocations, caches, compilation)."""
+    job = _job(warmup_iterations=3)
+    for iteration, time_s, energy_j in ((0, 4.0, 900.0), (1, 1.0, 100.0), (2, 1.1, 120.0), (3, 0.9, 80.0)):
+        for r in (0, 1):
+            job.record(ReportIteration(job.job_id, r, iteration, time_s, energy_j))
+    status = job.status()
+    assert status.baseline_iterations == 2 and status.baseline_iteration_time_s == pytest.approx(1.05)
+    assert status.baseline_energy_j == pytest.approx(220.0)
 
 
 def test_a_job_of_one_pipeline_refuses_a_straggler_declaration():

@@ -42,19 +42,26 @@ class Ranks:
         assert all(c.flush(5.0) for c in self.clients)
 
 
+def planned(endpoint: str) -> tuple[Ranks, str]:
+    """A job of two pipelines of two stages on the service at `endpoint`, each rank at plan v1."""
+    spec = job_spec(world_size=4, dp=2, rank_mapping="torch")  # ranks 0, 1: pipeline 0; 2, 3: pipeline 1
+    clients = [PlannerClient(endpoint, timeout_s=2.0, poll_interval_s=0.05) for _ in range(4)]
+    ranks = Ranks(clients)
+    job_id = clients[0].register_job(spec)
+    for r, c in enumerate(clients):
+        c.register_rank(job_id, rank_info(r, stage=r % 2, dp_index=r // 2))
+    for s in (0, 1):
+        clients[s].upload_profile(job_id, s, stage_profile(s))
+    assert all(c.wait_for_plan(20.0) for c in clients)
+    return ranks, job_id
+
+
 def test_declared_and_detected_stragglers_replan_the_other_pipeline(serve, capsys):
     served = serve()
     ep = served.endpoint
-    spec = job_spec(world_size=4, dp=2, rank_mapping="torch")  # ranks 0, 1: pipeline 0; 2, 3: pipeline 1
-    clients = [PlannerClient(ep, timeout_s=2.0, poll_interval_s=0.05) for _ in range(4)]
-    ranks = Ranks(clients)
+    ranks, job_id = planned(ep)
+    clients = ranks.clients
     try:
-        job_id = clients[0].register_job(spec)
-        for r, c in enumerate(clients):
-            c.register_rank(job_id, rank_info(r, stage=r % 2, dp_index=r // 2))
-        for s in (0, 1):
-            clients[s].upload_profile(job_id, s, stage_profile(s))
-        assert all(c.wait_for_plan(20.0) for c in clients)
         base = ranks.until_version([0, 1, 2, 3], 1)
         assert base[0].frequencies == base[2].frequencies and base[0].phase == Phase.PLANNED
         base_time = clients[0].status(job_id).jobs[0].pipelines[0].predicted_iteration_time_s
@@ -114,6 +121,49 @@ def test_declared_and_detected_stragglers_replan_the_other_pipeline(serve, capsy
             clients[0].declare_straggler(job_id, 2, 1.2)
     finally:
         for c in clients:
+            c.close()
+
+
+def test_a_declaration_its_iterations_contradict_gets_no_plan_and_the_reply_says_so(serve, capsys):
+    """Pipeline 1 runs as fast as pipeline 0, and is declared 1.5x slow: its measured iterations
+    contradict that at once, so no plan is solved for the declared pace (an outsider's reply
+    showed one as in force, withdrawn at the next iteration) and the reply says why."""
+    served = serve()
+    ranks, job_id = planned(served.endpoint)
+    try:
+        ranks.until_version([0, 1, 2, 3], 1)
+        base_time = ranks.clients[0].status(job_id).jobs[0].pipelines[0].predicted_iteration_time_s
+        ranks.report(8, 1.0, job_id, {1: base_time})
+        declare = ["straggler", "--job", job_id, "--pipeline", "1", "--factor", "1.5", "--address", served.endpoint]
+        assert main(declare) == 0
+        out = capsys.readouterr().out
+        assert "nothing to re-plan: no straggler sets a pace, and the plans in force already run the clocks" in out
+        assert "pipeline 1: declared 1.500x, contradicted by measurement: its iterations measure 1.0" in out
+        assert "the measured factor sets the pace: none, it is no straggler" in out and "--factor 1.00" in out
+        assert f"{1.5 * base_time:.4f}" not in out and "no plan published" not in out
+        assert "deadline" not in served.log().split("pipeline 1 declared 1.500x, contradicted")[1]  # none solved
+        job = ranks.clients[0].status(job_id).jobs[0]
+        assert job.plan_version == 1 and [p.straggler for p in job.pipelines] == ["", ""]
+    finally:
+        for c in ranks.clients:
+            c.close()
+
+
+def test_a_clear_that_changes_no_plan_says_so_at_once(serve, capsys):
+    """Nothing is declared: --clear changes no plan, and says so (and why) without waiting for a
+    re-plan that never comes (it used to wait 5 s and say no plan was published)."""
+    served = serve()
+    ranks, job_id = planned(served.endpoint)
+    try:
+        ranks.until_version([0, 1, 2, 3], 1)
+        assert main(["straggler", "--job", job_id, "--pipeline", "1", "--clear", "--address", served.endpoint]) == 0
+        out = capsys.readouterr().out
+        held = "nothing to re-plan: pipeline 1 held no declaration that set the pace; "
+        assert f"job {job_id}: pipeline 1 cleared\n{held}" in out
+        assert "no straggler sets a pace, and the plans in force already run the clocks for it" in out
+        assert "no plan published" not in out and "v1" in out
+    finally:
+        for c in ranks.clients:
             c.close()
 
 

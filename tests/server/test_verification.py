@@ -556,6 +556,29 @@ def test_a_restarted_service_keeps_the_calibration_margin_and_baseline():
     )
 
 
+def test_a_restarted_service_shows_the_latest_references_target_and_measures_a_fresh_one(caplog):
+    """The host slowed 5% since the baseline: the reference window's median is the target. A
+    restarted service shows that target (not the baseline's, stale), and still takes a fresh
+    reference before it judges the plan again."""
+    job = calibrated_job()
+    solve(job)
+    baseline = job.status().pipelines[0].target_iteration_time_s
+    assert run_windows(job, baseline * 1.05, baseline * 1.05, 3) == [REFERENCE, RESUME, HOLDS]
+    target = job.status().pipelines[0].target_iteration_time_s
+    assert target == pytest.approx(baseline * 1.05)
+    record = json.loads(json.dumps(job.to_record()))
+    profiles = {f"stage-{s}": job.profiles[job.spec.gpu_model][s] for s in range(STAGES)}
+    again = Job.from_record(record, profiles, {})
+    pipeline = again.status().pipelines[0]
+    assert pipeline.target_iteration_time_s == pytest.approx(target) and pipeline.verification == "verifying"
+    assert run_windows(again, target, target, 1) == [REFERENCE]  # judged only against a fresh one
+
+    with caplog.at_level(logging.WARNING, logger="perseus.service.persistence"):
+        damaged = Job.from_record({**record, "references": [[0.0, 0.01]]}, profiles, {})
+    assert damaged.status().pipelines[0].target_iteration_time_s == pytest.approx(baseline)
+    assert "verification's reference windows not resumed" in caplog.text
+
+
 def _over(job: Job):
     """The pipeline's plan 6% over its target, against a fresh reference: the verdict."""
     target = job.status().pipelines[0].target_iteration_time_s
