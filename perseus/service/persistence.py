@@ -7,7 +7,8 @@ pipeline's too, which tells whether a straggler slowed it), the mean of the plan
 the latest iteration (saved every MEASURED_SAVE_S while iterations come: a finished job's status
 tells them after a restart), and each
 pipeline model's calibration, verification margin and measured baseline are, each pipeline's
-latest reference window at maximum clocks (its plan's target, until a fresh one is measured), and
+latest reference window at maximum clocks (its plan's target, until a fresh one is measured) and
+re-plans so far (their cap holds across restarts), and
 the straggler detected last (the plans in force were made for it: the detector starts from it, so a
 restart neither forgets it until it is detected again nor keeps its plans after it recovered).
 """
@@ -25,6 +26,7 @@ from perseus.service.plans import PublishedPlan, plan_result
 from perseus.service.tally import Mean
 from perseus.service.text import clip
 from perseus.service.timelines import ModelState
+from perseus.service.verification import MAX_REPLANS
 from perseus.wire.spec import RankInfo
 
 if TYPE_CHECKING:  # annotations only: job.py imports this module
@@ -58,6 +60,7 @@ def to_record(job: Job) -> dict[str, Any]:
         "last_iteration": max(job.last_iteration, job.measurements.saved_iteration),
         "models": [[list(m), state.to_record()] for m, state in job.model.calibrations.states.items()],
         "references": [None if c.reference_s is None else [c.reference_s, c.reference_noise] for c in job.model.checks],
+        "replans": [c.replans for c in job.model.checks],
     }
 
 
@@ -145,6 +148,7 @@ def restore(job: Job, doc: dict[str, Any], stage_profiles: dict[str, Profile], c
         log.warning("job %s: measured planned iterations not resumed: %s", job.job_id, e)
     job.model.plans_published(job.plans, sorted(job.plans), job.pipelines_of)
     _resume_references(job, doc.get("references"))
+    _resume_replans(job, doc.get("replans"))
 
 
 def _resume_references(job: Job, records: Any) -> None:
@@ -163,6 +167,22 @@ def _resume_references(job: Job, records: Any) -> None:
     for check, reference in zip(job.model.checks, references):
         if reference is not None:
             check.resume_reference(*reference)
+
+
+def _resume_replans(job: Job, records: Any) -> None:
+    """Each pipeline's re-plans so far: the cap on them holds across restarts. None where the record
+    has none (an earlier release) or a malformed one (counted from 0 again)."""
+    if records is None:
+        return
+    try:
+        replans = [int(r) for r in records]
+        if len(replans) != job.spec.dp or not all(0 <= r <= MAX_REPLANS for r in replans):
+            raise ValueError(f"not {job.spec.dp} pipelines' re-plans, each 0 to {MAX_REPLANS}: {records!r}")
+    except (TypeError, ValueError) as e:
+        log.warning("job %s: verification's re-plan counts not resumed: %s", job.job_id, e)
+        return
+    for check, count in zip(job.model.checks, replans):
+        check.replans = count
 
 
 def _reference(record: Any) -> tuple[float, float] | None:

@@ -554,6 +554,8 @@ def test_a_restarted_service_keeps_the_calibration_margin_and_baseline():
     assert pipeline.verification == "verifying" and pipeline.target_iteration_time_s == pytest.approx(
         job.status().pipelines[0].target_iteration_time_s
     )
+    assert pipeline.replans == job.status().pipelines[0].replans == 1  # the cap on re-plans holds across restarts
+    assert Job.from_record({**record, "replans": ["x"]}, profiles, {}).status().pipelines[0].replans == 0
 
 
 def test_a_restarted_service_shows_the_latest_references_target_and_measures_a_fresh_one(caplog):
