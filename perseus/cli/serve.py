@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
+import os
 import signal
 import sys
 
@@ -192,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         evict_idle_s=args.evict_idle_minutes * 60,
     )
     security = CurveServer(args.curve_keys) if args.curve_keys else PLAINTEXT
+    claim = _claim_state_dir(args.state_dir or default_state_dir())  # held until this process exits
     service = PlannerService(
         args.bind, args.state_dir, security=security, insecure=args.insecure, log_every=args.log_every, budget=budget
     )
@@ -219,7 +222,33 @@ def run(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.close()
         service.close()
+        os.close(claim)
     return 0
+
+
+def _claim_state_dir(state_dir: str) -> int:
+    """An exclusive lock on the state directory (its file `serve.lock`, holding this pid): two
+    services resuming the same jobs would each plan them and overwrite each other's records."""
+    path = os.path.join(os.path.expanduser(state_dir), "serve.lock")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot use the state directory {state_dir}: {e.strerror or e}; pass a writable --state-dir"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(
+            f"another perseus serve (pid {holder}) uses the state directory {state_dir}; stop it, or give this "
+            "service its own --state-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
 
 
 def _reload_keys(security: Security, keys_dir: str | None) -> None:

@@ -11,7 +11,7 @@ import signal
 
 import msgpack
 import pytest
-from server_helpers import FREQUENCIES, job_spec, rank_info, raw_request, request, stage_profile, wait_until
+from server_helpers import FREQUENCIES, Served, job_spec, rank_info, raw_request, request, stage_profile, wait_until
 
 from perseus.client.planner_client import PlannerClient
 from perseus.planner import Planner
@@ -254,3 +254,17 @@ def test_bind_errors_say_what_to_change(serve, tmp_path):
                 service.bind()
         finally:
             service.close()
+
+
+def test_a_second_service_on_the_same_state_directory_is_refused(tmp_path):
+    """Two services resuming the same jobs would plan them twice and overwrite each other's records."""
+    first = Served(tmp_path / "state")
+    try:
+        with pytest.raises(RuntimeError) as refused:
+            Served(tmp_path / "state")
+        assert f"another perseus serve (pid {first.proc.pid}) uses the state directory" in str(refused.value)
+        assert "its own --state-dir" in str(refused.value)
+    finally:
+        assert first.stop() == 0
+    second = Served(tmp_path / "state")  # free again once the first stopped
+    assert second.stop() == 0
