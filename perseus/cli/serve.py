@@ -177,9 +177,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+# Checked here, so that an error names the flag (the Budget's own check names its fields).
+BUDGET_FLAGS = (
+    "--max-jobs",
+    "--memory-budget-mib",
+    "--max-job-ranks",
+    "--max-job-pipelines",
+    "--max-plan-choices",
+    "--planning-workers",
+    "--job-ttl-hours",
+    "--evict-idle-minutes",
+)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.log_every < 1:
         raise ConfigError(f"--log-every must be 1 or more (log every N-th planned iteration), got {args.log_every}")
+    for flag in BUDGET_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not value > 0:
+            raise ConfigError(f"{flag} must be more than 0, got {value:g}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )

@@ -49,8 +49,14 @@ def check_job_id(job: str | None) -> None:
 
 
 def unreachable(args: argparse.Namespace) -> ServiceError:
+    """No answer: the service is down, or (CURVE gives a client no other sign) refuses this client's key."""
+    keys = (
+        f"; is it running, and does it accept the key {args.client!r} (--client) from {args.curve_keys}?"
+        if args.curve_keys
+        else "; is it running? (A service started with --curve-keys answers only clients that pass --curve-keys.)"
+    )
     return ServiceError(
-        "unreachable", f"the planner service at {args.address} did not answer within {args.timeout:g} s; is it running?"
+        "unreachable", f"the planner service at {args.address} did not answer within {args.timeout:g} s{keys}"
     )
 
 

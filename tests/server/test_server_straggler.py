@@ -179,6 +179,8 @@ def test_straggler_and_serve_flag_errors_name_the_flag_or_the_service(tmp_path, 
     assert "--timeout is in seconds" in capsys.readouterr().err
     assert main(["serve", "--log-every", "0"]) == 1
     assert "--log-every must be 1 or more" in capsys.readouterr().err
+    assert main(["serve", "--job-ttl-hours", "-1"]) == 1
+    assert "--job-ttl-hours must be more than 0, got -1" in capsys.readouterr().err
     assert main(job) == 1
     assert "did not answer within 0.3 s; is it running?" in capsys.readouterr().err
     # The client's warning to training ranks ("training continues ...") is not shown to an operator.
