@@ -16,7 +16,6 @@ leased, as no one else would.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import itertools
 import logging
 import os
@@ -57,6 +56,7 @@ from perseus.devices.gpu import GPU
 from perseus.devices.select import gpu_backend
 from perseus.devices.sim import SimGPU
 from perseus.exceptions import ConfigError, DeviceError
+from perseus.pidlock import take_pid_lock
 from perseus.wire.fields import Message
 
 logger = logging.getLogger(__name__)
@@ -265,18 +265,12 @@ class Agent:
     def _take_lock_file(self) -> None:
         path = self.config.socket_path + ".lock"
         os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o755, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-            os.close(fd)
+        fd = take_pid_lock(path)
+        if isinstance(fd, str):
             raise ConfigError(
-                f"another perseus agent (pid {holder}) serves {self.config.socket_path}; stop it first, or give "
+                f"another perseus agent (pid {fd}) serves {self.config.socket_path}; stop it first, or give "
                 "this one another --socket"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+            )
         self._lock_file = fd
 
     def _release_lock_file(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
 import os
 import signal
@@ -12,6 +11,7 @@ import sys
 from perseus.exceptions import ConfigError
 from perseus.metrics.exporter import DEFAULT_HOST as DEFAULT_METRICS_HOST
 from perseus.metrics.exporter import MetricsServer, start_metrics_server
+from perseus.pidlock import take_pid_lock
 from perseus.service.budget import Budget
 from perseus.service.service import PlannerService
 from perseus.service.state import default_state_dir
@@ -244,27 +244,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _claim_state_dir(state_dir: str) -> int:
-    """An exclusive lock on the state directory (its file `serve.lock`, holding this pid): two
-    services resuming the same jobs would each plan them and overwrite each other's records."""
-    path = os.path.join(os.path.expanduser(state_dir), "serve.lock")
+    """An exclusive lock on the state directory (its file `serve.lock`): two services resuming the
+    same jobs would each plan them and overwrite each other's records."""
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        os.makedirs(os.path.expanduser(state_dir), exist_ok=True)
+        fd = take_pid_lock(os.path.join(os.path.expanduser(state_dir), "serve.lock"))
     except OSError as e:
         raise ConfigError(
             f"cannot use the state directory {state_dir}: {e.strerror or e}; pass a writable --state-dir"
         ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-        os.close(fd)
+    if isinstance(fd, str):
         raise ConfigError(
-            f"another perseus serve (pid {holder}) uses the state directory {state_dir}; stop it, or give this "
+            f"another perseus serve (pid {fd}) uses the state directory {state_dir}; stop it, or give this "
             "service its own --state-dir"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+        )
     return fd
 
 
