@@ -264,8 +264,14 @@ class Agent:
     # The socket
     def _take_lock_file(self) -> None:
         path = self.config.socket_path + ".lock"
-        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o755, exist_ok=True)
-        fd = take_pid_lock(path)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o755, exist_ok=True)
+            fd = take_pid_lock(path)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot create {path} beside the agent's socket: {e.strerror or e}; give --socket a path in a "
+                "folder this user may write (the default, /run/perseus, needs root)"
+            ) from None
         if isinstance(fd, str):
             raise ConfigError(
                 f"another perseus agent (pid {fd}) serves {self.config.socket_path}; stop it first, or give "

@@ -251,6 +251,14 @@ def test_one_agent_per_socket(node, thread_agent):
         ThreadAgent(node)
 
 
+def test_a_socket_folder_the_agent_cannot_create_is_a_clear_error(node, thread_agent):
+    with open(os.path.join(node.root, "file"), "w"):
+        pass
+    node.socket = os.path.join(node.root, "file", "agent.sock")  # a folder where a file is
+    with pytest.raises(ConfigError, match="beside the agent's socket: .*; give --socket a path in a folder"):
+        thread_agent()
+
+
 def test_the_socket_gets_its_mode_and_group(node, thread_agent):
     thread_agent(mode=0o660, group=65534)
     st = os.stat(node.socket)
