@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TypeVar
 
+from perseus.agent.location import is_socket
 from perseus.agent.protocol import (
     Acquire,
     AgentError,
@@ -53,6 +54,10 @@ DEFAULT_TIMEOUT_S = 5.0
 UNREACHABLE = "unreachable"
 M = TypeVar("M", bound=Message)
 BUSY = "busy"
+START_OR_POINT = (
+    "start the agent (`perseus agent`, or `systemctl start perseus-agent`), point PERSEUS_AGENT at its socket, or "
+    "set PERSEUS_AGENT=off to write directly (needs root)"
+)
 
 
 def client_name() -> str:
@@ -216,12 +221,7 @@ class AgentClient:
             sock.connect(self.path)
         except FileNotFoundError:
             sock.close()
-            raise AgentError(
-                UNREACHABLE,
-                f"no perseus agent socket at {self.path}: start the agent (`perseus agent`, or `systemctl start "
-                "perseus-agent`), point PERSEUS_AGENT at its socket, or set PERSEUS_AGENT=off to write directly "
-                "(needs root)",
-            ) from None
+            raise AgentError(UNREACHABLE, f"no perseus agent socket at {self.path}: {START_OR_POINT}") from None
         except PermissionError:
             sock.close()
             raise DevicePermissionError(
@@ -231,9 +231,13 @@ class AgentClient:
             ) from None
         except ConnectionRefusedError:
             sock.close()
+            if not is_socket(self.path):
+                raise AgentError(
+                    UNREACHABLE, f"{self.path} is not a Unix socket (no perseus agent listens there): {START_OR_POINT}"
+                ) from None
             raise AgentError(
                 UNREACHABLE,
-                f"nothing listens on {self.path}: the perseus agent is not running (a stopped agent's socket?)",
+                f"nothing listens on {self.path}, the socket of a perseus agent that stopped: {START_OR_POINT}",
             ) from None
         except OSError as e:
             sock.close()

@@ -10,7 +10,8 @@ timeout. GPU calls are serialised per GPU, so a slow driver call on one GPU dela
 
 At start the agent resets every GPU the lease file says was leased when the previous agent
 stopped (its clients' connections died with it), then listens; on SIGTERM it resets the GPUs still
-leased, as no one else would.
+leased, as no one else would. Each GPU it serves is claimed first (perseus.agent.claims): a second
+agent on another socket is refused before it can touch them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from perseus.agent.leases import Lease, LeaseConflict, LeaseTable, read_stale_leases
+from perseus.agent.claims import CLAIMS_DIR, claim_gpus, release
+from perseus.agent.leases import Lease, LeaseConflict, LeaseTable, read_lease_file
 from perseus.agent.peer import PeerCredentials, peer_credentials
 from perseus.agent.protocol import (
     SM_CLOCK,
@@ -53,6 +55,7 @@ from perseus.agent.protocol import (
 )
 from perseus.agent.sim_folder import remove_marker, share, write_marker
 from perseus.devices.gpu import GPU
+from perseus.devices.reset import ResetOutcome, reset
 from perseus.devices.select import gpu_backend
 from perseus.devices.sim import SimGPU
 from perseus.exceptions import ConfigError, DeviceError
@@ -79,6 +82,7 @@ class AgentConfig:
     group: int | None = None  # the socket's group (None: the agent's)
     max_connections: int = 256
     admin_uids: frozenset[int] = field(default_factory=lambda: frozenset({0, os.geteuid()}))
+    claims_dir: str = CLAIMS_DIR  # where real GPUs are claimed (simulated ones: in their folder)
 
     def __post_init__(self) -> None:
         if not 0.05 <= self.timeout_s <= 3600:
@@ -110,7 +114,6 @@ class _Connection:
         self.peer = peer
         self.client: str | None = None  # from hello
         self.client_pid = 0
-        self.revoked: set[str] = set()
 
     def holder(self) -> Holder:
         return Holder(
@@ -146,6 +149,7 @@ class Agent:
         self.leases = LeaseTable(config.state_path)
         self._listener: socket.socket | None = None
         self._lock_file: int | None = None
+        self._claims: list[int] = []
         self._socket_ino: int | None = None
         self._connections: dict[int, _Connection] = {}
         self._threads: dict[int, threading.Thread] = {}
@@ -168,6 +172,15 @@ class Agent:
         another running agent's or cannot be made."""
         self._take_lock_file()
         try:
+            self._claims = claim_gpus(
+                {
+                    uuid: (
+                        gpu.index,
+                        self.sim_dir if self.sim_dir and isinstance(gpu, SimGPU) else self.config.claims_dir,
+                    )
+                    for uuid, gpu in self._gpus.items()
+                }
+            )
             if self.sim_dir is not None:
                 group = self.config.group if self.config.group is not None else os.getegid()
                 share(self.sim_dir, self.config.mode, group)
@@ -176,8 +189,14 @@ class Agent:
             if self.sim_dir is not None:
                 write_marker(self.sim_dir, self.config.socket_path)
         except BaseException:
-            self._release_lock_file()
+            self._release_locks()
             raise
+        if self.config.mode & 0o002:
+            logger.warning(
+                "the socket's mode %03o lets every user of this node connect, and so lease GPUs and change their "
+                "clocks; give it 660 and --group the users who train",
+                self.config.mode,
+            )
         logger.info(
             "serving %d GPU(s)%s on %s (mode %o, group %s; heartbeat timeout %g s; leases in %s)",
             len(self._gpus),
@@ -258,7 +277,7 @@ class Agent:
             thread.join(timeout=5.0)
         for lease in self.leases.clear():  # a connection thread stuck in a GPU call
             self._restore(lease, "the agent stopped")
-        self._release_lock_file()
+        self._release_locks()
         logger.info("stopped")
 
     # The socket
@@ -279,7 +298,8 @@ class Agent:
             )
         self._lock_file = fd
 
-    def _release_lock_file(self) -> None:
+    def _release_locks(self) -> None:
+        release(self._claims)
         if self._lock_file is not None:
             os.close(self._lock_file)
             self._lock_file = None
@@ -315,9 +335,10 @@ class Agent:
     def _reset_stale(self) -> None:
         """Reset the GPUs the lease file says were leased when the last agent stopped."""
         try:
-            stale = read_stale_leases(self.config.state_path)
+            stale, revoked = read_lease_file(self.config.state_path)
         except ConfigError as e:
             logger.error("%s; resetting every GPU, as any may have been leased", e)
+            revoked = []
             stale = [Lease(uuid, gpu.index, Holder(0, 0, 0, "unknown", 0, 0.0), 0) for uuid, gpu in self._gpus.items()]
         for lease in stale:
             if lease.uuid not in self._gpus:
@@ -328,50 +349,25 @@ class Agent:
                 )
                 continue
             self._restore(lease, "the previous agent stopped while it was leased", level=logging.WARNING)
-        self.leases.save()  # an empty file: what was stale is reset
+        self.leases.keep_revoked(revoked)
+        self.leases.save()  # no leases: what was stale is reset
 
     def _restore(self, lease: Lease, why: str, level: int = logging.INFO, began: float | None = None) -> None:
         """Put a GPU whose lease ended back at default clocks and power limit; log what changed."""
         gpu = self._gpus[lease.uuid]
         began = time.monotonic() if began is None else began
-        changes, failures = [], []
         with self._gpu_locks[lease.uuid]:
-            for name, read, reset, unit in (
-                ("SM clock", gpu.sm_clock, gpu.reset_sm_clock, "MHz"),
-                ("power limit", lambda: f"{gpu.power_limit_mw() / 1000:g}", gpu.reset_power_limit, "W"),
-            ):
-                try:
-                    before = _read_or(read, "?")
-                    reset()
-                    after = _read_or(read, "?")
-                    if before != after:
-                        changes.append(f"{name} {before} -> {after} {unit}")
-                except Exception as e:  # each setting is tried; a failure is logged, never raised
-                    failures.append(f"{name}: {e}")
+            try:
+                outcome = reset(gpu)
+            except Exception as e:  # a bug or a driver's surprise: logged, never raised
+                outcome = ResetOutcome(failed=["SM clock", "power limit"], errors=[f"{type(e).__name__}: {e}"])
         took_ms = (time.monotonic() - began) * 1000
         holder = f"pid {lease.holder.pid} (uid {lease.holder.uid}, {lease.holder.client!r})"
-        done = "; ".join(changes) or "already at defaults"
-        if failures:
-            logger.error(
-                "GPU %d (%s) of %s: %s; resetting failed: %s (%.1f ms)",
-                gpu.index,
-                lease.uuid,
-                holder,
-                why,
-                "; ".join(failures),
-                took_ms,
-            )
+        if outcome.errors:
+            level, what = logging.ERROR, f"resetting failed: {outcome.summary()} ({'; '.join(outcome.errors)})"
         else:
-            logger.log(
-                level,
-                "GPU %d (%s) of %s: %s; reset to defaults: %s (%.1f ms)",
-                gpu.index,
-                lease.uuid,
-                holder,
-                why,
-                done,
-                took_ms,
-            )
+            what = f"reset to defaults: {outcome.summary()}"
+        logger.log(level, "GPU %d (%s) of %s: %s; %s (%.1f ms)", gpu.index, lease.uuid, holder, why, what, took_ms)
 
     # Serving one connection
     def _serve(self, conn: _Connection) -> None:
@@ -462,14 +458,15 @@ class Agent:
 
     def _acquire(self, conn: _Connection, request: Acquire) -> Granted:
         gpus = [(uuid, self._gpu(uuid).index) for uuid in request.uuids]
-        revoked = [uuid for uuid in request.uuids if uuid in conn.revoked]
+        holder = conn.holder()
+        revoked = [uuid for uuid in request.uuids if self.leases.was_revoked(uuid, holder)]
         if revoked:
             raise AgentRejected(
                 AgentErrorCode.FORBIDDEN,
                 f"an administrator revoked this process's lease on GPU {self._gpus[revoked[0]].index} ({revoked[0]})",
             )
         try:
-            granted = self.leases.acquire(conn.number, conn.holder(), gpus)
+            granted = self.leases.acquire(conn.number, holder, gpus)
         except LeaseConflict as e:
             held = e.lease
             raise AgentRejected(
@@ -518,11 +515,6 @@ class Agent:
         for uuid in request.uuids:
             self._gpu(uuid)
         ended = self.leases.revoke(list(request.uuids))
-        with self._conn_lock:
-            for lease in ended:
-                holder = self._connections.get(lease.connection)
-                if holder is not None:
-                    holder.revoked.add(lease.uuid)
         for lease in ended:
             self._restore(lease, f"lease revoked by {conn.who()}", logging.WARNING)
         return Revoked(tuple(lease.uuid for lease in ended))

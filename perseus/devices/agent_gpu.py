@@ -25,7 +25,8 @@ from perseus.devices.amd import AMDGPU
 from perseus.devices.gpu import GPU
 from perseus.devices.nvml import NVMLGPU
 from perseus.devices.select import gpu_backend
-from perseus.devices.sim import SIM_DIR_ENV, SimGPU, sim_dir
+from perseus.devices.sim import SIM_DIR_ENV, SimGPU, sim_dir, sim_uuid
+from perseus.devices.sim_presets import PRESETS
 from perseus.exceptions import ConfigError, PerseusError
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,13 @@ def serving_problem(gpu: GPU, uuid: str, served: Welcome, where: str) -> str | N
         mine = os.path.dirname(gpu.state_path)
         if served.sim_dir is None or not _same_folder(mine, served.sim_dir):
             return _folder_problem(mine, served.sim_dir, where)
+    if uuid not in served.uuids and isinstance(gpu, SimGPU):
+        theirs = _sim_spec(served.uuids)
+        return (
+            f"{where} does not serve this process's GPU {gpu.index} ({uuid}, sim:{gpu.preset.name} GPU {gpu.index}); "
+            f"it serves {theirs or ', '.join(served.uuids[:8]) or 'none'}: select the GPUs it serves"
+            f"{f' (PERSEUS_GPU={theirs})' if theirs else ''}, or run the agent on this process's (its --gpu)"
+        )
     if uuid not in served.uuids:
         shown = ", ".join(served.uuids[:8]) + (f" and {len(served.uuids) - 8} more" if len(served.uuids) > 8 else "")
         return (
@@ -168,6 +176,15 @@ def serving_problem(gpu: GPU, uuid: str, served: Welcome, where: str) -> str | N
             "agent on every GPU of the node (its --gpu and --gpu-indices), or set PERSEUS_AGENT=off to write "
             "directly (needs root)"
         )
+    return None
+
+
+def _sim_spec(uuids: tuple[str, ...]) -> str | None:
+    """The simulated GPUs with these UUIDs as a GPU spec (`sim:a100-sxm:2`), if they are the first
+    GPUs of one model."""
+    for name in PRESETS:
+        if set(uuids) == {sim_uuid(name, i) for i in range(len(uuids))}:
+            return f"sim:{name}:{len(uuids)}"
     return None
 
 

@@ -64,6 +64,11 @@ from perseus.exceptions import ConfigError, DeviceError, DevicePermissionError
 SIM_DIR_ENV = "PERSEUS_SIM_DIR"
 
 
+def sim_uuid(preset: str, index: int) -> str:
+    """Simulated GPU `index` of model `preset`'s UUID: the same in every process and folder."""
+    return "GPU-" + str(uuid_lib.uuid5(uuid_lib.NAMESPACE_URL, f"perseus-sim:{preset}:{index}"))
+
+
 def sim_dir() -> str:
     """The runtime folder holding simulated GPU state files."""
     return os.environ.get(SIM_DIR_ENV) or f"/tmp/perseus-sim-{os.getuid()}"
@@ -143,7 +148,7 @@ class SimGPU(GPU):
         return f"{self.preset.product} (simulated)"
 
     def uuid(self) -> str:
-        return "GPU-" + str(uuid_lib.uuid5(uuid_lib.NAMESPACE_URL, f"perseus-sim:{self.preset.name}:{self.index}"))
+        return sim_uuid(self.preset.name, self.index)
 
     def has_energy_counter(self) -> bool:
         return True

@@ -385,7 +385,14 @@ class CurveClient:
     def from_dir(cls, keys_dir: str | os.PathLike, name: str = DEFAULT_CLIENT) -> CurveClient:
         """Client `name`'s keys from a `perseus keys` folder."""
         root = Path(keys_dir).expanduser()
-        return cls(root / "clients" / f"{name}.key_secret", root / "server" / f"{SERVER_NAME}.key")
+        secret = root / "clients" / f"{name}.key_secret"
+        if root.is_dir() and not secret.exists():
+            names = sorted(p.name.removesuffix(".key_secret") for p in (root / "clients").glob("*.key_secret"))
+            raise ConfigError(
+                f"{root} has no client key named {name!r} (it has {', '.join(names) or 'none'}): pass --client NAME "
+                f"({CLIENT_ENV} for ranks), or add one with `perseus keys --dir {root} --client {name}`"
+            )
+        return cls(secret, root / "server" / f"{SERVER_NAME}.key")
 
     def configure_server(self, socket: zmq.Socket) -> None:
         raise ConfigError("CurveClient configures client sockets; the service uses CurveServer")

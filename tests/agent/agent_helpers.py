@@ -73,6 +73,7 @@ class ThreadAgent:
     def __init__(self, node: Node, timeout_s: float = 5.0, gpus: list[GPU] | None = None, **config) -> None:
         self.node = node
         gpus = node.sim_gpus() if gpus is None else gpus
+        config.setdefault("claims_dir", node.root)  # real (fake NVML) GPUs: claimed in the node's folder
         self.agent = Agent(gpus, AgentConfig(node.socket, node.leases, timeout_s=timeout_s, **config))
         self.agent.start()
         self._thread = threading.Thread(target=self.agent.serve_forever, daemon=True)

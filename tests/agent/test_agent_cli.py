@@ -112,6 +112,19 @@ def test_a_second_agent_on_the_same_socket_is_refused(node, agent):
     assert f"another perseus agent (pid {agent.pid}) serves {node.socket}" in second.stderr
 
 
+def test_a_second_agent_on_another_socket_is_refused_before_it_touches_a_gpu(node, agent, holder):
+    """Another socket and a damaged lease file of its own (which resets every GPU it serves): the
+    claims stop it first, and the first agent's holder keeps its clock."""
+    other = os.path.join(node.root, "other.json")
+    with open(other, "w") as f:
+        f.write("{damaged")
+    second = perseus(node, "agent", "--state-file", other, "--socket", os.path.join(node.root, "o.sock"), agent=False)
+    assert second.returncode == 1
+    assert f"GPU 0 ({node.gpu(0).uuid()}) is served by another perseus agent (pid {agent.pid}" in second.stderr
+    assert "stop that one, or give this one other GPUs (--gpu-indices)" in second.stderr
+    assert node.gpu(0).sm_clock() == 990 and not os.path.exists(os.path.join(node.root, "o.sock"))
+
+
 def test_status_without_an_agent_says_how_to_start_one(node):
     shown = perseus(node, "agent", "status")
     assert shown.returncode == 1 and f"no perseus agent socket at {node.socket}: start the agent" in shown.stderr

@@ -36,7 +36,7 @@ from perseus.devices import emulate, get_gpus
 from perseus.devices.agent_gpu import AgentSimGPU
 from perseus.devices.select import gpu_backend
 from perseus.devices.sim import SimGPU
-from perseus.exceptions import ConfigError, DevicePermissionError
+from perseus.exceptions import ConfigError, DevicePermissionError, PerseusError
 from perseus.safety import Watchdog
 
 
@@ -136,6 +136,24 @@ def test_a_holder_killed_with_a_reply_unread_is_logged_as_exited_or_killed(node,
     assert "the holder exited or was killed (its connection closed)" in line
 
 
+def test_the_log_says_what_the_reset_changed_on_a_gpu_slow_to_switch(node, thread_agent, caplog, monkeypatch):
+    """A realistic simulated GPU takes milliseconds to switch clocks: the reset is reported once the
+    default is in force (the log said `already at defaults` while it unlocked 990 MHz)."""
+    monkeypatch.setenv("PERSEUS_SIM_MODE", "realistic")
+    caplog.set_level("INFO", logger="perseus.agent.daemon")
+    thread_agent()
+    uuid = node.gpu(0).uuid()
+    client = AgentClient(node.socket)
+    client.write(uuid, SM_CLOCK, 990)
+    wait_for(lambda: node.gpu(0).sm_clock() == 990, "the locked clock in force")
+    client.close()
+    line = wait_for(
+        lambda: next((r.getMessage() for r in caplog.records if "reset to defaults" in r.getMessage()), None),
+        "the agent to log the reset",
+    )
+    assert "reset to defaults: SM clock unlocked (990 -> 1410 MHz)" in line
+
+
 def test_the_client_sends_heartbeats_while_it_holds_a_lease(node):
     """Against a stand-in agent that says: heartbeat every 10 ms; the client's thread then sends
     them with no request from the caller."""
@@ -176,6 +194,30 @@ def test_revoke_ends_a_lease_and_the_holder_cannot_take_it_back(node, thread_age
         with pytest.raises(DevicePermissionError, match="revoked"):
             holder.write(uuid, SM_CLOCK, 990)
         assert at_defaults(node.gpu(0))
+    finally:
+        holder.close()
+        admin.close()
+
+
+def test_a_revoked_lease_stays_revoked_when_the_agent_restarts(node, thread_agent):
+    """The holder's client reconnects to a restarted agent on its own and asks for its leases back."""
+    first = thread_agent()
+    uuid = node.gpu(0).uuid()
+    holder, admin = AgentClient(node.socket), AgentClient(node.socket)
+    try:
+        holder.write(uuid, SM_CLOCK, 990)
+        assert admin.revoke((uuid,)) == (uuid,)
+        admin.close()
+        first.stop()
+        second = thread_agent()
+        with pytest.raises(PerseusError):
+            holder.write(uuid, SM_CLOCK, 990)
+        with pytest.raises(DevicePermissionError, match="revoked"):
+            holder.write(uuid, SM_CLOCK, 990)
+        assert second.agent.leases.lease(uuid) is None and at_defaults(node.gpu(0))
+        other = AgentClient(node.socket)  # another process's (here: connection's) lease is not revoked
+        other.write(node.gpu(1).uuid(), SM_CLOCK, 990)
+        other.close()
     finally:
         holder.close()
         admin.close()
@@ -265,6 +307,11 @@ def test_the_socket_gets_its_mode_and_group(node, thread_agent):
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == 65534
 
 
+def test_a_socket_open_to_every_user_is_warned_of(node, thread_agent, caplog):
+    thread_agent(mode=0o666)
+    assert "the socket's mode 666 lets every user of this node connect" in caplog.text
+
+
 def test_too_many_connections_are_refused_clearly(node, thread_agent):
     thread_agent(max_connections=1)
     first = raw_connect(node.socket)
@@ -314,3 +361,19 @@ def test_an_unreachable_agent_is_a_clear_error(node, monkeypatch):
     assert gpu.can_change_clocks() is False
     with pytest.raises(AgentError, match="no perseus agent socket at .* start the agent"):
         gpu.lock_sm_clock(990)
+
+
+def test_a_socket_nothing_listens_on_and_a_file_that_is_no_socket_say_what_to_do(node):
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(node.socket)  # an agent killed with SIGKILL leaves its socket so
+    stale.close()
+    plain = os.path.join(node.root, "passwd")
+    open(plain, "w").close()
+    for path, words in (
+        (node.socket, "the socket of a perseus agent that stopped"),
+        (plain, "is not a Unix socket .no perseus agent listens there."),
+    ):
+        client = AgentClient(path)
+        with pytest.raises(AgentError, match=f"{words}: start the agent .*, point PERSEUS_AGENT at its socket"):
+            client.status()
+        client.close()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+from dataclasses import replace
 
 import pytest
 
-from perseus.agent.leases import LeaseConflict, LeaseTable, read_stale_leases
+from perseus.agent.leases import Lease, LeaseConflict, LeaseTable, read_lease_file
 from perseus.agent.protocol import Holder
 from perseus.exceptions import ConfigError
 
@@ -24,7 +26,7 @@ def test_grants_are_all_or_none_and_persisted(tmp_path):
         table.acquire(2, B, [("GPU-2", 2), ("GPU-1", 1)])
     assert conflict.value.lease.holder == A
     assert table.lease("GPU-2") is None  # none of the request was granted
-    assert [(lease.uuid, lease.holder.pid) for lease in read_stale_leases(path)] == [("GPU-0", 11), ("GPU-1", 11)]
+    assert [(lease.uuid, lease.holder.pid) for lease in read_lease_file(path)[0]] == [("GPU-0", 11), ("GPU-1", 11)]
     assert os.stat(path).st_mode & 0o777 == 0o600
 
 
@@ -36,7 +38,18 @@ def test_ending_and_revoking_remove_leases_from_the_file(tmp_path):
     assert [lease.uuid for lease in table.revoke(["GPU-1", "GPU-9"])] == ["GPU-1"]
     assert table.holds(1, "GPU-0") and not table.holds(2, "GPU-1")
     assert [lease.uuid for lease in table.end(1)] == ["GPU-0"]
-    assert read_stale_leases(path) == []
+    leases, revoked = read_lease_file(path)
+    assert leases == [] and [(r.uuid, r.holder) for r in revoked] == [("GPU-1", B)]
+    assert table.was_revoked("GPU-1", replace(B, since=9.0)) and not table.was_revoked("GPU-1", A)
+
+
+def test_revocations_are_kept_while_their_holder_runs(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    alive = replace(A, pid=os.getpid())
+    table = LeaseTable(str(tmp_path / "leases.json"))
+    table.keep_revoked([Lease("GPU-0", 0, alive, 0), Lease("GPU-1", 1, replace(A, pid=gone.pid), 0)])
+    assert table.was_revoked("GPU-0", alive) and not table.was_revoked("GPU-1", replace(A, pid=gone.pid))
 
 
 def test_a_lease_file_that_cannot_be_written_leaves_the_lease_standing(tmp_path, caplog):
@@ -67,11 +80,11 @@ def test_a_damaged_lease_file_is_named(tmp_path, content, words):
     path = tmp_path / "leases.json"
     path.write_text(content)
     with pytest.raises(ConfigError, match="lease file") as damaged:
-        read_stale_leases(str(path))
+        read_lease_file(str(path))
     assert words in str(damaged.value)
 
 
 def test_no_file_means_nothing_stale(tmp_path):
-    assert read_stale_leases(str(tmp_path / "none.json")) == []
+    assert read_lease_file(str(tmp_path / "none.json")) == ([], [])
     (tmp_path / "empty.json").write_text(json.dumps({"version": 1, "leases": []}))
-    assert read_stale_leases(str(tmp_path / "empty.json")) == []
+    assert read_lease_file(str(tmp_path / "empty.json")) == ([], [])

@@ -69,7 +69,7 @@ def test_simulated_gpus_the_agent_does_not_serve_are_refused(node, served, spec,
     gpu = get_gpus(spec)[index]
     with pytest.raises(ConfigError, match=words) as refused:
         gpu.lock_sm_clock(1005)
-    assert "run the agent on every GPU of the node" in str(refused.value)
+    assert f"it serves sim:{PRESET}:2: select the GPUs it serves (PERSEUS_GPU=sim:{PRESET}:2)" in str(refused.value)
 
 
 def test_real_gpus_the_agent_does_not_serve_are_refused(node, thread_agent):

@@ -19,6 +19,7 @@ import zmq
 from server_helpers import request, wait_until
 from zmq.utils.monitor import recv_monitor_message
 
+from perseus.exceptions import ConfigError
 from perseus.wire import security as security_module
 from perseus.wire.security import PLAINTEXT, CurveClient, CurveServer, create_keys, drop_connection, peer_key
 
@@ -215,3 +216,10 @@ def test_sighup_without_keys_is_logged_and_harmless(serve):
     _wait_for_log(served, "no client keys to reload")
     assert request(served.endpoint, "ping") is not None
     assert served.stop() == 0
+
+
+def test_a_client_name_without_keys_names_the_ones_there_and_the_fix(tmp_path):
+    create_keys(tmp_path, ["node1", "node2"])
+    with pytest.raises(ConfigError, match="has no client key named 'node3' .it has node1, node2.: pass --client NAME"):
+        CurveClient.from_dir(tmp_path, "node3")
+    assert CurveClient.from_dir(tmp_path, "node2").secret
