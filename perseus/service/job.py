@@ -411,10 +411,12 @@ class Job:
         """Publish, with one new version and one start iteration, the wanted plan of every pipeline
         whose plan changes and is solved (a lead ahead of the latest iteration); the pipelines changed."""
         start = self.last_iteration + plan_lead(self.measurements.recent_time_s) if self.last_iteration >= 0 else 0
-        changed = self.plan_book.publish(self.wanted(), start)
+        wanted = self.wanted()
+        changed = self.plan_book.publish(wanted, start)
         if changed:
             self.measurements.published(self.plans, changed, self.last_iteration, self.plans_in_force())
             self.model.plans_published(self.plans, changed, self.pipelines_of)
+        if self.plan_book.retarget(wanted) or changed:
             self._changed()
         return changed
 

@@ -224,6 +224,11 @@ class PipelineModels:
                 plan.version, plan.start_iteration, target, state.fallback, noise, scale, plan.reference
             )
 
+    def clocks_kept(self, pipelines: list[int]) -> None:
+        """These pipelines' new plans set the clocks they run already (see PlanBook.runs)."""
+        for k in pipelines:
+            self.checks[k].clocks_kept()
+
     def measured(self, completed: list[tuple[int, Measured]]) -> None:
         """Pipelines' measured iterations (compute time, slowest rank): verdicts for `take_verdicts`."""
         for k, m in completed:

@@ -188,6 +188,18 @@ class PlanBook:
             )
         return sorted(changed)
 
+    def retarget(self, wanted: dict[int, PlanKey]) -> list[int]:
+        """Give each plan that already runs the clocks solved for its wanted deadline that deadline
+        (no new version: see `runs`), so that status and job.json say which deadline it serves and
+        a restarted service finds it solved; the pipelines retargeted."""
+        retargeted = []
+        for k, key in wanted.items():
+            plan, result = self.plans.get(k), self.results.get(key)
+            if plan is not None and plan.key != key and isinstance(result, PlanResult) and self.runs(k, key, result):
+                self.plans[k] = replace(plan, deadline_s=key[1])
+                retargeted.append(k)
+        return retargeted
+
     def runs(self, pipeline: int, key: PlanKey, result: PlanResult) -> bool:
         """Whether the pipeline already runs `result`'s clocks on its GPU models (a reference window
         or not, alike): a plan solved for another deadline, or anew, that sets every instruction to

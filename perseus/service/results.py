@@ -221,6 +221,7 @@ class Results:
             self.planning_s += seconds
             job.add_result(key, plan)
             kept = job.kept(key, plan)
+            job.model.clocks_kept(kept)
             log.info(
                 "job %s: solved %s in %.2f s: %.4f s, %.1f J per pipeline%s",
                 job_id,

@@ -140,6 +140,13 @@ class PlanCheck:
         elif target_s is not None:
             self.state = VERIFYING
 
+    def clocks_kept(self) -> None:
+        """The re-plan this check asked for sets the clocks already in force (its margin changed
+        none): no new plan starts, so the check goes on verifying them, and its status says so."""
+        if self.state == REPLANNING:
+            self.state = VERIFYING
+            self.reason += "; the re-plan keeps the clocks in force: verifying them on"
+
     def resume_reference(self, reference_s: float, noise: float) -> None:
         """The latest reference before the service restarted: the target (and its status) from it,
         stale, so the next window still takes a fresh reference before any plan is judged (the

@@ -418,9 +418,15 @@ def test_a_plan_with_the_clocks_in_force_is_no_change():
     job.add_result(key, same)
     assert job.kept(key, same) == [0] and job.publish() == []
     status = job.status()
-    assert job.plan_book.last_version == version and job.plans[0].deadline_s == pace  # the plan in force stays
+    assert job.plan_book.last_version == version and job.plans[0].deadline_s == key[1]  # serving the new deadline
     assert status.planned_iterations == planned + 12 and status.pipelines[0].reason == ""
     assert job.model.checks[0] is check and check.version == version and check.start == job.plans[0].start_iteration
+    ranks.run([pace, 1.35], 4)
+    assert job.status().planned_iterations == planned + 16 and job.publish() == []
+    uploads = {"stage-0": stage_profile(0), "stage-1": stage_profile(1)}
+    again = Job.from_record(json.loads(json.dumps(job.to_record())), uploads, {})
+    assert again.plans[0].deadline_s == key[1] and again.plans[0].version == version
+    assert again.missing_plans() == [] and again.publish() == []  # solved, and in force: nothing to do again
 
 
 def test_a_reference_window_neither_counts_as_planned_nor_restarts_the_planned_mean():

@@ -35,6 +35,7 @@ from perseus.service.verification import (
     REPLANNING,
     RESUME,
     SKIP,
+    VERIFYING,
     WINDOW,
     PlanCheck,
     Verdict,
@@ -159,6 +160,20 @@ def test_a_plan_over_its_target_is_replanned_then_falls_back():
     assert check.state == FALLBACK
     assert "falling back to maximum clocks" in check.reason and "+5.0%" in check.reason
     assert check.replans == MAX_REPLANS
+
+
+def test_a_replan_that_keeps_the_clocks_goes_on_verifying_them():
+    check = PlanCheck(tolerance=0.01)
+    check.plan_started(1, 0, 1.0, fallback=False)
+    at = SKIP
+    for k in range(MAX_REFERENCES):  # references used up on a host that keeps slowing
+        at = drive_on(check, at, 1.03**k, 1.03**k, FRESH // WINDOW + 2)[1]
+    assert drive_on(check, at, 1.03**MAX_REFERENCES, 9.0, PERSISTS)[0] == [REPLANNING]
+    assert check.state == REPLANNING
+    check.clocks_kept()
+    assert check.state == VERIFYING and check.reason.endswith("keeps the clocks in force: verifying them on")
+    check.clocks_kept()  # said once
+    assert check.reason.count("verifying them on") == 1
 
 
 def test_references_are_taken_once_stale_and_at_most_max_references_times():
