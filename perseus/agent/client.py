@@ -247,16 +247,18 @@ class AgentClient:
             welcome = self._round_trip(Hello(client_name(), os.getpid()), Welcome)
             self._heartbeat_s = welcome.heartbeat_s
             before, self._welcome = self._welcome, welcome
-            if self._leases:
-                self._take_back(before)
+            restored = "; this process's leases and settings are restored"
+            if self._leases and not self._take_back(before):
+                restored = ", without this process's leases (see above)"
         except BaseException:
             self._drop()
             raise
         if self._outage_logged:
-            logger.warning("%s answers again; this process's leases and settings are restored", self.where)
+            logger.warning("%s answers again%s", self.where, restored)
             self._outage_logged = False
 
-    def _take_back(self, before: Welcome | None) -> None:
+    def _take_back(self, before: Welcome | None) -> bool:
+        """Whether the leases were taken back (else they are forgotten, and why is logged)."""
         welcome = self._welcome
         assert welcome is not None
         if before is not None and (before.backend, before.sim_dir) != (welcome.backend, welcome.sim_dir):
@@ -270,16 +272,17 @@ class AgentClient:
             )
             self._leases.clear()
             self._settings.clear()
-            return
+            return False
         try:
             self._round_trip(Acquire(tuple(sorted(self._leases))), Granted)
         except (LeaseHeldError, DevicePermissionError) as e:
             logger.error("could not take back this process's GPU leases from %s: %s", self.where, e)
             self._leases.clear()
             self._settings.clear()
-            return
+            return False
         for (uuid, setting), value in list(self._settings.items()):
             self._round_trip(Write(uuid, setting, value), Done)
+        return True
 
     def _drop(self) -> None:
         sock, self._sock = self._sock, None
