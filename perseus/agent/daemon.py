@@ -55,7 +55,7 @@ from perseus.agent.protocol import (
 )
 from perseus.agent.sim_folder import remove_marker, share, write_marker
 from perseus.devices.gpu import GPU
-from perseus.devices.reset import ResetOutcome, reset
+from perseus.devices.reset import reset
 from perseus.devices.select import gpu_backend
 from perseus.devices.sim import SimGPU
 from perseus.exceptions import ConfigError, DeviceError
@@ -357,10 +357,7 @@ class Agent:
         gpu = self._gpus[lease.uuid]
         began = time.monotonic() if began is None else began
         with self._gpu_locks[lease.uuid]:
-            try:
-                outcome = reset(gpu)
-            except Exception as e:  # a bug or a driver's surprise: logged, never raised
-                outcome = ResetOutcome(failed=["SM clock", "power limit"], errors=[f"{type(e).__name__}: {e}"])
+            outcome = reset(gpu)  # never raises: what failed is in the outcome, logged below
         took_ms = (time.monotonic() - began) * 1000
         holder = f"pid {lease.holder.pid} (uid {lease.holder.uid}, {lease.holder.client!r})"
         if outcome.errors:

@@ -27,7 +27,8 @@ class ResetOutcome:
 
 def reset(gpu: GPU) -> ResetOutcome:
     """Unlock the SM clock and restore the default power limit, each tried even if the other
-    fails or its current value cannot be read; a setting counts as changed when its reading does."""
+    fails (whatever it raises) or its current value cannot be read; a setting counts as changed
+    when its reading does. Never raises: what failed is in the outcome."""
     outcome = ResetOutcome()
     settings: tuple[tuple[str, Callable[[], object], Callable[[], None], str], ...] = (
         ("SM clock", gpu.sm_clock, gpu.reset_sm_clock, "SM clock unlocked ({} -> {} MHz)"),
@@ -36,17 +37,18 @@ def reset(gpu: GPU) -> ResetOutcome:
     for name, read, restore, template in settings:
         try:
             before = read()
-        except PerseusError:
+        except Exception:  # whatever the read raises, the reset is tried
             before = "unreadable"  # e.g. a corrupt simulated state file: the reset replaces it
         try:
             restore()
             if isinstance(gpu, SimGPU) and name == "SM clock":
                 gpu.clock.sleep(gpu.clock_switch_latency_s())  # read the clock in force once it is
             after = read()
-        except PerseusError as e:
+        except Exception as e:  # whatever it raises, the other setting is reset
+            error = str(e) if isinstance(e, PerseusError) else f"{type(e).__name__}: {e}"
             outcome.failed.append(name)
-            if str(e) not in outcome.errors:  # e.g. one lease held for both settings: said once
-                outcome.errors.append(str(e))
+            if error not in outcome.errors:  # e.g. one lease held for both settings: said once
+                outcome.errors.append(error)
             continue
         if after != before:
             outcome.changes.append(template.format(before, after))

@@ -14,6 +14,7 @@ from agent_helpers import MAX_MHZ, PRESET, Child
 
 import perseus.cli.reset  # noqa: F401 -- main() imports it lazily; the uid-dropped child cannot
 from perseus.cli.main import main
+from perseus.devices.reset import reset as reset_gpu
 from perseus.devices.sim import SimGPU
 from perseus.devices.sim_realism import SimRealism
 
@@ -96,3 +97,17 @@ def test_unprivileged_a_locked_gpu_is_a_failure_and_one_at_defaults_is_not(node)
     clean = reset_as_nobody(node)
     assert clean["code"] == 0, clean["err"]
     assert clean["out"].splitlines() == [f"GPU {i} ({NAME}): already at defaults" for i in (0, 1)]
+
+
+def test_a_setting_that_fails_oddly_leaves_the_other_reset(node):
+    """A driver's surprise (not a Perseus error) on the SM clock still lets the power limit reset."""
+    gpu = node.gpu(0)
+    gpu.set_power_limit_mw(250_000)
+
+    def broken() -> None:
+        raise RuntimeError("driver hiccup")
+
+    gpu.reset_sm_clock = broken  # type: ignore[method-assign]
+    outcome = reset_gpu(gpu)
+    assert outcome.failed == ["SM clock"] and outcome.errors == ["RuntimeError: driver hiccup"]
+    assert outcome.changes == ["power limit 250 -> 400 W"] and gpu.power_limit_mw() == 400_000
