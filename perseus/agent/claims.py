@@ -40,7 +40,8 @@ def claim_gpus(gpus: dict[str, tuple[int, str]]) -> list[int]:
             if isinstance(fd, str):
                 raise ConfigError(
                     f"GPU {index} ({uuid}) is served by another perseus agent (pid {fd}, its claim in {path}); "
-                    "one agent serves a GPU: stop that one, or give this one other GPUs (--gpu-indices)"
+                    "one agent serves a GPU: stop that one, or give this one other GPUs (--gpu-indices) with its own "
+                    "--socket and --state-file"
                 )
             taken.append(fd)
     except ConfigError:

@@ -149,6 +149,7 @@ class Agent:
         self.leases = LeaseTable(config.state_path)
         self._listener: socket.socket | None = None
         self._lock_file: int | None = None
+        self._state_lock: int | None = None
         self._claims: list[int] = []
         self._socket_ino: int | None = None
         self._connections: dict[int, _Connection] = {}
@@ -282,6 +283,8 @@ class Agent:
 
     # The socket
     def _take_lock_file(self) -> None:
+        """Lock the socket, then the lease file: another agent on either would take over, or
+        rewrite away, this one's leases."""
         path = self.config.socket_path + ".lock"
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o755, exist_ok=True)
@@ -297,12 +300,28 @@ class Agent:
                 "this one another --socket"
             )
         self._lock_file = fd
+        state, path = self.config.state_path, self.config.state_path + ".lock"
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+            fd = take_pid_lock(path)
+        except OSError as e:
+            self._release_locks()
+            raise ConfigError(
+                f"cannot write the lease file {state} (its lock {path}: {e.strerror or e}); choose --state-file"
+            ) from None
+        if isinstance(fd, str):
+            self._release_locks()
+            raise ConfigError(
+                f"another perseus agent (pid {fd}) keeps its leases in {state}; give this one its own --state-file"
+            )
+        self._state_lock = fd
 
     def _release_locks(self) -> None:
         release(self._claims)
-        if self._lock_file is not None:
-            os.close(self._lock_file)
-            self._lock_file = None
+        for fd in (self._state_lock, self._lock_file):
+            if fd is not None:
+                os.close(fd)
+        self._state_lock = self._lock_file = None
 
     def _listen(self) -> None:
         path, staging = self.config.socket_path, _staging_path(self.config.socket_path)
@@ -337,7 +356,12 @@ class Agent:
         try:
             stale, revoked = read_lease_file(self.config.state_path)
         except ConfigError as e:
-            logger.error("%s; resetting every GPU, as any may have been leased", e)
+            kept = self.config.state_path + ".damaged"
+            try:
+                os.replace(self.config.state_path, kept)
+            except OSError:
+                kept = "not kept"
+            logger.error("%s (%s); resetting every GPU, as any may have been leased", e, kept)
             revoked = []
             stale = [Lease(uuid, gpu.index, Holder(0, 0, 0, "unknown", 0, 0.0), 0) for uuid, gpu in self._gpus.items()]
         for lease in stale:
@@ -404,7 +428,7 @@ class Agent:
         finally:
             ended = time.monotonic()
             if self._stopping.is_set():
-                why = "the agent stopped"
+                why = "was connected when the agent stopped"
             for lease in self.leases.end(conn.number):
                 self._restore(lease, f"the holder {why}", level, began=ended)
             with contextlib.suppress(OSError):
@@ -480,6 +504,11 @@ class Agent:
     def _write(self, conn: _Connection, request: Write) -> Done:
         gpu = self._gpu(request.uuid)
         if not self.leases.holds(conn.number, request.uuid):
+            if self.leases.was_revoked(request.uuid, conn.holder()):
+                raise AgentRejected(
+                    AgentErrorCode.NOT_LEASED,
+                    f"an administrator revoked this process's lease on GPU {gpu.index} ({request.uuid})",
+                )
             held = self.leases.lease(request.uuid)
             whose = "" if held is None else f"; it is leased to {held.holder.describe()}"
             raise AgentRejected(

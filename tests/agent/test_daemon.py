@@ -188,7 +188,7 @@ def test_revoke_ends_a_lease_and_the_holder_cannot_take_it_back(node, thread_age
         holder.write(uuid, SM_CLOCK, 990)
         assert admin.revoke((uuid,)) == (uuid,)
         assert at_defaults(node.gpu(0))
-        with pytest.raises(AgentError, match="holds no lease on GPU 0") as lost:
+        with pytest.raises(AgentError, match="an administrator revoked this process's lease on GPU 0") as lost:
             holder.write(uuid, SM_CLOCK, 990)
         assert lost.value.code == "not_leased"
         with pytest.raises(DevicePermissionError, match="revoked"):
@@ -284,13 +284,28 @@ def test_a_damaged_lease_file_resets_every_gpu(node, thread_agent, caplog):
         f.write("{not json")
     thread_agent()
     assert all(at_defaults(gpu) for gpu in node.sim_gpus())
-    assert "is damaged" in caplog.text
+    assert (
+        f"is damaged: Expecting property name enclosed in double quotes: line 1 column 2 (char 1) "
+        f"({node.leases}.damaged)" in caplog.text
+    )
+    with open(node.leases + ".damaged") as f:
+        assert f.read() == "{not json"  # kept for whoever looks into it
 
 
 def test_one_agent_per_socket(node, thread_agent):
     thread_agent()
     with pytest.raises(ConfigError, match="another perseus agent .* serves"):
         ThreadAgent(node)
+
+
+def test_one_agent_per_lease_file(node, thread_agent):
+    """Two agents on other GPUs and sockets, one lease file: the second would rewrite the first's
+    leases away, and a GPU the first leased would stay locked after a crash."""
+    thread_agent(gpus=node.sim_gpus()[:1])
+    node.socket = os.path.join(node.root, "other.sock")
+    with pytest.raises(ConfigError, match=f"keeps its leases in {node.leases}; give this one its own --state-file"):
+        ThreadAgent(node, gpus=node.sim_gpus()[1:])
+    assert not os.path.exists(node.socket)
 
 
 def test_a_socket_folder_the_agent_cannot_create_is_a_clear_error(node, thread_agent):
