@@ -386,7 +386,12 @@ class CurveClient:
         """Client `name`'s keys from a `perseus keys` folder."""
         root = Path(keys_dir).expanduser()
         secret = root / "clients" / f"{name}.key_secret"
-        if root.is_dir() and not secret.exists():
+        if not root.is_dir():
+            raise ConfigError(
+                f"no CURVE keys folder at {root}: pass the folder `perseus keys --dir` made for the service "
+                f"(--curve-keys, {KEYS_ENV} for ranks)"
+            )
+        if not secret.exists():
             names = sorted(p.name.removesuffix(".key_secret") for p in (root / "clients").glob("*.key_secret"))
             raise ConfigError(
                 f"{root} has no client key named {name!r} (it has {', '.join(names) or 'none'}): pass --client NAME "

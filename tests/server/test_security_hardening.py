@@ -223,3 +223,5 @@ def test_a_client_name_without_keys_names_the_ones_there_and_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="has no client key named 'node3' .it has node1, node2.: pass --client NAME"):
         CurveClient.from_dir(tmp_path, "node3")
     assert CurveClient.from_dir(tmp_path, "node2").secret
+    with pytest.raises(ConfigError, match=f"no CURVE keys folder at {tmp_path}/none: pass the folder"):
+        CurveClient.from_dir(tmp_path / "none", "node2")
