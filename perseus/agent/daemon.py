@@ -565,7 +565,7 @@ class Agent:
                 )
             )
         with self._conn_lock:
-            connections = len(self._connections)
+            connections = len(self._connections) - (asking is not None and asking.number in self._connections)
         return AgentStatus(agent_pid=os.getpid(), connections=connections, gpus=tuple(gpus))
 
 

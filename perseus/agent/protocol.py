@@ -276,7 +276,7 @@ class GPUState(Message):
 @dataclass(frozen=True)
 class AgentStatus(Message):
     agent_pid: int
-    connections: int
+    connections: int  # clients connected, the one asking not counted
     gpus: tuple[GPUState, ...]
 
     def __post_init__(self) -> None:

@@ -173,7 +173,7 @@ def show_status(client: AgentClient, as_json: bool) -> int:
         doc = {**status.to_wire(), "socket": client.path, "backend": served.backend, "sim_dir": served.sim_dir}
         print(json.dumps(doc, indent=2))
         return 0
-    print(f"perseus agent (pid {status.agent_pid}) on {client.path}: {status.connections} connection(s)")
+    print(f"perseus agent (pid {status.agent_pid}) on {client.path}: {status.connections} other connection(s)")
     if served.sim_dir is not None:
         print(f"simulated GPUs, their state in {served.sim_dir} (every process on this node uses these)")
     now = time.time()

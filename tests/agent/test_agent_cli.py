@@ -47,7 +47,7 @@ def holder(node, agent, monkeypatch):
 def test_status_shows_gpus_clocks_and_holders(node, holder):
     shown = perseus(node, "agent", "status")
     assert shown.returncode == 0, shown.stderr
-    assert f"on {node.socket}" in shown.stdout
+    assert f"on {node.socket}: 1 other connection(s)" in shown.stdout  # the holder's, not the command's own
     assert "SM clock 990 MHz (max 1410 MHz); power limit 400 W (default 400 W); leased to pid " in shown.stdout
     assert f"leased to pid {holder} (uid 0" in shown.stdout and "free" in shown.stdout
     doc = json.loads(perseus(node, "agent", "status", "--json").stdout)
