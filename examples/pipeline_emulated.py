@@ -128,20 +128,27 @@ def main() -> None:
                 break
         perseus_rank.close()  # default clocks from here on; the emulated GPU work goes on
         monitor = Monitor()  # this rank's GPU
+        # As Perseus measures an iteration's energy: from the previous iteration's end to this
+        # one's, so that the iterations' energies tile the run (see perseus.runtime.rank); the
+        # time is the step's own.
+        dist.barrier()
+        monitor.begin_window("since")
         for _ in range(args.after):
             dist.barrier()
             with monitor.window("step") as window:
                 train_step()
-            m = window.measurement
+            since = monitor.end_window("since", expect_short=True)
+            monitor.begin_window("since", sync=False)
             records.append(
                 {
                     "iteration": len(records),
                     "phase": "after",
                     "plan_version": 0,
-                    "time_s": m.time_s,
-                    "energy_j": sum(m.gpu_energy_j.values()),
+                    "time_s": window.measurement.time_s,
+                    "energy_j": sum(since.gpu_energy_j.values()),
                 }
             )
+        monitor.end_window("since", cancel=True)
     finally:
         perseus_rank.close()
         os.makedirs(args.out, exist_ok=True)

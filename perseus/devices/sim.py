@@ -25,7 +25,7 @@ A simulated GPU behaves like a real one where Perseus can tell:
   file beside it (perseus.devices.sim_switch).
 
 Two SimGPUs running work on the same GPU at once both add their power (real GPUs would
-time-share); the counter's origin is when the SimGPU object was made.
+time-share); the counter's origin is its last update before the SimGPU object was made.
 
 Making a simulated GPU do work in your own script (e.g. what one training step would cost on
 the GPU, so that the power limit and clocks change its time and energy):
@@ -119,7 +119,10 @@ class SimGPU(GPU):
         # Energy: idle power since _origin, plus the extra (busy - idle) energy of work finished
         # by the counter's last update, plus the part of pending work [(start, end, extra_w)]
         # done by then. Power readings look back over `_history_s`: folded work kept in _recent.
-        self._origin = self._clock.now()
+        # On the counter's grid (its last update before now), like every other SimGPU of this GPU: a
+        # counter that starts between updates would read its first window against an exact
+        # instant and every later one against an update, off by up to a step on that first window.
+        self._origin = _grid_instant(self._clock.now(), self.realism.counter_period_s)
         self._extra_j = 0.0
         self._pending: list[tuple[float, float, float]] = []
         self._recent: list[tuple[float, float, float]] = []

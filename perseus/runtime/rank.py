@@ -21,6 +21,15 @@ last instruction (an all-reduce after the pipeline schedule's step, as Megatron-
 finalize_model_grads does without overlap_grad_reduce); a synchronization overlapped with the
 last backward counts as compute.
 
+Each iteration's `energy_j` is the GPU energy counter from the end of the previous iteration
+(its on_step_end) to the end of this one, not from this one's on_step_begin: consecutive
+iterations' energies tile the run, so their sum is one counter difference. A counter that
+advances in steps (NVML's, every 100 ms or so; a realistic simulated GPU's) then misreads a run
+of N iterations by at most a step at each end of the run, not at each end of every iteration; and
+the energy between steps (a rank waiting in a collective after its last instruction, the host
+loop) counts, as it does in the planner's predicted energy. The first iteration, and the first
+after `pause()`, start at their own on_step_begin.
+
 Nothing here may break training: every hook catches and logs its own failures, the planner is
 only ever asked through a client that never blocks past its timeout, and with no planner the
 rank simply runs at default clocks.
@@ -171,6 +180,9 @@ class PerseusRank:
         self._holds_plan = False  # the controller runs plan `plan_version` (or refused it)
         self._frequency: int | None = None
         self._step_start: tuple[float, float] = (0.0, 0.0)
+        # (time, energy counter in mJ) at the end of the previous iteration, where this one's
+        # energy starts (see the module docstring); None: at the first iteration, after a pause.
+        self._last_end: tuple[float, float] | None = None
         self._done = 0  # instructions ended in this iteration
         self._timer = gpu.instruction_timer()  # spans, the profiler's and the compute part's end
         self._compute_mark: Mark | None = None  # the timer's mark of the iteration's last instruction's end
@@ -237,6 +249,8 @@ class PerseusRank:
             self._begin_iteration()
             self._done, self._compute_mark = 0, None
             self._step_start = (self.gpu.clock.now(), self.gpu.energy_mj())
+            if self._last_end is None:
+                self._last_end = self._step_start  # nothing before it to tile with
             timed = self._record_spans or self._profiling
             self._spans = SpanRecorder(len(self.order)) if timed else None
         except Exception as e:
@@ -298,6 +312,7 @@ class PerseusRank:
     def pause(self) -> None:
         """Leave Perseus' control until the next step (e.g. evaluation): end the step, default clocks."""
         self.on_step_end()
+        self._last_end = None  # what runs meanwhile is no training iteration's energy
         try:
             self.controller.apply_now(None, timeout=0.1)  # the plan itself stays for the next step
         except Exception as e:
@@ -440,11 +455,12 @@ class PerseusRank:
         self._spans.end(mark)
         return mark
 
-    def _check_gpu_work(self, record: IterationRecord) -> None:
-        """On a simulated GPU, warn once if this rank's first iterations ran no simulated work."""
+    def _check_gpu_work(self, record: IterationRecord, energy_span_s: float) -> None:
+        """On a simulated GPU, warn once if this rank's first iterations ran no simulated work
+        (`energy_span_s`: the time the record's energy covers, from the previous iteration's end)."""
         if self._work_check is None or record.iteration == 0:  # the first iteration: set-up and warm-up
             return
-        if self._work_check.add(record.time_s, record.energy_j):
+        if self._work_check.add(energy_span_s, record.energy_j):
             self._work_check = None
             logger.warning(
                 "rank %d: its instructions ran no work on its simulated GPU (%s) in iterations 1-%d: Perseus "
@@ -492,7 +508,9 @@ class PerseusRank:
     def _end_iteration(self) -> None:
         self.gpu.synchronize()
         t1, e1 = self.gpu.clock.now(), self.gpu.energy_mj()
-        t0, e0 = self._step_start
+        t0 = self._step_start[0]
+        since, e0 = self._last_end if self._last_end is not None else self._step_start
+        self._last_end = (t1, e1)
         times = self._timer.resolve()  # the GPU is drained: the marks' times are known
         recorded, self._spans = self._spans, None
         spans = recorded.spans(times) if recorded is not None else []
@@ -511,7 +529,7 @@ class PerseusRank:
             off_clock=self.controller.off_clock if self.phase is Phase.PLANNED else None,
         )
         self.last_iteration = record
-        self._check_gpu_work(record)
+        self._check_gpu_work(record, t1 - since)
         if self._profiling and self.profiler.end_iteration(spans):
             self._upload_profile()
         self._profiling = False
