@@ -13,7 +13,7 @@ import re
 
 from perseus.agent.location import DEFAULT_SOCKET
 from perseus.exceptions import ConfigError
-from perseus.pidlock import take_pid_lock
+from perseus.pidlock import release_pid_lock, take_pid_lock
 
 CLAIMS_DIR = os.path.dirname(DEFAULT_SOCKET)
 
@@ -22,10 +22,10 @@ def claim_path(folder: str, uuid: str) -> str:
     return os.path.join(folder, f"agent-{re.sub(r'[^A-Za-z0-9._-]', '_', uuid)}.lock")
 
 
-def claim_gpus(gpus: dict[str, tuple[int, str]]) -> list[int]:
-    """Claim every GPU of `gpus` (uuid -> (index, claims folder)), or none: the descriptors to
-    close on release, else ConfigError naming the GPU, the agent that serves it and the fix."""
-    taken: list[int] = []
+def claim_gpus(gpus: dict[str, tuple[int, str]]) -> list[tuple[int, str]]:
+    """Claim every GPU of `gpus` (uuid -> (index, claims folder)), or none: the locks (descriptor, path)
+    to `release`, else ConfigError naming the GPU, the agent that serves it and the fix."""
+    taken: list[tuple[int, str]] = []
     try:
         for uuid, (index, folder) in gpus.items():
             path = claim_path(folder, uuid)
@@ -43,14 +43,14 @@ def claim_gpus(gpus: dict[str, tuple[int, str]]) -> list[int]:
                     "one agent serves a GPU: stop that one, or give this one other GPUs (--gpu-indices) with its own "
                     "--socket and --state-file"
                 )
-            taken.append(fd)
+            taken.append((fd, path))
     except ConfigError:
         release(taken)
         raise
     return taken
 
 
-def release(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
-    fds.clear()
+def release(claims: list[tuple[int, str]]) -> None:
+    for fd, path in claims:
+        release_pid_lock(fd, path)
+    claims.clear()

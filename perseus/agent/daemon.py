@@ -59,7 +59,7 @@ from perseus.devices.reset import reset
 from perseus.devices.select import gpu_backend
 from perseus.devices.sim import SimGPU
 from perseus.exceptions import ConfigError, DeviceError
-from perseus.pidlock import take_pid_lock
+from perseus.pidlock import release_pid_lock, take_pid_lock
 from perseus.wire.fields import Message
 
 logger = logging.getLogger(__name__)
@@ -148,9 +148,9 @@ class Agent:
         self.sim_dir = folders[0] if folders else None
         self.leases = LeaseTable(config.state_path)
         self._listener: socket.socket | None = None
-        self._lock_file: int | None = None
-        self._state_lock: int | None = None
-        self._claims: list[int] = []
+        self._lock_file: tuple[int, str] | None = None
+        self._state_lock: tuple[int, str] | None = None
+        self._claims: list[tuple[int, str]] = []
         self._socket_ino: int | None = None
         self._connections: dict[int, _Connection] = {}
         self._threads: dict[int, threading.Thread] = {}
@@ -299,7 +299,7 @@ class Agent:
                 f"another perseus agent (pid {fd}) serves {self.config.socket_path}; stop it first, or give "
                 "this one another --socket"
             )
-        self._lock_file = fd
+        self._lock_file = (fd, path)
         state, path = self.config.state_path, self.config.state_path + ".lock"
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
@@ -314,13 +314,13 @@ class Agent:
             raise ConfigError(
                 f"another perseus agent (pid {fd}) keeps its leases in {state}; give this one its own --state-file"
             )
-        self._state_lock = fd
+        self._state_lock = (fd, path)
 
     def _release_locks(self) -> None:
         release(self._claims)
-        for fd in (self._state_lock, self._lock_file):
-            if fd is not None:
-                os.close(fd)
+        for lock in (self._state_lock, self._lock_file):
+            if lock is not None:
+                release_pid_lock(*lock)
         self._state_lock = self._lock_file = None
 
     def _listen(self) -> None:

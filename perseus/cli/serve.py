@@ -11,7 +11,7 @@ import sys
 from perseus.exceptions import ConfigError
 from perseus.metrics.exporter import DEFAULT_HOST as DEFAULT_METRICS_HOST
 from perseus.metrics.exporter import MetricsServer, start_metrics_server
-from perseus.pidlock import take_pid_lock
+from perseus.pidlock import release_pid_lock, take_pid_lock
 from perseus.service.budget import Budget
 from perseus.service.service import PlannerService
 from perseus.service.state import default_state_dir
@@ -239,16 +239,17 @@ def run(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.close()
         service.close()
-        os.close(claim)
+        release_pid_lock(*claim)
     return 0
 
 
-def _claim_state_dir(state_dir: str) -> int:
+def _claim_state_dir(state_dir: str) -> tuple[int, str]:
     """An exclusive lock on the state directory (its file `serve.lock`): two services resuming the
     same jobs would each plan them and overwrite each other's records."""
     try:
         os.makedirs(os.path.expanduser(state_dir), exist_ok=True)
-        fd = take_pid_lock(os.path.join(os.path.expanduser(state_dir), "serve.lock"))
+        path = os.path.join(os.path.expanduser(state_dir), "serve.lock")
+        fd = take_pid_lock(path)
     except OSError as e:
         raise ConfigError(
             f"cannot use the state directory {state_dir}: {e.strerror or e}; pass a writable --state-dir"
@@ -258,7 +259,7 @@ def _claim_state_dir(state_dir: str) -> int:
             f"another perseus serve (pid {fd}) uses the state directory {state_dir}; stop it, or give this "
             "service its own --state-dir"
         )
-    return fd
+    return fd, path
 
 
 def _reload_keys(security: Security, keys_dir: str | None) -> None:

@@ -17,6 +17,8 @@ class IterationRecord:
     frequency: int | None  # the uniform clock (profiling), else None
     plan_version: int
     time_s: float
+    # From the previous record's end to this one's (the first, and the first after a pause, from
+    # its own start): a run's records add up to one energy counter difference (see perseus.runtime.rank).
     energy_j: float
     compute_time_s: float | None = None  # to the end of the last instruction (see perseus.runtime.rank)
     sweep_step: int | None = None  # the profiling sweep's step it ran (phase profiling)

@@ -298,6 +298,18 @@ def test_one_agent_per_socket(node, thread_agent):
         ThreadAgent(node)
 
 
+def test_a_stopped_agent_leaves_no_lock_behind(node, thread_agent):
+    def locks() -> list[str]:  # not the simulated GPUs' activity lock (theirs, not the agent's)
+        names = [name for _, _, names in os.walk(node.root) for name in names]
+        return [name for name in names if name.endswith(".lock") and name != ".lock"]
+
+    agent = thread_agent()
+    assert len(locks()) == 2 + len(node.sim_gpus())  # its socket's, its lease file's, a claim per GPU
+    agent.stop()
+    assert not locks()
+    thread_agent().stop()  # and the next one starts as the first did
+
+
 def test_one_agent_per_lease_file(node, thread_agent):
     """Two agents on other GPUs and sockets, one lease file: the second would rewrite the first's
     leases away, and a GPU the first leased would stay locked after a crash."""
@@ -306,6 +318,7 @@ def test_one_agent_per_lease_file(node, thread_agent):
     with pytest.raises(ConfigError, match=f"keeps its leases in {node.leases}; give this one its own --state-file"):
         ThreadAgent(node, gpus=node.sim_gpus()[1:])
     assert not os.path.exists(node.socket)
+    assert not os.path.exists(node.socket + ".lock")  # the refused agent leaves nothing behind
 
 
 def test_a_socket_folder_the_agent_cannot_create_is_a_clear_error(node, thread_agent):
