@@ -188,7 +188,8 @@ class Agent:
             self._reset_stale()
             self._listen()
             if self.sim_dir is not None:
-                write_marker(self.sim_dir, self.config.socket_path)
+                sims = [gpu.index for gpu in self._gpus.values() if isinstance(gpu, SimGPU)]
+                write_marker(self.sim_dir, self.config.socket_path, sims)
         except BaseException:
             self._release_locks()
             raise
@@ -267,7 +268,7 @@ class Agent:
             self._listener.close()
         self._unlink_socket()
         if self.sim_dir is not None:
-            remove_marker(self.sim_dir)
+            remove_marker(self.sim_dir, self.config.socket_path)
         with self._conn_lock:
             connections = list(self._connections.values())
             threads = list(self._threads.values())

@@ -5,12 +5,14 @@
 exists at DEFAULT_SOCKET (the deployment in deploy/ puts it there); simulated GPUs only when
 PERSEUS_AGENT names one, so tests and scripts on simulated GPUs never reach a node's real agent.
 A process that changes simulated GPUs itself while an agent serves simulated GPUs is told so
-(`note_direct_sim_gpus`): the agent leaves a marker in its GPUs' folder naming its socket.
+(`note_direct_sim_gpus`): each agent leaves a marker in its GPUs' folder naming its socket and
+the GPUs it serves there (agents on disjoint GPUs of one folder each leave their own).
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -23,7 +25,7 @@ logger = logging.getLogger(__name__)
 AGENT_ENV = "PERSEUS_AGENT"
 DEFAULT_SOCKET = "/run/perseus/agent.sock"
 OFF = "off"
-MARKER = "agent.json"  # in the folder of the simulated GPUs an agent serves
+MARKERS = "agent-*.json"  # in the folder of the simulated GPUs agents serve, one per agent's socket
 USERS_SIM_DIRS = "/tmp/perseus-sim-*"  # perseus.devices.sim.sim_dir()'s default, one per user
 
 _told: set[str] = set()
@@ -71,28 +73,48 @@ def listening(path: str) -> bool:
 
 @dataclass(frozen=True)
 class Marker:
-    """What the agent serving a folder's simulated GPUs leaves in it."""
+    """What an agent serving simulated GPUs of a folder leaves in it: its socket, its pid, and the
+    indices of the GPUs it serves."""
 
     socket: str
     pid: int
+    gpus: tuple[int, ...]
 
     def to_json(self) -> dict[str, object]:
-        return {"socket": self.socket, "pid": self.pid}
+        return {"socket": self.socket, "pid": self.pid, "gpus": list(self.gpus)}
 
     @classmethod
     def from_text(cls, text: str) -> Marker | None:
         doc = json.loads(text)
-        if isinstance(doc, dict) and isinstance(doc.get("socket"), str) and type(doc.get("pid")) is int:
-            return cls(doc["socket"], doc["pid"])
-        return None
+        if not (isinstance(doc, dict) and isinstance(doc.get("socket"), str) and type(doc.get("pid")) is int):
+            return None
+        gpus = doc.get("gpus")
+        if not (isinstance(gpus, list) and all(type(i) is int for i in gpus)):
+            return None
+        return cls(doc["socket"], doc["pid"], tuple(gpus))
+
+    def served(self) -> str:
+        return ("GPU " if len(self.gpus) < 2 else "GPUs ") + ", ".join(map(str, self.gpus))
 
 
-def read_marker(folder: str) -> Marker | None:
+def marker_path(folder: str, socket_path: str) -> str:
+    """The marker of the agent on `socket_path` (the same for every agent started there)."""
+    digest = hashlib.sha256(os.path.abspath(socket_path).encode()).hexdigest()[:12]
+    return os.path.join(folder, f"agent-{digest}.json")
+
+
+def read_marker(path: str) -> Marker | None:
     try:
-        with open(os.path.join(folder, MARKER), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             return Marker.from_text(f.read(4096))
     except (OSError, ValueError):
         return None
+
+
+def live_markers(folder: str) -> list[Marker]:
+    """The markers in `folder` of agents that answer (a killed agent leaves its marker behind)."""
+    found = (read_marker(path) for path in sorted(glob.glob(os.path.join(folder, MARKERS))))
+    return sorted((m for m in found if m is not None and listening(m.socket)), key=lambda m: m.gpus)
 
 
 def note_direct_sim_gpus(folder: str, chosen: bool) -> None:
@@ -101,21 +123,29 @@ def note_direct_sim_gpus(folder: str, chosen: bool) -> None:
     every process on a node must use the same simulated GPUs, as they would the same real ones."""
     if os.environ.get(AGENT_ENV, "").strip() == OFF:
         return
-    own = read_marker(folder)
-    if own is not None and listening(own.socket):
+    own = live_markers(folder)
+    if len(own) == 1:
         _tell(
-            f"the simulated GPUs in {folder} are served by the perseus agent at {own.socket}, but this process "
-            f"changes them itself ({AGENT_ENV} is unset): set {AGENT_ENV}={own.socket} so that the agent leases "
+            f"the simulated GPUs in {folder} are served by the perseus agent at {own[0].socket}, but this process "
+            f"changes them itself ({AGENT_ENV} is unset): set {AGENT_ENV}={own[0].socket} so that the agent leases "
             "them to it and restores them when it ends"
+        )
+        return
+    if own:
+        agents = "; ".join(f"{m.served()} by the one at {m.socket}" for m in own)
+        _tell(
+            f"the simulated GPUs in {folder} are served by perseus agents ({agents}), but this process changes "
+            f"them itself ({AGENT_ENV} is unset): set {AGENT_ENV} to the socket of the agent that serves the GPUs "
+            "this process uses, so that it leases them to it and restores them when it ends"
         )
         return
     if chosen:
         return
     others = []
-    for marker_path in sorted(glob.glob(os.path.join(USERS_SIM_DIRS, MARKER))):
-        other = os.path.dirname(marker_path)
-        marker = read_marker(other)
-        if marker is not None and os.path.realpath(other) != os.path.realpath(folder) and listening(marker.socket):
+    for other in sorted({os.path.dirname(p) for p in glob.glob(os.path.join(USERS_SIM_DIRS, MARKERS))}):
+        if os.path.realpath(other) == os.path.realpath(folder):
+            continue
+        for marker in live_markers(other):
             others.append(marker.socket)
             _tell(
                 f"this process uses simulated GPUs of its own, in {folder}, while the perseus agent at {marker.socket} "

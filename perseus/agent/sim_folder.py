@@ -5,7 +5,7 @@ user's, readable by all (simulated GPUs' privilege mode). Running work is open t
 the agent admits, as on hardware: the `activity` folder, where each process logs the work it
 runs (perseus.devices.sim_activity), gets the socket's group and the socket's write permissions
 (a setgid folder, so logs a client starts keep that group; their files take the folder's read and
-write bits). A marker file names the agent's socket, so that a process which uses simulated GPUs
+write bits). A marker file names the agent's socket and GPUs, so that a process which uses simulated GPUs
 of its own while this agent serves others is told (perseus.agent.location).
 """
 
@@ -16,7 +16,7 @@ import logging
 import os
 import stat
 
-from perseus.agent.location import MARKER, Marker
+from perseus.agent.location import Marker, marker_path, read_marker
 from perseus.atomic import write_json_atomic
 from perseus.exceptions import ConfigError
 
@@ -58,20 +58,19 @@ def share(folder: str, socket_mode: int, group: int) -> None:
             logger.warning("cannot share %s with the agent's clients (%s): their work there is not logged", path, e)
 
 
-def write_marker(folder: str, socket_path: str) -> None:
+def write_marker(folder: str, socket_path: str, gpus: list[int]) -> None:
     write_json_atomic(
-        os.path.join(folder, MARKER),
-        Marker(os.path.abspath(socket_path), os.getpid()).to_json(),
+        marker_path(folder, socket_path),
+        Marker(os.path.abspath(socket_path), os.getpid(), tuple(sorted(gpus))).to_json(),
         fsync=False,
         mode=0o644,
     )
 
 
-def remove_marker(folder: str) -> None:
-    """Remove the marker if it is still this agent's (a newer agent on the folder keeps its own)."""
-    path = os.path.join(folder, MARKER)
-    with contextlib.suppress(OSError, ValueError):
-        with open(path, encoding="utf-8") as f:
-            marker = Marker.from_text(f.read())
-        if marker is not None and marker.pid == os.getpid():
+def remove_marker(folder: str, socket_path: str) -> None:
+    """Remove the marker if it is still this agent's (a newer agent on the socket keeps its own)."""
+    path = marker_path(folder, socket_path)
+    marker = read_marker(path)
+    if marker is not None and marker.pid == os.getpid():
+        with contextlib.suppress(OSError):
             os.unlink(path)

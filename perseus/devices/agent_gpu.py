@@ -163,11 +163,17 @@ def serving_problem(gpu: GPU, uuid: str, served: Welcome, where: str) -> str | N
         if served.sim_dir is None or not _same_folder(mine, served.sim_dir):
             return _folder_problem(mine, served.sim_dir, where)
     if uuid not in served.uuids and isinstance(gpu, SimGPU):
+        mine_spec = f"sim:{gpu.preset.name}"
         theirs = _sim_spec(served.uuids)
+        if theirs is not None:
+            select = f"select the GPUs it serves (PERSEUS_GPU={theirs})"
+        else:
+            indices = _sim_indices(gpu.preset.name, served.uuids)
+            theirs = f"{mine_spec} GPU {', '.join(map(str, indices))}" if indices else ", ".join(served.uuids[:8])
+            select = "use only those of this process's GPUs" if indices else "select the GPUs it serves"
         return (
-            f"{where} does not serve this process's GPU {gpu.index} ({uuid}, sim:{gpu.preset.name} GPU {gpu.index}); "
-            f"it serves {theirs or ', '.join(served.uuids[:8]) or 'none'}: select the GPUs it serves"
-            f"{f' (PERSEUS_GPU={theirs})' if theirs else ''}, or run the agent on this process's (its --gpu)"
+            f"{where} does not serve this process's GPU {gpu.index} ({uuid}, {mine_spec} GPU {gpu.index}); "
+            f"it serves {theirs or 'none'}: {select}, or run the agent on this process's (its --gpu and --gpu-indices)"
         )
     if uuid not in served.uuids:
         shown = ", ".join(served.uuids[:8]) + (f" and {len(served.uuids) - 8} more" if len(served.uuids) > 8 else "")
@@ -177,6 +183,12 @@ def serving_problem(gpu: GPU, uuid: str, served: Welcome, where: str) -> str | N
             "directly (needs root)"
         )
     return None
+
+
+def _sim_indices(preset: str, uuids: tuple[str, ...]) -> list[int]:
+    """The indices of model `preset`'s simulated GPUs with these UUIDs, if all are its (else [])."""
+    index = {sim_uuid(preset, i): i for i in range(max(64, len(uuids)))}
+    return sorted(index[u] for u in uuids) if uuids and all(u in index for u in uuids) else []
 
 
 def _sim_spec(uuids: tuple[str, ...]) -> str | None:

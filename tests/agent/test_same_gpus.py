@@ -15,7 +15,7 @@ import pytest
 from agent_helpers import MAX_MHZ, PRESET, Node, ThreadAgent, at_defaults
 
 from perseus.agent.client import shared_client
-from perseus.agent.location import MARKER, read_marker
+from perseus.agent.location import marker_path, read_marker
 from perseus.devices import Work, get_gpus
 from perseus.devices.agent_gpu import AgentSimGPU, through_agent
 from perseus.devices.nvml import nvml_gpus
@@ -72,6 +72,19 @@ def test_simulated_gpus_the_agent_does_not_serve_are_refused(node, served, spec,
     assert f"it serves sim:{PRESET}:2: select the GPUs it serves (PERSEUS_GPU=sim:{PRESET}:2)" in str(refused.value)
 
 
+def test_a_simulated_gpu_another_agent_serves_is_named_by_index(node, thread_agent, monkeypatch):
+    """The agent serves GPU 1 only (`--gpu-indices 1`); the process selects both."""
+    thread_agent(gpus=node.sim_gpus()[1:])
+    monkeypatch.setenv("PERSEUS_AGENT", node.socket)
+    first, second = get_gpus(f"sim:{PRESET}:2")
+    second.lock_sm_clock(1005)
+    with pytest.raises(ConfigError, match="does not serve this process's GPU 0") as refused:
+        first.lock_sm_clock(1005)
+    assert f"it serves sim:{PRESET} GPU 1: use only those of this process's GPUs, or run the agent" in str(
+        refused.value
+    )
+
+
 def test_real_gpus_the_agent_does_not_serve_are_refused(node, thread_agent):
     """The agent serves NVIDIA GPU 0 only (as with `--gpu-indices 0`); the process has GPU 1 too."""
     with installed([FakeGPU(), FakeGPU()]) as nvml:
@@ -120,10 +133,22 @@ def test_a_socket_open_to_all_opens_the_activity_folder_to_all(node, thread_agen
 
 def test_the_agent_marks_its_folder_while_it_serves(node, thread_agent):
     agent = thread_agent()
-    marker = read_marker(node.sim_dir)
-    assert marker is not None and marker.socket == node.socket and marker.pid == os.getpid()
+    marker = read_marker(marker_path(node.sim_dir, node.socket))
+    assert marker is not None and marker.socket == node.socket and marker.pid == os.getpid() and marker.gpus == (0, 1)
     agent.stop()
-    assert not os.path.exists(os.path.join(node.sim_dir, MARKER))
+    assert not os.path.exists(marker_path(node.sim_dir, node.socket))
+
+
+def test_agents_on_disjoint_gpus_of_a_folder_are_each_named(node, thread_agent, monkeypatch, caplog):
+    first = node.socket
+    thread_agent(gpus=node.sim_gpus()[:1])
+    node.socket, node.leases = os.path.join(node.root, "second.sock"), os.path.join(node.root, "second.json")
+    thread_agent(gpus=node.sim_gpus()[1:])
+    monkeypatch.delenv("PERSEUS_AGENT", raising=False)
+    with caplog.at_level(logging.WARNING):
+        get_gpus(f"sim:{PRESET}:2")
+    said = f"served by perseus agents (GPU 0 by the one at {first}; GPU 1 by the one at {node.socket})"
+    assert said in caplog.text and "set PERSEUS_AGENT to the socket of the agent that serves the GPUs" in caplog.text
 
 
 def test_changing_the_agents_simulated_gpus_directly_is_told(node, served, monkeypatch, caplog):
