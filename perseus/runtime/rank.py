@@ -299,11 +299,14 @@ class PerseusRank:
 
     def on_step_end(self) -> None:
         """An iteration finished. Idempotent: extra calls without a new step do nothing."""
+        self._finish_step(final=False)
+
+    def _finish_step(self, final: bool) -> None:
         if self._closed or not self._in_step:
             return
         self._in_step = False
         try:
-            self._end_iteration()
+            self._end_iteration(final)
         except Exception as e:
             self._warn_once(
                 "step_end", f"Perseus failed at the end of iteration {self.iteration}: {e!r}; training continues"
@@ -322,7 +325,7 @@ class PerseusRank:
         """Finish the current iteration, reset clocks, stop background work. Idempotent."""
         if self._closed:
             return
-        self.on_step_end()
+        self._finish_step(final=True)
         self._closed = True
         self._stop.set()
         self.profiler.stop()
@@ -505,7 +508,11 @@ class PerseusRank:
             return
         logger.info("rank %d: applying plan v%d from iteration %d", self.rank, version, self.iteration)
 
-    def _end_iteration(self) -> None:
+    def _end_iteration(self, final: bool) -> None:
+        """Measure the iteration that ended, and report it. The `final` one, ended by `close()`
+        rather than by the next step, is the caller's only: it runs on to close() through whatever
+        the script does after its last step (a checkpoint, a status query, a barrier), so the
+        service's means and verification leave it out."""
         self.gpu.synchronize()
         t1, e1 = self.gpu.clock.now(), self.gpu.energy_mj()
         t0 = self._step_start[0]
@@ -533,7 +540,7 @@ class PerseusRank:
         if self._profiling and self.profiler.end_iteration(spans):
             self._upload_profile()
         self._profiling = False
-        job_iteration = self.job_iteration
+        job_iteration = None if final else self.job_iteration
         if recorded is not None:
             self._send_spans(recorded, spans, job_iteration, t1 - t0)
         if self._client is not None and self._job_id is not None and job_iteration is not None:

@@ -10,6 +10,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from perseus.service.plans import PlanKey, PublishedPlan, Straggling
 from perseus.service.ranks import bad_field
@@ -115,6 +116,8 @@ class Measurements:
         measured = self.tally.add(report.rank, report.iteration, report.time_s, report.energy_j)
         if measured is None:
             return None
+        if measured.iteration == 0:  # set-up (a rank's first step builds its schedule): never averaged
+            return replace(measured, odd_rank=None), False
         if measured.odd_rank is not None:
             self.odd += 1
             return measured, False

@@ -130,6 +130,11 @@ def _deadline(key: PlanKey) -> str:
 
 
 STRAGGLER_CHANGE = 0.05  # a job paced this much faster or slower than in its baseline ran another workload
+# The planned iterations a saving is claimed on span at least this long: a GPU's energy counter
+# steps every 100 ms or so (NVML's), and a run of iterations reads to within a step at each end
+# (perseus.runtime.rank), so a shorter run reads mostly its steps (an outsider's job claimed
+# 20.1% after three 0.25 s iterations, 8.6% over 20). 20 steps, as perseus.measurement.monitor warns.
+CLAIM_MIN_S = 2.0
 
 
 def saving_withheld(job: Job) -> str:
@@ -137,7 +142,18 @@ def saving_withheld(job: Job) -> str:
     fell back to maximum clocks, so whatever they measure against the baseline is noise or the
     baseline's own drift; or the job's straggler changed since the baseline, whose energy per
     iteration was then that of another pace (idle GPUs waiting for a slower pipeline, or none)."""
-    return _fallen_back(job) or _straggler_changed(job)
+    return _fallen_back(job) or _too_short(job) or _straggler_changed(job)
+
+
+def _too_short(job: Job) -> str:
+    planned = job.measurements.planned
+    if planned.time_s is None or planned.count * planned.time_s >= CLAIM_MIN_S:
+        return ""
+    return (
+        f"the planned iterations measured so far ({planned.count}) span {planned.count * planned.time_s:.2f} s; a "
+        f"saving is claimed once they span {CLAIM_MIN_S:g} s (an energy counter steps every 100 ms or so, and a "
+        "shorter run reads mostly its steps)"
+    )
 
 
 def _straggler_changed(job: Job) -> str:

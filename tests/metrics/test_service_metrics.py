@@ -58,7 +58,7 @@ def run_job(endpoint: str) -> tuple[str, list]:
     assert all(c.wait_for_plan(20.0) for c in clients)
     start = min(i for i in range(100) if clients[0].assignment(i).phase == Phase.PLANNED)
     for r, client in enumerate(clients):
-        for it in range(start, start + 3):
+        for it in range(start, start + 9):  # 2.07 s: a saving is claimed (perseus.service.status)
             client.report_iteration(job_id, r, it, 0.23, 26.0 + r)
     assert all(c.flush(5.0) for c in clients)
     return job_id, clients
@@ -98,9 +98,9 @@ def test_a_scrape_shows_the_service_its_job_its_pipelines_and_stages(serve):
         ("perseus_pipeline_straggler_factor", pipeline, 1.0),
         ("perseus_pipeline_iteration_seconds", {**pipeline, "kind": "predicted"}, status.predicted_iteration_time_s),
         # Energy counters: every report of each stage's rank, warm-up and planned.
-        ("perseus_stage_energy_joules_total", {**pipeline, "stage": "0"}, 2 * 30 + 3 * 26),
-        ("perseus_stage_energy_joules_total", {**pipeline, "stage": "1"}, 2 * 30 + 3 * 27),
-        ("perseus_stage_iteration_reports_total", {**pipeline, "stage": "1"}, 5),
+        ("perseus_stage_energy_joules_total", {**pipeline, "stage": "0"}, 2 * 30 + 9 * 26),
+        ("perseus_stage_energy_joules_total", {**pipeline, "stage": "1"}, 2 * 30 + 9 * 27),
+        ("perseus_stage_iteration_reports_total", {**pipeline, "stage": "1"}, 11),
         ("perseus_service_jobs", {"phase": "planned"}, 1),
         ("perseus_service_requests_total", {"type": "status", "code": "unknown_job"}, 1),
     ]

@@ -235,6 +235,24 @@ class RecordingClient(PlannedClient):
         self.reports.append((iteration, time_s, compute_time_s))
 
 
+def test_the_iteration_close_ends_is_recorded_but_not_reported(gpu):
+    """The script's work after its last step (a checkpoint, a status query) runs on to close():
+    the user's record has it, the service's means do not."""
+    client = RecordingClient()
+    records = []
+    rank = make_rank(gpu, client, on_iteration=records.append)
+    for _ in range(2):
+        rank.on_step_begin()
+        for ins in rank.order:
+            rank.on_instruction_begin(ins.kind, ins.microbatch)
+            gpu.execute(WORK)
+            rank.on_instruction_end(ins.kind, ins.microbatch)
+    gpu.clock.sleep(0.5)  # the script's own work before close()
+    rank.close()
+    assert [r.iteration for r in records] == [0, 1] and records[1].time_s == pytest.approx(8 * WORK.time_s + 0.5)
+    assert [i for i, _, _ in client.reports] == [0]
+
+
 def test_compute_time_ends_with_the_last_instruction_before_the_gradient_sync(gpu):
     """The data-parallel all-reduce after the last backward is in time_s, not in compute_time_s."""
     client = RecordingClient()
@@ -252,6 +270,7 @@ def test_compute_time_ends_with_the_last_instruction_before_the_gradient_sync(gp
     rank.on_step_begin()  # an iteration that stops short of its last instruction has no compute part
     rank.on_instruction_begin("forward", 0)
     rank.on_instruction_end("forward", 0)
+    rank.on_step_end()
     rank.close()
     assert [r.compute_time_s for r in records[:2]] == [pytest.approx(8 * WORK.time_s)] * 2
     assert [r.time_s for r in records[:2]] == [pytest.approx(8 * WORK.time_s + allreduce_s)] * 2

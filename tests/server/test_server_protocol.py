@@ -332,6 +332,15 @@ def test_the_first_iteration_sets_up_and_is_no_part_of_the_baseline():
     assert status.baseline_energy_j == pytest.approx(220.0)
 
 
+def test_a_long_first_iteration_is_no_odd_report():
+    """One rank's set-up far longer than the other's is set-up, not a client that misreports."""
+    job = _job(warmup_iterations=3)
+    job.record(ReportIteration(job.job_id, 0, 0, 0.2, 50.0))
+    done = job.record(ReportIteration(job.job_id, 1, 0, 1.2, 300.0))
+    assert done is not None and done[0].odd_rank is None and not done[1]
+    assert job.measurements.odd == 0 and job.status().baseline_iterations == 0
+
+
 def test_a_job_of_one_pipeline_refuses_a_straggler_declaration():
     job = _job()
     with pytest.raises(ServiceError, match="one pipeline"):

@@ -119,6 +119,13 @@ def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path)
             for it in range(start, start + 3):
                 client.report_iteration(job_id, r, it, 0.23, 26.0 + r)
         assert all(c.flush(5.0) for c in clients)
+        early = clients[0].status(job_id).jobs[0]
+        assert early.planned_iterations == 3 and early.measured_saving is None
+        assert early.saving_withheld.startswith("the planned iterations measured so far (3) span 0.69 s; a saving")
+        for r, client in enumerate(clients):
+            for it in range(start + 3, start + 9):
+                client.report_iteration(job_id, r, it, 0.23, 26.0 + r)
+        assert all(c.flush(5.0) for c in clients)
 
         status = clients[0].status(job_id).jobs[0]
         assert status.phase == "planned" and status.plan_version == 1
@@ -126,7 +133,7 @@ def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path)
         assert status.predicted_iteration_time_s == pytest.approx(expected.iteration_time_s)
         assert 0 < status.predicted_saving < 0.5
         assert status.baseline_iterations == 1 and status.baseline_energy_j == pytest.approx(60.0)
-        assert status.planned_iterations == 3 and status.planned_energy_j == pytest.approx(53.0)
+        assert status.planned_iterations == 9 and status.planned_energy_j == pytest.approx(53.0)
         assert status.planned_iteration_time_s == pytest.approx(0.23) and status.measured_saving == pytest.approx(
             1 - 53 / 60
         )

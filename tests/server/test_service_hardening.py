@@ -358,7 +358,8 @@ def test_forged_reports_from_a_client_of_its_own_neither_stall_the_job_nor_skew_
     _ok(report(1, 2, time_s=86_400.0, energy_j=1e7))
     status = _job_status(served.endpoint, job_id)
     assert status["last_iteration"] == 2
-    assert status["planned_iterations"] == 2 and status["planned_energy_j"] == pytest.approx(600.0)  # planned from 0
+    # Planned from 0, but iteration 0 sets up: never averaged.
+    assert status["planned_iterations"] == 1 and status["planned_energy_j"] == pytest.approx(600.0)
     table = _ok(request(served.endpoint, "get_table", job_id=job_id, rank=0, iteration=3, plan_version=0))
     assert table["plan_version"] >= 1 and table["plan_start_iteration"] < 1000
     assert served.proc.poll() is None
