@@ -119,6 +119,12 @@ def write_frontier_png(job: JobStatus, out_dir: str) -> str | None:
     return path
 
 
+# A job whose ranks reported no iteration for this long, and for this many of its iterations, is
+# said to have ended or stalled (ranks announce no end).
+QUIET_S = 30.0
+QUIET_ITERATIONS = 10
+
+
 def format_job(job: JobStatus) -> str:
     """A job as text: a header line, its models' fits, its pipelines, its measured iterations."""
     tolerance = "" if job.tolerance is None else f", tolerance {100 * job.tolerance:g}%"
@@ -126,6 +132,7 @@ def format_job(job: JobStatus) -> str:
         f"job {job.job_id}: {job.phase}, {job.ranks_registered} of {job.world_size} ranks, plan v{job.plan_version}, "
         + (f"iteration {job.last_iteration}" if job.last_iteration >= 0 else "no iteration reported yet")
         + tolerance
+        + _quiet(job)
     ]
     if job.error:
         lines.append(f"  error: {job.error}")
@@ -147,6 +154,13 @@ def format_job(job: JobStatus) -> str:
             lines += _pipeline(p)
     lines.append("  " + _iterations(job))
     return "\n".join(lines)
+
+
+def _quiet(job: JobStatus) -> str:
+    iteration_s = job.planned_iteration_time_s or job.baseline_iteration_time_s or 0.0
+    if job.quiet_s is None or job.quiet_s < max(QUIET_S, QUIET_ITERATIONS * iteration_s):
+        return ""
+    return f"; no iteration reported for {job.quiet_s:.0f} s: the job ended, or stalls"
 
 
 def _tolerance(tolerance: float | None) -> str:

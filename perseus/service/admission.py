@@ -33,6 +33,7 @@ class Admission:
         self.clock = clock
         self.jobs: dict[str, Job] = {}
         self._active: dict[str, float] = {}  # job id -> clock time of its latest request
+        self._reported: dict[str, float] = {}  # job id -> clock time of its latest iteration report
         self._costs: dict[str, int] = {}  # job id -> estimated memory (budget.job_cost_bytes)
         self._busy = busy
         self._evict = evict
@@ -49,6 +50,15 @@ class Admission:
 
     def touch(self, job_id: str) -> None:
         self._active[job_id] = self.clock()
+
+    def reported(self, job_id: str) -> None:
+        self._reported[job_id] = self.clock()
+
+    def quiet_s(self, job_id: str) -> float | None:
+        """Seconds since the job's ranks last reported an iteration (None: none since the service
+        started): a status query shows a job that ended or stalls, which no message announces."""
+        at = self._reported.get(job_id)
+        return None if at is None else max(0.0, self.clock() - at)
 
     def admit(self, spec: JobSpec) -> int:
         """The new job's estimated memory, once it fits the budget (evicting the least recently
@@ -92,6 +102,7 @@ class Admission:
     def remove(self, job_id: str) -> None:
         self.jobs.pop(job_id, None)
         self._active.pop(job_id, None)
+        self._reported.pop(job_id, None)
         self._costs.pop(job_id, None)
 
     def evict_idle(self, now: float) -> None:

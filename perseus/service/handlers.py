@@ -204,6 +204,7 @@ class Handlers:
 
     def report_iteration(self, msg: ReportIteration) -> Ack:
         job = self.admission.get(msg.job_id)
+        self.admission.reported(job.job_id)
         told = job.iterations.went_back
         done = job.record(msg)
         if told is None and job.iterations.went_back is not None:
@@ -287,7 +288,7 @@ class Handlers:
         """The job's status, or, if a bug keeps it from being told, a minimal one saying so: one
         job never makes the status of all jobs fail."""
         try:
-            return job.status()
+            return dataclasses.replace(job.status(), quiet_s=self.admission.quiet_s(job.job_id))
         except Exception as e:  # fault isolation: the traceback is logged, the status says so
             log.exception("job %s: its status cannot be told", job.job_id)
             return JobStatus(

@@ -55,7 +55,12 @@ def job_status(job: Job) -> JobStatus:
         plan = job.plans.get(k)
         slow = straggler if straggler is not None and straggler[0] == k else None
         check = job.model.checks[k]
-        reasons = (check.reason, measurements.declared_off.get(k, (0.0, ""))[1], _replan(job, k, wanted))
+        reasons = (
+            check.reason,
+            check.pending(),
+            measurements.declared_off.get(k, (0.0, ""))[1],
+            _replan(job, k, wanted),
+        )
         pipelines.append(
             PipelineStatus(
                 pipeline=k,

@@ -147,6 +147,16 @@ class PlanCheck:
             self.state = VERIFYING
             self.reason += "; the re-plan keeps the clocks in force: verifying them on"
 
+    def pending(self) -> str:
+        """What a plan that holds awaits after a window over its target, else "": the state is the
+        last verdict, `measured_s` the last window, and an outsider read "holds" beside +3.9%."""
+        if self.state != HOLDS or not self.over or self.excess is None:
+            return ""
+        return (
+            f"its last window ran {100 * self.excess:+.1f}% over its target ({self.over} in a row; {PERSISTS} start a "
+            "check at maximum clocks): it holds on the verdict before"
+        )
+
     def resume_reference(self, reference_s: float, noise: float) -> None:
         """The latest reference before the service restarted: the target (and its status) from it,
         stale, so the next window still takes a fresh reference before any plan is judged (the

@@ -414,6 +414,8 @@ class JobStatus(Message):
     noise, not Perseus'); `measured_saving` is then None. `profile_dropped`: why the service last
     dropped the job's profile and measured it again (its ranks' spans showed the workload changed
     under the same spec, see perseus.service.timelines.profile_mismatch); "" if it never did.
+    `quiet_s`: seconds since a rank last reported an iteration (None: none since the service
+    started); a job's ranks announce no end, so a job that ended or stalls shows here.
     """
 
     job_id: str
@@ -442,6 +444,7 @@ class JobStatus(Message):
     off_clock_instructions: float | None = None
     saving_withheld: str = ""
     profile_dropped: str = ""
+    quiet_s: float | None = None
 
     def __post_init__(self) -> None:
         check_job_id(self.job_id, "job.job_id")
@@ -466,6 +469,7 @@ class JobStatus(Message):
             "planned_iteration_time_s",
             "planned_energy_j",
             "off_clock_instructions",
+            "quiet_s",
         ):
             set_fields(self, **{name: check_opt_float(getattr(self, name), f"job.{name}")})
         pipelines = check_seq(self.pipelines, "job.pipelines", MAX_RANKS)

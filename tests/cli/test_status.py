@@ -85,6 +85,14 @@ def test_the_text_tells_fit_check_and_saving():
     assert "model 0.2800 s vs measured 0.2810 s (-0.4%, tolerance 1.6%)" in text
 
 
+def test_a_job_its_ranks_stopped_reporting_is_told():
+    assert "no iteration reported" not in format_job(dataclasses.replace(job_status(), quiet_s=29.0))
+    ended = format_job(dataclasses.replace(job_status(), quiet_s=95.4))
+    assert "iteration 61, tolerance 1%; no iteration reported for 95 s: the job ended, or stalls" in ended
+    slow = dataclasses.replace(job_status(), quiet_s=40.0, planned_iteration_time_s=5.0)  # 8 of its iterations
+    assert "no iteration reported" not in format_job(slow)
+
+
 def test_a_profiling_job_names_the_stages_profiled_so_far():
     profiling = dataclasses.replace(job_status(), phase="profiling", profiled_stages=(0, 2), pipelines=())
     assert "stages profiled: 0, 2" in format_job(profiling)

@@ -120,7 +120,7 @@ def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path)
                 client.report_iteration(job_id, r, it, 0.23, 26.0 + r)
         assert all(c.flush(5.0) for c in clients)
         early = clients[0].status(job_id).jobs[0]
-        assert early.planned_iterations == 3 and early.measured_saving is None
+        assert early.planned_iterations == 3 and early.measured_saving is None and early.quiet_s is not None
         assert early.saving_withheld.startswith("the planned iterations measured so far (3) span 0.69 s; a saving")
         for r, client in enumerate(clients):
             for it in range(start + 3, start + 9):

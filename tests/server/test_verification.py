@@ -143,7 +143,9 @@ def test_a_burst_of_host_load_over_two_windows_is_not_the_plans_doing():
     check.plan_started(1, 0, 1.0, fallback=False)
     assert drive(check, SKIP, 1.0, 1.0, 2) == [REFERENCE, HOLDS]
     at = check.start + SKIP + WINDOW
+    assert check.pending() == ""
     assert not feed(check, at, [1.4] * WINDOW)
+    assert check.state == HOLDS and check.pending().startswith("its last window ran +40.0% over its target (1 in a row")
     (verdict,) = feed(check, at + WINDOW, [1.4] * WINDOW)
     assert verdict.action == REFERENCE and "did not slow meanwhile" in verdict.reason
     assert drive(check, referenced(check, at + 2 * WINDOW, [1.0] * WINDOW), 1.0, 1.0, 2) == [HOLDS]
