@@ -406,9 +406,10 @@ class JobStatus(Message):
 
     Measured figures are means over iterations every rank reported: the iteration time is the
     slowest rank's, the energy the sum over ranks. `baseline_*` covers the baseline iterations
-    (max clocks, no profiling, after the first), `planned_*` the iterations run with the current
-    plan. `calibrations`: how each pipeline model fits the measured timeline (see
-    perseus.wire.calibration); `tolerance`: how much slower than its target a plan may run.
+    (max clocks, no profiling, after the first; and verification's reference windows past their
+    switch), `planned_*` the iterations run with the current plan. `calibrations`: how each
+    pipeline model fits the measured timeline (see perseus.wire.calibration); `tolerance`: how
+    much slower than its target a plan may run.
     `saving_withheld`: why no saving is claimed for the planned iterations although they were
     measured (every plan fell back to maximum clocks: what they save against the baseline is
     noise, not Perseus'); `measured_saving` is then None. `profile_dropped`: why the service last

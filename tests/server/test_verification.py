@@ -551,6 +551,26 @@ def test_ranks_that_send_no_spans_are_planned_on_the_profile_alone():
     assert isinstance(plan_pipeline(Planner(job.schedule, prof))[0], PlanResult)
 
 
+def test_a_reference_window_past_its_switch_is_baseline_too():
+    """Every pipeline at default clocks beside the plans: the job's baseline grows by the window, not
+    by its switch, whose iterations still ran the plan's clocks."""
+    job = calibrated_job()
+    for it in range(1, MIN_ITERATIONS + 1):
+        report(job, it, 0.2)
+    solve(job)
+    target = job.status().pipelines[0].target_iteration_time_s
+    assert run_windows(job, target, target, 1) == [REFERENCE]
+    reference = job.plans[0]
+    assert reference.reference and job.status().baseline_iterations == MIN_ITERATIONS
+    for it in range(reference.start_iteration, reference.start_iteration + SKIP):
+        report(job, it, 9.0)  # the switch
+    for it in range(reference.start_iteration + SKIP, reference.start_iteration + SKIP + WINDOW):
+        report(job, it, 0.2)
+    status = job.status()
+    assert status.baseline_iterations == MIN_ITERATIONS + WINDOW
+    assert status.baseline_iteration_time_s == pytest.approx(0.201) and status.planned_iterations == WINDOW
+
+
 def test_a_restarted_service_keeps_the_calibration_margin_and_baseline():
     job = calibrated_job()
     for it in range(1, MIN_ITERATIONS + 1):
@@ -562,7 +582,9 @@ def test_a_restarted_service_keeps_the_calibration_margin_and_baseline():
     profiles = {f"stage-{s}": job.profiles[job.spec.gpu_model][s] for s in range(STAGES)}
     again = Job.from_record(record, profiles, {})
     status = again.status()  # the saving is measured against the baseline measured before the restart
-    assert status.baseline_iterations == MIN_ITERATIONS and status.baseline_iteration_time_s == pytest.approx(0.201)
+    before = job.status()  # the pre-plan iterations and the reference windows' (3, past their switch)
+    assert status.baseline_iterations == before.baseline_iterations == MIN_ITERATIONS + 3 * WINDOW
+    assert status.baseline_iteration_time_s == pytest.approx(before.baseline_iteration_time_s)
     models = job.models(0)
     assert again.model.calibrations.get(models).calibration == job.model.calibrations.get(models).calibration
     assert again.model.calibrations.get(models).margin == pytest.approx(0.12)
