@@ -185,6 +185,7 @@ def _service_view(status: Any) -> dict | None:
         "planned_iteration_time_s": status.planned_iteration_time_s,
         "planned_energy_j": status.planned_energy_j,
         "measured_saving": status.measured_saving,
+        "withheld": status.saving_withheld,
     }
 
 
@@ -279,9 +280,11 @@ def _service_report(result: dict) -> list[str]:
             f"({service['baseline_iterations']} iterations)"
         )
         if service.get("planned_iteration_time_s") is not None:
+            saving = service.get("measured_saving")
+            claimed = f"saving {saving:.1%}" if saving is not None else f"no saving claimed: {service['withheld']}"
             line += (
                 f", plan {service['planned_iteration_time_s']:.3f} s {service['planned_energy_j']:.1f} J "
-                f"({service['planned_iterations']} iterations), saving {service['measured_saving']:.1%}"
+                f"({service['planned_iterations']} iterations), {claimed}"
             )
         lines.append(line)
     return lines

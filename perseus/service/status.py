@@ -151,14 +151,16 @@ def saving_withheld(job: Job) -> str:
 
 
 def _too_short(job: Job) -> str:
-    planned = job.measurements.planned
-    if planned.time_s is None or planned.count * planned.time_s >= CLAIM_MIN_S:
-        return ""
-    return (
-        f"the planned iterations measured so far ({planned.count}) span {planned.count * planned.time_s:.2f} s; a "
-        f"saving is claimed once they span {CLAIM_MIN_S:g} s (an energy counter steps every 100 ms or so, and a "
-        "shorter run reads mostly its steps)"
-    )
+    if job.measurements.planned.count == 0:
+        return ""  # nothing claimed yet
+    for name, mean in (("baseline", job.measurements.baseline), ("planned", job.measurements.planned)):
+        if mean.time_s is not None and mean.count * mean.time_s < CLAIM_MIN_S:
+            return (
+                f"the {name} iterations measured so far ({mean.count}) span {mean.count * mean.time_s:.2f} s; a "
+                f"saving is claimed once both the baseline and the planned ones span {CLAIM_MIN_S:g} s (an energy "
+                "counter steps every 100 ms or so, and a shorter run reads mostly its steps)"
+            )
+    return ""
 
 
 def _straggler_changed(job: Job) -> str:

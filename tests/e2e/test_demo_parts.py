@@ -366,6 +366,9 @@ def test_the_report_shows_the_calibrated_fit_and_the_verdict_not_hand_measured_o
         "92.0 J (14 iterations), saving 8.9%"
     ) in report
     assert "pipeline hop" not in report and "host gap between instructions" not in report
+    withheld = dataclasses.replace(status, saving_withheld="every pipeline fell back to maximum clocks (why)")
+    report = format_report({**summarize(its, withheld), "clocks_reset": True, "wall_time_s": 100.0})
+    assert "(14 iterations), no saving claimed: every pipeline fell back to maximum clocks (why)" in report
 
 
 def test_default_time_scale_keeps_the_default_iteration_time_for_any_shape():

@@ -95,7 +95,7 @@ def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path)
         wait_until(lambda: all(c.assignment(0).phase == Phase.WARMUP for c in clients))
         for r, client in enumerate(clients):
             client.report_iteration(job_id, r, 0, 0.9, 80.0)  # the first iteration sets up: no baseline
-            client.report_iteration(job_id, r, 1, 0.25, 30.0)  # warm-up: the measured baseline
+            client.report_iteration(job_id, r, 1, 2.1, 30.0)  # warm-up: the baseline (2 s or more: claimed)
         # Warm-up, then the sweep the service designed (the rank walks its steps), 2 steps per frequency.
         a = clients[1].assignment(2 + 2 * 3 + 1)
         assert a.phase == Phase.PROFILING and a.sweep.frequencies == FREQUENCIES and a.frequencies is None
