@@ -89,14 +89,20 @@ def make_rank(gpu, client=None, **kwargs):
 def run(rank, gpu, iterations=1):
     clocks = []
     for _ in range(iterations):
-        rank.on_step_begin()
-        for ins in rank.order:
-            rank.on_instruction_begin(ins.kind, ins.microbatch)
-            clocks.append(gpu.sm_clock())
-            gpu.execute(WORK)
-            rank.on_instruction_end(ins.kind, ins.microbatch)
+        step(rank, gpu, clocks)
         rank.on_step_end()
     return clocks
+
+
+def step(rank, gpu, clocks=None):
+    """Begin a step and run this rank's instructions (the caller ends it, or not)."""
+    rank.on_step_begin()
+    for ins in rank.order:
+        rank.on_instruction_begin(ins.kind, ins.microbatch)
+        if clocks is not None:
+            clocks.append(gpu.sm_clock())
+        gpu.execute(WORK)
+        rank.on_instruction_end(ins.kind, ins.microbatch)
 
 
 def test_without_a_planner_runs_at_default_clocks_and_measures_iterations(gpu):
@@ -241,12 +247,8 @@ def test_the_iteration_close_ends_is_recorded_but_not_reported(gpu):
     client = RecordingClient()
     records = []
     rank = make_rank(gpu, client, on_iteration=records.append)
-    for _ in range(2):
-        rank.on_step_begin()
-        for ins in rank.order:
-            rank.on_instruction_begin(ins.kind, ins.microbatch)
-            gpu.execute(WORK)
-            rank.on_instruction_end(ins.kind, ins.microbatch)
+    step(rank, gpu)
+    step(rank, gpu)  # ends the first
     gpu.clock.sleep(0.5)  # the script's own work before close()
     rank.close()
     assert [r.iteration for r in records] == [0, 1] and records[1].time_s == pytest.approx(8 * WORK.time_s + 0.5)
@@ -260,11 +262,7 @@ def test_compute_time_ends_with_the_last_instruction_before_the_gradient_sync(gp
     rank = make_rank(gpu, client, on_iteration=records.append)
     allreduce_s = 0.05
     for _ in range(2):
-        rank.on_step_begin()
-        for ins in rank.order:
-            rank.on_instruction_begin(ins.kind, ins.microbatch)
-            gpu.execute(WORK)
-            rank.on_instruction_end(ins.kind, ins.microbatch)
+        step(rank, gpu)
         gpu.clock.sleep(allreduce_s)  # waiting on the other pipelines
         rank.on_step_end()
     rank.on_step_begin()  # an iteration that stops short of its last instruction has no compute part
