@@ -204,11 +204,11 @@ def _pipeline(p: PipelineStatus) -> list[str]:
 def _iterations(job: JobStatus) -> str:
     baseline = (
         f"baseline {_num(job.baseline_iteration_time_s)} s, {_num(job.baseline_energy_j, digits=1)} J "
-        f"({job.baseline_iterations} iterations)"
+        f"({_count(job.baseline_iterations, 'iteration')})"
     )
     planned = (
         f"planned {_num(job.planned_iteration_time_s)} s, {_num(job.planned_energy_j, digits=1)} J "
-        f"({job.planned_iterations} iterations)"
+        f"({_count(job.planned_iterations, 'iteration')})"
     )
     if job.saving_withheld:
         return f"{baseline}; {planned}; no saving claimed: {job.saving_withheld}"
@@ -216,6 +216,10 @@ def _iterations(job: JobStatus) -> str:
     if job.predicted_saving is not None:
         saving += f" (predicted {_percent(job.predicted_saving, signed=False)})"
     return f"{baseline}; {planned}; {saving}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _num(value: float | None, missing: str = "-", digits: int = 4) -> str:
