@@ -143,16 +143,24 @@ CLAIM_MIN_S = 2.0
 
 
 def saving_withheld(job: Job) -> str:
-    """Why the planned iterations' saving is not claimed ("" where it is): every pipeline's plan
-    fell back to maximum clocks, so whatever they measure against the baseline is noise or the
-    baseline's own drift; or the job's straggler changed since the baseline, whose energy per
+    """Why no saving is claimed ("" where one is): every pipeline's plan fell back to maximum
+    clocks, so whatever they measure against the baseline is noise or the baseline's own drift;
+    no planned or no baseline iteration measured yet, or too few to read an energy counter that
+    steps every 100 ms or so; or the job's straggler changed since the baseline, whose energy per
     iteration was then that of another pace (idle GPUs waiting for a slower pipeline, or none)."""
-    return _fallen_back(job) or _too_short(job) or _straggler_changed(job)
+    return _fallen_back(job) or _unmeasured(job) or _too_short(job) or _straggler_changed(job)
+
+
+def _unmeasured(job: Job) -> str:
+    measurements = job.measurements
+    if measurements.planned.count == 0:
+        return "no planned iteration measured yet" + ("" if measurements.baseline.count else ", nor a baseline one")
+    if measurements.baseline.count == 0:
+        return "no baseline iteration measured (every rank at default clocks, past the first iteration)"
+    return ""
 
 
 def _too_short(job: Job) -> str:
-    if job.measurements.planned.count == 0:
-        return ""  # nothing claimed yet
     for name, mean in (("baseline", job.measurements.baseline), ("planned", job.measurements.planned)):
         if mean.time_s is not None and mean.count * mean.time_s < CLAIM_MIN_S:
             return (

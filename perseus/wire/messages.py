@@ -410,9 +410,9 @@ class JobStatus(Message):
     switch), `planned_*` the iterations run with the current plan. `calibrations`: how each
     pipeline model fits the measured timeline (see perseus.wire.calibration); `tolerance`: how
     much slower than its target a plan may run.
-    `saving_withheld`: why no saving is claimed for the planned iterations although they were
-    measured (every plan fell back to maximum clocks: what they save against the baseline is
-    noise, not Perseus'); `measured_saving` is then None. `profile_dropped`: why the service last
+    `saving_withheld`: why no saving is claimed (none measured yet, too few iterations to read an
+    energy counter on, every plan fell back to maximum clocks, the straggler changed: see
+    perseus.service.status); `measured_saving` is then None. `profile_dropped`: why the service last
     dropped the job's profile and measured it again (its ranks' spans showed the workload changed
     under the same spec, see perseus.service.timelines.profile_mismatch); "" if it never did.
     `quiet_s`: seconds since a rank last reported an iteration (None: none since the service
