@@ -157,10 +157,14 @@ def format_job(job: JobStatus) -> str:
 
 
 def _quiet(job: JobStatus) -> str:
+    """Whether the job ended (every rank's close() reported) or went quiet."""
+    if job.ranks_closed >= job.world_size:
+        return "; every rank closed: the job ended"
+    closed = f"; {job.ranks_closed} of {job.world_size} ranks closed" if job.ranks_closed else ""
     iteration_s = job.planned_iteration_time_s or job.baseline_iteration_time_s or 0.0
     if job.quiet_s is None or job.quiet_s < max(QUIET_S, QUIET_ITERATIONS * iteration_s):
-        return ""
-    return f"; no iteration reported for {job.quiet_s:.0f} s: the job ended, or stalls"
+        return closed
+    return f"{closed}; no iteration reported for {job.quiet_s:.0f} s: the job ended, or stalls"
 
 
 def _tolerance(tolerance: float | None) -> str:

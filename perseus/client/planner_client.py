@@ -126,12 +126,14 @@ class PlannerClient:
         energy_j: float,
         compute_time_s: float | None = None,
         off_clock: int | None = None,
+        closing: bool = False,
     ) -> None:
         """Queue one iteration's measured time and energy of this rank's GPU (`compute_time_s`:
         the time without waiting on other data-parallel pipelines, if known; it lets the service
-        see stragglers). Never raises: a report with bad values is logged (once) and dropped."""
+        see stragglers; `closing`: the last, see ReportIteration). Never raises: a report with bad
+        values is logged (once) and dropped."""
         try:
-            message = ReportIteration(job_id, rank, iteration, time_s, energy_j, compute_time_s, off_clock)
+            message = ReportIteration(job_id, rank, iteration, time_s, energy_j, compute_time_s, off_clock, closing)
         except ConfigError as e:
             if self._rank.first_time("report"):
                 log.warning("dropping an iteration report the service would refuse: %s", e)

@@ -72,8 +72,10 @@ class PlannerPort(Protocol):
         energy_j: float,
         compute_time_s: float | None = None,
         off_clock: int | None = None,
+        closing: bool = False,
     ) -> None:
-        """One iteration's measured time and energy on this rank's GPU. Never raises."""
+        """One iteration's measured time and energy on this rank's GPU (`closing`: its last, ended
+        by close()). Never raises."""
         ...
 
     def report_spans(self, spans: ReportSpans) -> None:

@@ -510,9 +510,9 @@ class PerseusRank:
 
     def _end_iteration(self, final: bool) -> None:
         """Measure the iteration that ended, and report it. The `final` one, ended by `close()`
-        rather than by the next step, is the caller's only: it runs on to close() through whatever
-        the script does after its last step (a checkpoint, a status query, a barrier), so the
-        service's means and verification leave it out."""
+        rather than by the next step, runs on to close() through whatever the script does after
+        its last step (a checkpoint, a status query, a barrier): reported as closing, which tells
+        the service the rank closed and keeps it out of its means and verification."""
         self.gpu.synchronize()
         t1, e1 = self.gpu.clock.now(), self.gpu.energy_mj()
         t0 = self._step_start[0]
@@ -540,8 +540,8 @@ class PerseusRank:
         if self._profiling and self.profiler.end_iteration(spans):
             self._upload_profile()
         self._profiling = False
-        job_iteration = None if final else self.job_iteration
-        if recorded is not None:
+        job_iteration = self.job_iteration
+        if recorded is not None and not final:
             self._send_spans(recorded, spans, job_iteration, t1 - t0)
         if self._client is not None and self._job_id is not None and job_iteration is not None:
             self._client.report_iteration(
@@ -551,7 +551,8 @@ class PerseusRank:
                 record.time_s,
                 record.energy_j,
                 compute_time_s=record.compute_time_s,
-                **({} if record.off_clock is None else {"off_clock": record.off_clock}),
+                off_clock=record.off_clock,
+                closing=final,
             )
         if self._on_iteration is not None:
             self._on_iteration(record)

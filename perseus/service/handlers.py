@@ -205,6 +205,12 @@ class Handlers:
     def report_iteration(self, msg: ReportIteration) -> Ack:
         job = self.admission.get(msg.job_id)
         self.admission.reported(job.job_id)
+        if msg.closing:
+            job.close_rank(msg.rank)
+            log.info(
+                "job %s: rank %d closed (%d of %d)", job.job_id, msg.rank, len(job.closed_ranks), job.spec.world_size
+            )
+            return Ack(job.phase.value)
         told = job.iterations.went_back
         done = job.record(msg)
         if told is None and job.iterations.went_back is not None:

@@ -56,6 +56,7 @@ class Job:
         self.error = ""
         self.error_retryable = False  # the error came from what a run measured: a new run tries again
         self.run = 0  # runs of the job's ranks this service saw start (see `rerun`)
+        self.closed_ranks: set[int] = set()  # ranks whose close() reported (this run)
         self.profile_dropped = ""  # why its profile was last dropped and measured again ("": never)
         self.warning = ""  # the job runs, but something is degraded (its state could not be saved)
         self.iterations = RankIterations()  # how far each rank got in this run
@@ -112,11 +113,18 @@ class Job:
         self.roster.check(info)
         self.profiling.check_sweep(info)
         self.model.rank_added(info)
+        self.closed_ranks.discard(info.rank)
         if self.roster.add(info):
             self._changed()
 
     def rank(self, rank: int) -> RankInfo:
         return self.roster.get(rank)
+
+    def close_rank(self, rank: int) -> None:
+        """The rank's close() reported its last iteration (kept out of every mean: it runs on
+        through the script's own work); it registers again if it runs again."""
+        self.rank(rank)  # a rank of the job
+        self.closed_ranks.add(rank)
 
     def models(self, pipeline: int) -> Models:
         return self.roster.models(pipeline)
@@ -149,6 +157,7 @@ class Job:
         gets a fresh chance. A job whose ranks send no spans has nothing to measure its baseline
         with: it applies its plans at once."""
         self.run += 1
+        self.closed_ranks.clear()
         self.iterations.reset()
         if self.error and self.error_retryable:
             self.error, self.error_retryable = "", False

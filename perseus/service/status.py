@@ -83,6 +83,7 @@ def job_status(job: Job) -> JobStatus:
         phase=job.phase.value,
         world_size=job.spec.world_size,
         ranks_registered=len(job.ranks),
+        ranks_closed=len(job.closed_ranks),
         profiled_stages=job.profiled_stages,
         plan_version=max((p.version for p in job.plans.values()), default=0),
         # Before any report since the service restarted: the latest it had saved.

@@ -247,7 +247,10 @@ class ReportIteration(Message):
 
     `compute_time_s`, when the rank can tell, is the iteration's time without waiting for other
     data-parallel pipelines (the gradient synchronization): straggler detection compares
-    pipelines by it (by `time_s` otherwise, which a synchronizing straggler makes equal)."""
+    pipelines by it (by `time_s` otherwise, which a synchronizing straggler makes equal).
+    `closing`: the rank's last report, of the iteration its close() ended (not a next step, so it
+    runs on through the script's own work after its last step): no mean counts it, and the rank
+    has closed; ranks announce a job's end no other way."""
 
     TYPE: ClassVar[str] = "report_iteration"
     job_id: str
@@ -257,9 +260,11 @@ class ReportIteration(Message):
     energy_j: float
     compute_time_s: float | None = None
     off_clock: int | None = None  # instructions that ran at a clock other than planned (if the rank can tell)
+    closing: bool = False
 
     def __post_init__(self) -> None:
         check_job_id(self.job_id, "report_iteration.job_id")
+        check_bool(self.closing, "report_iteration.closing")
         check_int(self.rank, "report_iteration.rank", 0, MAX_RANKS - 1)
         check_int(self.iteration, "report_iteration.iteration", 0, MAX_RANK_ITERATION)
         set_fields(
@@ -290,6 +295,8 @@ class ReportIteration(Message):
             del doc["compute_time_s"]  # what earlier releases send and accept
         if self.off_clock is None:
             del doc["off_clock"]  # likewise
+        if not self.closing:
+            del doc["closing"]  # likewise
         return doc
 
 
@@ -416,7 +423,8 @@ class JobStatus(Message):
     dropped the job's profile and measured it again (its ranks' spans showed the workload changed
     under the same spec, see perseus.service.timelines.profile_mismatch); "" if it never did.
     `quiet_s`: seconds since a rank last reported an iteration (None: none since the service
-    started); a job's ranks announce no end, so a job that ended or stalls shows here.
+    started): a job that stalls, or whose ranks ended without close(), shows here.
+    `ranks_closed`: ranks whose close() reported their last iteration (this run).
     """
 
     job_id: str
@@ -446,12 +454,14 @@ class JobStatus(Message):
     saving_withheld: str = ""
     profile_dropped: str = ""
     quiet_s: float | None = None
+    ranks_closed: int = 0
 
     def __post_init__(self) -> None:
         check_job_id(self.job_id, "job.job_id")
         check_str(self.phase, "job.phase", 16, choices=JOB_PHASES)
         check_int(self.world_size, "job.world_size", 1, MAX_RANKS)
         check_int(self.ranks_registered, "job.ranks_registered", 0, MAX_RANKS)
+        check_int(self.ranks_closed, "job.ranks_closed", 0, MAX_RANKS)
         set_fields(self, profiled_stages=check_ints(self.profiled_stages, "job.profiled_stages", 0, 4095, 4096))
         check_int(self.plan_version, "job.plan_version", 0, MAX_ITERATION)
         check_int(self.last_iteration, "job.last_iteration", -1, MAX_ITERATION)

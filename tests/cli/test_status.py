@@ -91,6 +91,10 @@ def test_a_job_its_ranks_stopped_reporting_is_told():
     assert "iteration 61, tolerance 1%; no iteration reported for 95 s: the job ended, or stalls" in ended
     slow = dataclasses.replace(job_status(), quiet_s=40.0, planned_iteration_time_s=5.0)  # 8 of its iterations
     assert "no iteration reported" not in format_job(slow)
+    one = format_job(dataclasses.replace(job_status(), quiet_s=95.4, ranks_closed=1))
+    assert "tolerance 1%; 1 of 2 ranks closed; no iteration reported for 95 s" in one
+    ended = format_job(dataclasses.replace(job_status(), quiet_s=95.4, ranks_closed=2))
+    assert ended.splitlines()[0].endswith("tolerance 1%; every rank closed: the job ended")
 
 
 def test_a_profiling_job_names_the_stages_profiled_so_far():

@@ -89,6 +89,7 @@ class FakePlanner:
         self.profiles = {}
         self.reports = []
         self.off_clock = []
+        self.closed = []
 
     def register_job(self, spec):
         self.spec = spec
@@ -109,7 +110,12 @@ class FakePlanner:
     def upload_profile(self, job_id, stage, profile):
         self.profiles[stage] = profile
 
-    def report_iteration(self, job_id, rank, iteration, time_s, energy_j, compute_time_s=None, off_clock=None):
+    def report_iteration(
+        self, job_id, rank, iteration, time_s, energy_j, compute_time_s=None, off_clock=None, closing=False
+    ):
+        if closing:
+            self.closed.append(iteration)
+            return
         self.reports.append((iteration, time_s, energy_j, compute_time_s))
         self.off_clock.append(off_clock)
 
@@ -250,7 +256,7 @@ def test_profiles_then_applies_the_plan_on_a_real_stage(gpu):
     profile = planner.profiles[0]
     assert set(profile.points) == {(0, "forward"), (0, "backward")}
     assert [p.frequency for p in profile.points[(0, "forward")]] == [1410, 1005]
-    assert [r[0] for r in planner.reports] == list(range(5))  # the last, ended by close(), is the script's only
+    assert [r[0] for r in planner.reports] == list(range(5)) and planner.closed == [5]  # close() ended the last
     # Every iteration has a compute part: to the end of its last backward, within the step.
     assert all(compute is not None and 0 < compute <= time_s for _, time_s, _, compute in planner.reports)
     assert gpu.sm_clock() == gpu.max_frequency()  # reset on close

@@ -232,18 +232,19 @@ class RecordingClient(PlannedClient):
 
     def __init__(self):
         super().__init__(None)
-        self.reports, self.uploads = [], []
+        self.reports, self.uploads, self.closing = [], [], []
 
     def assignment(self, iteration):
         return Assignment(Phase.WARMUP, None, None, 0)
 
-    def report_iteration(self, job_id, rank, iteration, time_s, energy_j, compute_time_s=None):
+    def report_iteration(self, job_id, rank, iteration, time_s, energy_j, compute_time_s=None, **kwargs):
         self.reports.append((iteration, time_s, compute_time_s))
+        self.closing.append(kwargs.get("closing", False))
 
 
-def test_the_iteration_close_ends_is_recorded_but_not_reported(gpu):
+def test_the_iteration_close_ends_is_reported_as_closing(gpu):
     """The script's work after its last step (a checkpoint, a status query) runs on to close():
-    the user's record has it, the service's means do not."""
+    the user's record has it; the service is told it is the rank's last (no mean counts it)."""
     client = RecordingClient()
     records = []
     rank = make_rank(gpu, client, on_iteration=records.append)
@@ -252,7 +253,7 @@ def test_the_iteration_close_ends_is_recorded_but_not_reported(gpu):
     gpu.clock.sleep(0.5)  # the script's own work before close()
     rank.close()
     assert [r.iteration for r in records] == [0, 1] and records[1].time_s == pytest.approx(8 * WORK.time_s + 0.5)
-    assert [i for i, _, _ in client.reports] == [0]
+    assert [i for i, _, _ in client.reports] == [0, 1] and client.closing == [False, True]
 
 
 def test_compute_time_ends_with_the_last_instruction_before_the_gradient_sync(gpu):

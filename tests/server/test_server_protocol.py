@@ -332,6 +332,21 @@ def test_the_first_iteration_sets_up_and_is_no_part_of_the_baseline():
     assert status.baseline_energy_j == pytest.approx(220.0)
 
 
+def test_a_closing_report_counts_no_iteration_and_a_new_run_reopens():
+    job = _job(warmup_iterations=3)
+    job.record(ReportIteration(job.job_id, 0, 1, 1.0, 100.0))
+    job.close_rank(1)
+    status = job.status()
+    assert status.ranks_closed == 1 and status.baseline_iterations == 0
+    with pytest.raises(ServiceError, match="rank"):
+        job.close_rank(7)  # no rank of the job
+    job.add_rank(rank_info(1))  # it runs again
+    assert job.status().ranks_closed == 0
+    job.close_rank(0)
+    job.rerun()
+    assert job.status().ranks_closed == 0
+
+
 def test_a_long_first_iteration_is_no_odd_report():
     """One rank's set-up far longer than the other's is set-up, not a client that misreports."""
     job = _job(warmup_iterations=3)

@@ -138,6 +138,14 @@ def test_job_profiles_plans_and_logs_predicted_against_measured(serve, tmp_path)
             1 - 53 / 60
         )
         assert f"job {job_id} iteration {start} (plan v1)" in served.log()
+        # Each rank's close() reports its last iteration, a long one (the script's own work after
+        # its last step): the ranks closed, and no mean counts it.
+        for r, client in enumerate(clients):
+            client.report_iteration(job_id, r, start + 9, 3.0, 90.0, closing=True)
+        assert all(c.flush(5.0) for c in clients)
+        closed = clients[0].status(job_id).jobs[0]
+        assert closed.ranks_closed == 2 and closed.planned_iterations == 9 and closed.last_iteration == start + 8
+        assert f"job {job_id}: rank 1 closed (2 of 2)" in served.log() or "rank 0 closed (2 of 2)" in served.log()
         state = tmp_path / "state"
         assert (state / "jobs" / job_id / "plan.json").exists() and (
             state / "profiles" / f"{spec.profile_key()}.json"
