@@ -325,7 +325,10 @@ class PerseusRank:
         """Finish the current iteration, reset clocks, stop background work. Idempotent."""
         if self._closed:
             return
-        self._finish_step(final=True)
+        if self._in_step:
+            self._finish_step(final=True)
+        else:
+            self._say_closed()
         self._closed = True
         self._stop.set()
         self.profiler.stop()
@@ -336,6 +339,19 @@ class PerseusRank:
             self._client.close()  # sends what is queued (final reports, the profile) first
         if self._progress is not None:
             self._progress.close()
+
+    def _say_closed(self) -> None:
+        """Tell the service this rank closed where no iteration was left to end (the script ended
+        its last step itself): its last iteration's report again, as closing (no mean counts it)."""
+        last, job_iteration = self.last_iteration, self.job_iteration
+        if last is None or self._client is None or self._job_id is None or job_iteration is None:
+            return
+        try:
+            self._client.report_iteration(
+                self._job_id, self.rank, job_iteration, last.time_s, last.energy_j, closing=True
+            )
+        except Exception as e:  # never break training
+            self._warn_once("close", f"Perseus could not tell the planner service this rank closed: {e!r}")
 
     def __enter__(self) -> PerseusRank:
         return self

@@ -39,7 +39,8 @@ class SpanClient:
         pass
 
     def report_iteration(self, job_id, rank, iteration, time_s, energy_j, **kwargs):
-        self.iterations.append((time_s, kwargs.get("compute_time_s")))
+        if not kwargs.get("closing"):  # close()'s report again of the last iteration
+            self.iterations.append((time_s, kwargs.get("compute_time_s")))
 
     def report_spans(self, report):
         self.spans.append(report)
