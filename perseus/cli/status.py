@@ -120,7 +120,7 @@ def write_frontier_png(job: JobStatus, out_dir: str) -> str | None:
 
 
 # A job whose ranks reported no iteration for this long, and for this many of its iterations, is
-# said to have ended or stalled (ranks announce no end).
+# said to have ended or stalled (ranks killed before their close() announce nothing).
 QUIET_S = 30.0
 QUIET_ITERATIONS = 10
 

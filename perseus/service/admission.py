@@ -56,7 +56,7 @@ class Admission:
 
     def quiet_s(self, job_id: str) -> float | None:
         """Seconds since the job's ranks last reported an iteration (None: none since the service
-        started): a status query shows a job that ended or stalls, which no message announces."""
+        started): a status query shows a job that stalls, or whose ranks died before close()."""
         at = self._reported.get(job_id)
         return None if at is None else max(0.0, self.clock() - at)
 

@@ -136,10 +136,11 @@ def _deadline(key: PlanKey) -> str:
 
 
 STRAGGLER_CHANGE = 0.05  # a job paced this much faster or slower than in its baseline ran another workload
-# The planned iterations a saving is claimed on span at least this long: a GPU's energy counter
-# steps every 100 ms or so (NVML's), and a run of iterations reads to within a step at each end
-# (perseus.runtime.rank), so a shorter run reads mostly its steps (an outsider's job claimed
-# 20.1% after three 0.25 s iterations, 8.6% over 20). 20 steps, as perseus.measurement.monitor warns.
+# The baseline and the planned iterations a saving is claimed on each span at least this long: a
+# GPU's energy counter steps every 100 ms or so (NVML's), and a run of iterations reads to within a
+# step at each end (perseus.runtime.rank), so a shorter run reads mostly its steps (an outsider's
+# job claimed 20.1% after three 0.25 s iterations, 8.6% over 20). 20 steps, as
+# perseus.measurement.monitor warns.
 CLAIM_MIN_S = 2.0
 
 
