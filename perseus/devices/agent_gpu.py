@@ -195,7 +195,7 @@ def _sim_spec(uuids: tuple[str, ...]) -> str | None:
     """The simulated GPUs with these UUIDs as a GPU spec (`sim:a100-sxm:2`), if they are the first
     GPUs of one model."""
     for name in PRESETS:
-        if set(uuids) == {sim_uuid(name, i) for i in range(len(uuids))}:
+        if _sim_indices(name, uuids) == list(range(len(uuids))):
             return f"sim:{name}:{len(uuids)}"
     return None
 
