@@ -47,6 +47,14 @@ class PublishedPlan(PlanResult):
     models: Models = ()
     deadline_s: float | None = None
     reference: bool = False  # maximum clocks for one window: verification's fresh target
+    # The first version of the clocks it runs (a reference window: of the plan it checks): a plan
+    # that resumes after a reference window keeps it, a re-plan to other clocks starts it anew.
+    # 0 in records saved before it was kept: `version` then.
+    since_version: int = 0
+
+    @property
+    def since(self) -> int:
+        return self.since_version or self.version
 
     @property
     def key(self) -> PlanKey:
@@ -97,6 +105,8 @@ class PlanBook:
         self.results: dict[PlanKey, PlanResult | str] = {}  # solved plans; str: why the planner could not
         # Pipelines measuring a reference window: they run this (maximum clocks) in place of their plan.
         self.references: dict[int, PlanResult] = {}
+        # Pipeline -> the clocks of its last plan other than a reference window (`since_version`).
+        self.clocks: dict[int, tuple[tuple[int, ...], ...]] = {}
         self.last_version = 0
 
     def base(self, pipeline: int) -> PlanResult | None:
@@ -178,14 +188,20 @@ class PlanBook:
         self.last_version += 1
         for k, ((models, deadline), result) in changed.items():
             base = {f.name: getattr(result, f.name) for f in fields(PlanResult)}
+            reference = k in self.references
+            before = self.plans.get(k)
+            same = reference or self.clocks.get(k) == result.stage_frequencies
             self.plans[k] = PublishedPlan(
                 **base,
                 version=self.last_version,
                 start_iteration=start_iteration,
                 models=models,
                 deadline_s=deadline,
-                reference=k in self.references,
+                reference=reference,
+                since_version=before.since if before is not None and before.models == models and same else 0,
             )
+            if not reference:
+                self.clocks[k] = result.stage_frequencies
         return sorted(changed)
 
     def retarget(self, wanted: dict[int, PlanKey]) -> list[int]:
@@ -223,6 +239,7 @@ class PlanBook:
         self.plans = {}
         self.results = {}
         self.references = {}
+        self.clocks = {}
 
     def drop_failures(self) -> None:
         """Forget why plans could not be solved: a new run of the job tries again."""
@@ -233,6 +250,7 @@ class PlanBook:
         self.plans = {k: p for k, p in self.plans.items() if not gpu_models & set(p.models)}
         self.results = {k: r for k, r in self.results.items() if not gpu_models & set(k[0])}
         self.references = {k: r for k, r in self.references.items() if k in self.plans}
+        self.clocks = {k: c for k, c in self.clocks.items() if k in self.plans}
 
     def record(self, pipeline: int) -> dict[str, Any]:
         """The pipeline's published plan as saved; a reference window's with the plan it checks
@@ -250,6 +268,9 @@ class PlanBook:
         next publication runs it again, not maximum clocks)."""
         self.plans[pipeline] = plan
         self.results[plan.key] = checks if plan.reference and checks is not None else plan.result()
+        ran = checks if plan.reference else plan
+        if ran is not None:
+            self.clocks[pipeline] = ran.stage_frequencies
 
     def checked(self, plan: PublishedPlan) -> PublishedPlan | PlanResult:
         """The plan whose figures a pipeline is predicted by: a reference window's, the plan it

@@ -65,6 +65,7 @@ def job_status(job: Job) -> JobStatus:
             PipelineStatus(
                 pipeline=k,
                 plan_version=plan.version if plan else 0,
+                plan_since=plan.since if plan else 0,
                 deadline_s=plan.deadline_s if plan else None,
                 predicted_iteration_time_s=_predicted_time(job, plan, slow),
                 measured_iteration_time_s=measurements.measured_time_s(k),

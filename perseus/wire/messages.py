@@ -346,7 +346,9 @@ class PipelineStatus(Message):
     "holds", "replanning" or "fallback" (maximum clocks); the measured
     iteration (its compute part, median of the last window: `verified_iteration_time_s`)
     against `target_iteration_time_s` (the measured baseline, or the deadline at its scale),
-    the re-plans made and why (`reason`).
+    the re-plans made and why (`reason`). `plan_since`: the first version of the clocks the plan
+    runs (a reference window's: of the plan it checks): versions from it on are one plan, which
+    verification's reference windows interrupted and resumed; 0 before any plan.
     """
 
     pipeline: int
@@ -362,6 +364,7 @@ class PipelineStatus(Message):
     verified_iteration_time_s: float | None = None
     replans: int = 0
     reason: str = ""
+    plan_since: int = 0
 
     def __post_init__(self) -> None:
         check_int(self.pipeline, "pipeline.pipeline", 0, MAX_RANKS - 1)
@@ -380,6 +383,7 @@ class PipelineStatus(Message):
         check_str(self.verification, "pipeline.verification", 16, choices=VERIFICATION_STATES)
         check_int(self.replans, "pipeline.replans", 0, MAX_ITERATION)
         check_str(self.reason, "pipeline.reason", 4096, printable=False)
+        check_int(self.plan_since, "pipeline.plan_since", 0, MAX_ITERATION)
 
     def to_wire(self) -> dict[str, Any]:
         doc = super().to_wire()
@@ -404,6 +408,7 @@ _PIPELINE_DEFAULTS: dict[str, Any] = {
     "verified_iteration_time_s": None,
     "replans": 0,
     "reason": "",
+    "plan_since": 0,
 }
 
 

@@ -322,6 +322,7 @@ def test_a_job_plans_on_its_calibrated_model_and_corrects_a_plan_that_runs_over(
     assert {f for row in reference.stage_frequencies for f in row} == {FREQUENCIES[0]}
     assert job.table(0, reference.start_iteration, 1).frequencies == reference.stage_frequencies[0]
     assert job.status().pipelines[0].verification == "reference"
+    assert job.status().pipelines[0].plan_since == 1  # a reference window is the plan it checks
     fresh = target * 1.02  # the host slowed a little since the baseline
     it = reference.start_iteration + SKIP
     for _ in range(WINDOW):
@@ -334,6 +335,7 @@ def test_a_job_plans_on_its_calibrated_model_and_corrects_a_plan_that_runs_over(
     job.publish()
     resumed = job.plans[0]
     assert not resumed.reference and resumed.version == 3 and resumed.stage_frequencies == plan.stage_frequencies
+    assert job.status().pipelines[0].plan_since == 1  # resumed: still plan 1's clocks
     assert job.status().pipelines[0].target_iteration_time_s == pytest.approx(fresh)
     it = resumed.start_iteration + SKIP
     for _ in range(WINDOW * PERSISTS):
@@ -350,7 +352,7 @@ def test_a_job_plans_on_its_calibrated_model_and_corrects_a_plan_that_runs_over(
     ((k, verdict),) = job.model.take_verdicts()
     assert verdict.action == REFERENCE and "host that slowed" in verdict.reason and job.correct(k, verdict) == []
     job.publish()
-    assert job.plans[0].reference and job.plans[0].version == 6
+    assert job.plans[0].reference and job.plans[0].version == 6 and job.plans[0].since == 1
     it = job.plans[0].start_iteration + SKIP
     for _ in range(WINDOW):
         report(job, it, fresh)  # maximum clocks as fast as before the suspect window: the plan's excess
@@ -367,6 +369,10 @@ def test_a_job_plans_on_its_calibrated_model_and_corrects_a_plan_that_runs_over(
     assert job.plans[0].version == 7 and not job.plans[0].reference
     status = job.status()
     assert status.pipelines[0].replans == 1 and "re-planning (1 of 3)" in status.pipelines[0].reason
+    assert status.pipelines[0].plan_since == 7  # the re-plan runs other clocks: a plan of its own
+    record = json.loads(json.dumps(job.to_record()))
+    profiles = {f"stage-{s}": job.profiles[job.spec.gpu_model][s] for s in range(STAGES)}
+    assert Job.from_record(record, profiles, {}).status().pipelines[0].plan_since == 7  # kept across restarts
     assert status.calibrations[0].margin == pytest.approx(0.12)
 
 
@@ -613,6 +619,9 @@ def test_a_restarted_service_shows_the_latest_references_target_and_measures_a_f
     pipeline = again.status().pipelines[0]
     assert pipeline.target_iteration_time_s == pytest.approx(target) and pipeline.verification == "verifying"
     assert run_windows(again, target, target, 1) == [REFERENCE]  # judged only against a fresh one
+    midway = Job.from_record(json.loads(json.dumps(again.to_record())), profiles, {})  # restarted in the reference
+    assert midway.plans[0].reference and run_windows(midway, target, target, 1) == [RESUME]
+    assert midway.status().pipelines[0].plan_since == 1 and midway.plans[0].version == 5  # plan 1's clocks again
 
     with caplog.at_level(logging.WARNING, logger="perseus.service.persistence"):
         damaged = Job.from_record({**record, "references": [[0.0, 0.01]]}, profiles, {})
