@@ -55,8 +55,10 @@ def job_status(job: Job) -> JobStatus:
         plan = job.plans.get(k)
         slow = straggler if straggler is not None and straggler[0] == k else None
         check = job.model.checks[k]
+        state, ended = check.shown(len(job.closed_ranks) >= job.spec.world_size)
         reasons = (
             check.reason,
+            ended,
             check.pending(),
             measurements.declared_off.get(k, (0.0, ""))[1],
             _replan(job, k, wanted),
@@ -73,7 +75,7 @@ def job_status(job: Job) -> JobStatus:
                 straggler_factor=slow[1] if slow is not None else None,
                 baseline_iteration_time_s=job.model.targets(job.models(k), k)[1],
                 target_iteration_time_s=check.target_s,
-                verification=check.state,
+                verification=state,
                 verified_iteration_time_s=check.measured_s,
                 replans=check.replans,
                 reason="; ".join(r for r in reasons if r),

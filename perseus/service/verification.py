@@ -85,6 +85,7 @@ class PlanCheck:
     def __init__(self, tolerance: float = TOLERANCE) -> None:
         self.tolerance = tolerance
         self.state = ""
+        self.before_reference = ""  # the state a reference window interrupted
         self.version = 0
         self.start = 0
         self.baseline_target_s: float | None = None  # the target at the measured baseline's speed
@@ -129,6 +130,8 @@ class PlanCheck:
         self.over = 0
         self.awaiting = False
         if reference:
+            if self.state != REFERENCE:
+                self.before_reference = self.state
             self.state = REFERENCE
             return
         self.suspect = None  # another plan: the suspect window's reference never came
@@ -156,6 +159,13 @@ class PlanCheck:
             f"its last window ran {100 * self.excess:+.1f}% over its target ({self.over} in a row; {PERSISTS} start a "
             "check at maximum clocks): it holds on the verdict before"
         )
+
+    def shown(self, ended: bool) -> tuple[str, str]:
+        """The state and a note for status; `ended`: every rank closed. A reference window the job
+        ended in never ends: the verdict before it stands (an outsider read `reference` for good)."""
+        if ended and self.state == REFERENCE:
+            return self.before_reference or VERIFYING, "the job ended in a reference window: the verdict before stands"
+        return self.state, ""
 
     def resume_reference(self, reference_s: float, noise: float) -> None:
         """The latest reference before the service restarted: the target (and its status) from it,

@@ -795,3 +795,18 @@ def _some_fit():
     (calibration,) = job.model.calibrations.states.values()
     assert calibration.calibration is not None and not calibration.calibration.reason()
     return calibration.calibration
+
+
+def test_a_job_that_ends_in_a_reference_window_shows_the_verdict_before_it():
+    job = calibrated_job()
+    solve(job)
+    target = job.status().pipelines[0].target_iteration_time_s
+    assert run_windows(job, target, target, 3) == [REFERENCE, RESUME, HOLDS]
+    assert run_windows(job, target * 1.06, target, PERSISTS) == [REFERENCE]  # over its target: checked again
+    assert job.plans[0].reference and job.status().pipelines[0].verification == "reference"
+    for rank in range(job.spec.world_size - 1):
+        job.close_rank(rank)
+    assert job.status().pipelines[0].verification == "reference"  # a rank still runs the window
+    job.close_rank(job.spec.world_size - 1)
+    pipeline = job.status().pipelines[0]
+    assert pipeline.verification == "holds" and "the job ended in a reference window" in pipeline.reason
