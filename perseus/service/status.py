@@ -159,7 +159,11 @@ def saving_withheld(job: Job) -> str:
 def _unmeasured(job: Job) -> str:
     measurements = job.measurements
     if measurements.planned.count == 0:
-        return "no planned iteration measured yet" + ("" if measurements.baseline.count else ", nor a baseline one")
+        if measurements.baseline.count == 0:
+            return "no planned iteration measured yet, nor a baseline one"
+        # The baseline shown meanwhile (during profiling: the warm-up's) may read a counter step off.
+        short = _too_short(job)
+        return "no planned iteration measured yet" + (f"; {short}" if short else "")
     if measurements.baseline.count == 0:
         return "no baseline iteration measured (every rank at default clocks, past the first iteration)"
     return ""
