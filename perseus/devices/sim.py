@@ -195,7 +195,12 @@ class SimGPU(GPU):
         if records or missed_j:
             self._extra_j += missed_j
             origin, idle = self._origin, self._idle_w
+            seen_from = now - self._history_s
             for start, end, busy_w in records:
+                if start < origin and end > seen_from and self._history_s:
+                    # Before this counter began: no energy of its own, but power readings look back
+                    # over it (an outsider's new process read idle power beside a busy GPU).
+                    self._recent.append((start, min(end, origin), busy_w - idle))
                 if end > origin:
                     self._pending.append((max(start, origin), end, busy_w - idle))
         if self._history_s:

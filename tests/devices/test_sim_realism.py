@@ -237,3 +237,18 @@ def test_bad_parameters_say_what_is_wrong():
         SimRealism(power_update_s=0.1, power_coverage=0.0)
     with pytest.raises(ConfigError, match="power_update_s"):
         SimRealism(power_coverage=0.5)
+
+
+def test_a_gpu_opened_while_another_process_keeps_it_busy_reads_its_power_at_once():
+    """Power readings look back over work issued before this SimGPU existed; its energy counter
+    does not count it."""
+    clock = VirtualClock()
+    realism = SimRealism(power_update_s=0.1, power_window_s=1.0)
+    busy = SimGPU("h100-sxm", clock=clock, realism=realism)
+    busy.execute(Work(10.0), blocking=False)
+    clock.advance(3.05)
+    late = SimGPU("h100-sxm", clock=clock, realism=realism)
+    assert late.power_mw() / 1000 == pytest.approx(busy_power_w(PRESETS["h100-sxm"], Work(10.0), 1980))
+    assert late.energy_mj() == 0.0
+    clock.advance(1.0)
+    assert late.energy_mj() / 1000 == pytest.approx(busy_power_w(PRESETS["h100-sxm"], Work(10.0), 1980) * 1.0)
