@@ -367,6 +367,7 @@ class GlobalPowerLimitOptimizer:
 
     def _end_measurement(self) -> None:
         m = self.monitor.end_window(self._window, expect_short=True)  # lengthened, or capped with a warning
+        self.phase = Phase.WARMUP  # no window open: whatever follows raises, close() has none to end
         energy_j = sum(m.gpu_energy_j[g.index] for g in self.gpus)
         limit = self.power_limits_mw[self._sweep_index]
         local = PowerLimitMeasurement(limit, m.time_s / self._steps, energy_j / self._steps)
@@ -476,11 +477,21 @@ class GlobalPowerLimitOptimizer:
         """Whether a profile was found (rank 0 reads it; every rank learns the answer)."""
         if self.profile_path is None:
             return False
-        status, error = 0.0, None  # rank 0 tells: 1 found, 0 absent, -1 unreadable
-        if distributed.rank() == 0 and os.path.exists(self.profile_path):
+        num_gpus = int(distributed.all_reduce([float(len(self.gpus))], "sum")[0])
+        status = 0.0  # rank 0 tells: 1 found, 0 absent, -1 unreadable (or not writable)
+        error: PerseusError | None = None
+        if distributed.rank() == 0 and not os.path.exists(self.profile_path):
+            try:
+                _check_writable(self.profile_path)
+            except ConfigError as e:
+                status, error = -1.0, e
+        elif distributed.rank() == 0:
             try:
                 self.measurements, self.num_gpus = read_profile(
-                    self.profile_path, (self.min_power_limit_mw, self.max_power_limit_mw)
+                    self.profile_path,
+                    (self.min_power_limit_mw, self.max_power_limit_mw),
+                    gpus=(self.gpus[0].name(), num_gpus),
+                    limits_mw=self.power_limits_mw,
                 )
                 status = 1.0
                 logger.info("power-limit profile %s found: skipping profiling", self.profile_path)
@@ -491,7 +502,7 @@ class GlobalPowerLimitOptimizer:
         if error is not None:
             raise error
         if status < 0:
-            raise ProfileError(f"rank 0 could not read the power-limit profile {self.profile_path} (see its log)")
+            raise ProfileError(f"rank 0 could not use the power-limit profile {self.profile_path} (see its log)")
         return status > 0
 
     def _check_profile_sweep(self) -> None:
@@ -525,7 +536,12 @@ class GlobalPowerLimitOptimizer:
             "skipped_power_limits_mw": list(self.skipped_mw),
         }
         assert self.profile_path is not None
-        write_json_atomic(self.profile_path, data)
+        try:
+            write_json_atomic(self.profile_path, data)
+        except OSError as e:  # the choice stands; only the next run's shortcut is lost
+            logger.error(
+                "could not save the power-limit profile to %s (%s): the next run profiles again", self.profile_path, e
+            )
 
 
 def _warn_if_ranks_without_process_group() -> None:
@@ -543,10 +559,31 @@ def _warn_if_ranks_without_process_group() -> None:
         )
 
 
-def read_profile(path: str, limit_range_mw: tuple[int, int] | None = None) -> tuple[list[PowerLimitMeasurement], int]:
+def _check_writable(path: str) -> None:
+    """ConfigError unless a profile can be written at `path` (its folder may not exist yet):
+    found when profiling ends, the error would stop training at its choice."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    fix = "pass a profile_path in a folder this process can write"
+    if not os.path.isdir(folder):
+        raise ConfigError(f"profile_path {path}: {folder} is a file, not a folder; {fix}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"profile_path {path}: the folder {folder} is not writable by this process; {fix}")
+
+
+def read_profile(
+    path: str,
+    limit_range_mw: tuple[int, int] | None = None,
+    *,
+    gpus: tuple[str, int] | None = None,
+    limits_mw: list[int] | None = None,
+) -> tuple[list[PowerLimitMeasurement], int]:
     """(measurements, num_gpus) from a profile file written by the optimizer.
 
-    Every field is checked; `limit_range_mw` also checks the limits fit the GPUs at hand.
+    Every field is checked; `limit_range_mw` also checks the limits fit the GPUs at hand,
+    `gpus` (GPU name, how many) that it was recorded on them, `limits_mw` that its limits are
+    this sweep's: a profile of other GPUs or another step would apply a choice made for them.
     """
     fix = "delete it to profile again"
     try:
@@ -583,6 +620,19 @@ def read_profile(path: str, limit_range_mw: tuple[int, int] | None = None) -> tu
         measurements.append(PowerLimitMeasurement(limit, time_s, energy_j))
     if len({m.power_limit_mw for m in measurements}) != len(measurements):
         raise ProfileError(f"{path}: a power limit appears twice in 'measurements'; {fix}")
+    fix += " (or give each setup a profile_path of its own)"
+    if gpus is not None and (data.get("gpu_name"), num_gpus) != gpus:
+        raise ProfileError(
+            f"{path} was recorded on {num_gpus} x {data.get('gpu_name')!r}, this job runs {gpus[1]} x {gpus[0]!r}; "
+            + fix
+        )
+    if limits_mw is not None and (
+        off := sorted({m.power_limit_mw for m in measurements} - set(limits_mw), reverse=True)
+    ):
+        raise ProfileError(
+            f"{path} measured {', '.join(f'{mw / 1000:g}' for mw in off)} W, not on this sweep's limits "
+            f"({', '.join(f'{mw / 1000:g}' for mw in limits_mw)} W): it was recorded with another pl_step_w; {fix}"
+        )
     return measurements, num_gpus
 
 

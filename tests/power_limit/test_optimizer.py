@@ -154,6 +154,42 @@ def test_profile_file_is_written_and_reused(tmp_path):
     other.close()
 
 
+def test_a_profile_of_other_gpus_or_another_sweep_is_refused(tmp_path):
+    path = tmp_path / "pl.json"
+    optimizer, gpus, _ = make(selector=MaxSlowdownConstraint(1.1), profile_path=path, early_stop=False)
+    train(optimizer, gpus, epochs=1, steps=len(A100_SWEEP_W) * 7)
+    optimizer.close()
+    with pytest.raises(ProfileError, match=r"recorded on 2 x .*A100.*this job runs 1 x") as info:
+        make(num_gpus=1, profile_path=path)
+    assert "delete it to profile again (or give each setup a profile_path of its own)" in str(info.value)
+    with pytest.raises(ProfileError, match=r"measured 375, 325, .* W, not on this sweep's limits .* another pl_step_w"):
+        make(profile_path=path, pl_step_w=50)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "gpu_name": "NVIDIA A40 (simulated)"}))
+    with pytest.raises(
+        ProfileError, match=r"recorded on 2 x 'NVIDIA A40 \(simulated\)', this job runs 2 x 'NVIDIA A100"
+    ):
+        make(profile_path=path)
+
+
+def test_a_profile_path_that_cannot_be_written_is_refused_at_once(tmp_path, sim_dir):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=r"afile is a file, not a folder; pass a profile_path in a folder"):
+        make(profile_path=tmp_path / "afile" / "deeper" / "pl.json")
+    assert not os.path.exists(sim_dir) or not os.listdir(sim_dir)  # nothing left changed
+
+
+def test_a_profile_that_cannot_be_saved_loses_the_file_not_the_choice(tmp_path, caplog):
+    folder = tmp_path / "profiles"
+    optimizer, gpus, _ = make(selector=MaxSlowdownConstraint(1.1), profile_path=folder / "pl.json")
+    folder.write_text("")  # the folder became a file (a full or read-only disk alike) before profiling ends
+    train(optimizer, gpus, epochs=1, steps=len(A100_SWEEP_W) * 7)
+    assert optimizer.phase is Phase.DONE and gpus[0].power_limit_mw() == optimizer.selected_mw == 225_000
+    assert "could not save the power-limit profile" in caplog.text and "the next run profiles again" in caplog.text
+    optimizer.close()
+    assert gpus[0].power_limit_mw() == 400_000
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
