@@ -45,10 +45,28 @@ from perseus.exceptions import CarbonIntensityError, ConfigError
 from perseus.measurement.carbon import CarbonIntensityProvider, CarbonReporter, emissions_g
 from perseus.measurement.monitor import Monitor
 from perseus.power_limit.optimizer import GlobalPowerLimitOptimizer, Phase
+from perseus.power_limit.selectors import PowerLimitSelector
 
 FIGURES_WINDOW = "perseus.huggingface.log"
 
 logger = logging.getLogger(__name__)
+
+
+def _check_optimizer_kwargs(kwargs: dict[str, Any]) -> None:
+    """ConfigError now for what GlobalPowerLimitOptimizer would refuse only when training starts."""
+    known = inspect.signature(GlobalPowerLimitOptimizer).parameters
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"PowerLimitCallback: GlobalPowerLimitOptimizer takes no argument {', '.join(map(repr, unknown))}; "
+            f"its arguments: {', '.join(known)}"
+        )
+    for name in ("selector", "optimum_selector"):
+        if kwargs.get(name) is not None and not isinstance(kwargs[name], PowerLimitSelector):
+            raise ConfigError(
+                f"PowerLimitCallback: {name} must be a PowerLimitSelector (Time(), Energy(), ZeusCost(eta), "
+                f"MaxSlowdownConstraint(1.1), ...), got {kwargs[name]!r}"
+            )
 
 
 class PowerLimitCallback(TrainerCallback):
@@ -79,6 +97,12 @@ class PowerLimitCallback(TrainerCallback):
         self.carbon_provider = carbon_provider
         self._emissions_g = 0.0
         self._intensity: float | None = None  # the last one the provider gave
+        if isinstance(optimizer, PowerLimitSelector):
+            raise ConfigError(
+                f"PowerLimitCallback: its first argument is a GlobalPowerLimitOptimizer; pass a selector by name: "
+                f"PowerLimitCallback(selector={optimizer!r}, ...)"
+            )
+        _check_optimizer_kwargs(optimizer_kwargs)
         if optimizer is not None and optimizer_kwargs:
             raise ConfigError(
                 f"PowerLimitCallback: pass either an optimizer or its arguments, not both "

@@ -16,7 +16,8 @@ are sampled by a PowerMonitor and integrated.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import numbers
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, overload
@@ -125,7 +126,7 @@ class Monitor:
             gpus = get_gpus()
             if gpu_indices is None:
                 gpu_indices = local_gpu_indices(len(gpus))
-        self.gpus = _select(list(gpus), gpu_indices, "GPU")
+        self.gpus = _select(_gpu_list(gpus), gpu_indices, "GPU")
         self.cpus = _select(_default_cpus(cpu_indices) if cpus is None else list(cpus), cpu_indices, "CPU")
         self.sync = sync
         if clock is None:
@@ -277,9 +278,28 @@ class Monitor:
             handle.measurement = self.end_window(name, sync=sync)
 
 
-def _select(devices: list, indices: Sequence[int] | None, kind: str) -> list:
+def _gpu_list(gpus: object) -> list[GPU]:
+    """`gpus` as a list, or a ConfigError saying what it should be (an outsider passed [0])."""
+    want = "GPU objects (perseus.devices.get_gpus()); to pick GPUs by index, pass gpu_indices"
+    if isinstance(gpus, (str, bytes)) or not isinstance(gpus, Iterable):
+        raise ConfigError(f"gpus must be a list of {want}; got {gpus!r}")
+    out = list(gpus)
+    wrong = [g for g in out if not isinstance(g, GPU)]
+    if wrong:
+        raise ConfigError(f"gpus must be a list of {want}; {wrong[0]!r} is not one")
+    return out
+
+
+def _select(devices: list, indices: Iterable[int] | None, kind: str) -> list:
     if indices is None:
         return devices
+    example = f"{kind.lower()}_indices must be a list of integers, e.g. [0, 1]"
+    if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
+        raise ConfigError(f"{example}; got {indices!r}")
+    indices = list(indices)
+    wrong = [i for i in indices if isinstance(i, bool) or not isinstance(i, numbers.Integral)]
+    if wrong:
+        raise ConfigError(f"{example}; {wrong[0]!r} in {indices!r} is not one")
     by_index = {d.index: d for d in devices}
     missing = [i for i in indices if i not in by_index]
     if missing:

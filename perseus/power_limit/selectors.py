@@ -145,7 +145,11 @@ class ZeusCost(PowerLimitSelector):
             isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
         ):
             raise ConfigError(f"ZeusCost: world_size must be a positive number of GPUs, got {world_size!r}")
-        self._world_size = world_size  # not in the repr: None (counted) in all but Zeus-style code
+        self._world_size = world_size  # None: counted over the ranks
+
+    def __repr__(self) -> str:
+        size = "" if self._world_size is None else f", world_size={self._world_size}"
+        return f"ZeusCost(eta_knob={self.eta_knob!r}{size})"
 
     def cost(self, measurement: PowerLimitMeasurement, context: SelectionContext) -> float:
         max_power_w = context.max_power_limit_mw / 1000.0
@@ -160,7 +164,7 @@ class MaxSlowdownConstraint(PowerLimitSelector):
     def __init__(self, factor: float) -> None:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
             raise ConfigError(
-                f"MaxSlowdownConstraint: factor must be >= 1.0 (1.1 = at most 10% slower), got {factor!r}"
+                f"MaxSlowdownConstraint: factor must be a number >= 1.0 (1.1 = at most 10% slower), got {factor!r}"
             )
         self.factor = float(factor)
 

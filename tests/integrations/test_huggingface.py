@@ -184,3 +184,10 @@ def test_energy_power_and_limit_reach_every_reporter_and_the_log_history(tmp_pat
 def test_optimizer_and_its_arguments_together_is_an_error():
     with pytest.raises(ConfigError, match="either an optimizer or its arguments"):
         PowerLimitCallback(object(), warmup_steps=1)  # type: ignore[arg-type]
+    # What the optimizer would refuse once training starts is refused when the callback is made.
+    with pytest.raises(ConfigError, match=r"first argument is a GlobalPowerLimitOptimizer; pass a selector by name"):
+        PowerLimitCallback(MaxSlowdownConstraint(1.1), profile_steps=3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"takes no argument 'profile_stepz'; its arguments: monitor, selector"):
+        PowerLimitCallback(profile_stepz=3)
+    with pytest.raises(ConfigError, match="selector must be a PowerLimitSelector .* got 'time'"):
+        PowerLimitCallback(selector="time")

@@ -143,6 +143,13 @@ def test_gpu_selection_errors(gpus):
         Monitor(gpus=gpus, cpus=[], cpu_indices=[0])
     with pytest.raises(ConfigError, match="Monitor measures no GPU .*select a GPU, or pass clock=REAL_CLOCK"):
         Monitor(gpus=gpus, gpu_indices=[], cpus=[])
+    # Wrong types say what is wrong (an outsider read "no GPU with index 0" beside "available: [0]").
+    for indices, wrong in (("01", "got '01'"), (["0"], r"'0' in \['0'\] is not one"), (0, "got 0")):
+        with pytest.raises(ConfigError, match=rf"gpu_indices must be a list of integers, e.g. \[0, 1\]; {wrong}"):
+            Monitor(gpus=gpus, gpu_indices=indices, cpus=[])
+    with pytest.raises(ConfigError, match=r"gpus must be a list of GPU objects .*pass gpu_indices; 0 is not one"):
+        Monitor(gpus=[0], cpus=[])
+    assert Monitor(gpus=gpus, gpu_indices=range(1, 2), cpus=[]).gpus == [gpus[1]]
 
 
 def test_default_gpus_come_from_perseus_gpu(monkeypatch):

@@ -96,6 +96,8 @@ def test_eta_and_world_size_mean_what_they_mean_in_zeus():
     counted = SelectionContext(max_power_limit_mw=400_000, num_gpus=2)
     assert ZeusCost(eta=0.25).cost(m, counted) == ZeusCost(0.25).cost(m, counted) == 0.25 * 1000 + 0.75 * 400 * 2 * 2
     assert ZeusCost(0.25, world_size=8).cost(m, counted) == 0.25 * 1000 + 0.75 * 400 * 8 * 2
+    assert repr(ZeusCost(0.25, world_size=8)) == "ZeusCost(eta_knob=0.25, world_size=8)"  # the line at the choice
+    assert repr(ZeusCost(eta=0.25)) == "ZeusCost(eta_knob=0.25)"
     carbon = CarbonCost(eta=0.5, provider=StaticIntensity(400))
     assert carbon.eta_knob == 0.5
 
