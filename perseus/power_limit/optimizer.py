@@ -40,6 +40,7 @@ SIGTERM/SIGINT, and, with `watchdog`, from a separate process if the trainer is 
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import logging
 import math
@@ -148,6 +149,7 @@ class GlobalPowerLimitOptimizer:
         if not self.gpus:
             raise ConfigError("GlobalPowerLimitOptimizer needs a Monitor with at least one GPU")
         _warn_if_ranks_without_process_group()
+        _warn_if_ranks_share_gpus(self.gpus)
         self.warmup_steps = warmup_steps
         self.profile_steps = profile_steps
         self.profile_path = os.fspath(profile_path) if profile_path is not None else None
@@ -570,6 +572,30 @@ def _check_writable(path: str) -> None:
         raise ConfigError(f"profile_path {path}: {folder} is a file, not a folder; {fix}")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"profile_path {path}: the folder {folder} is not writable by this process; {fix}")
+
+
+def _warn_if_ranks_share_gpus(gpus: list[GPU]) -> None:
+    """Two ranks measuring one GPU each count its whole energy, and the job's GPU count doubles
+    (an outsider's 2 ranks on one simulated A100 read 557 W from a 400 W GPU): warn, naming them."""
+    world = distributed.world_size()
+    if world == 1:
+        return
+    per_rank = int(distributed.all_reduce([float(len(gpus))], "max")[0])
+    table = [0.0] * (world * per_rank)
+    for j, gpu in enumerate(gpus):  # each rank fills its own row; the sum is every rank's
+        table[distributed.rank() * per_rank + j] = float(int(hashlib.sha256(gpu.uuid().encode()).hexdigest()[:12], 16))
+    table = distributed.all_reduce(table, "sum")
+    ranks: dict[float, list[int]] = {}
+    for k, key in enumerate(table):
+        if key:
+            ranks.setdefault(key, []).append(k // per_rank)
+    shared = [r for r in ranks.values() if len(set(r)) > 1]
+    if shared and distributed.rank() == 0:
+        logger.warning(
+            "ranks %s measure and cap the same GPU: each counts all its energy, and the job's GPU count with it; "
+            "give each rank its own GPU (a GPU per rank, or Monitor(gpu_indices=[...]))",
+            " and ".join(map(str, sorted(set(shared[0])))),
+        )
 
 
 def read_profile(

@@ -4,6 +4,8 @@
 and GlobalPowerLimitOptimizer() with no GPUs named must take this rank's own GPU; work issued
 without blocking through another SimGPU object for that GPU must be waited for.
 
+`shared`: PERSEUS_GPU=sim:a100-sxm:1, both ranks on that GPU: the optimizer warns.
+
 `sweep`: virtual clocks; on each benchmark workload and selector, a full sweep and an early-stopping
 one run one after the other, with every limit's figures combined over both ranks.
 """
@@ -70,6 +72,13 @@ def defaults(rank: int) -> dict:
     }
 
 
+def shared(rank: int) -> dict:
+    """Both ranks on the one simulated GPU there is: the optimizer is made, and says so."""
+    optimizer = GlobalPowerLimitOptimizer(watchdog=False)
+    optimizer.close()
+    return {"optimizer_gpus": [g.index for g in optimizer.gpus]}
+
+
 def run_sweep(rank: int, work: Work, selector, early_stop: bool) -> dict:
     clock = VirtualClock()
     gpu = SimGPU("a100-sxm", rank, clock=clock)
@@ -114,7 +123,7 @@ def sweep(rank: int) -> dict:
 def main(mode: str, out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = defaults(rank) if mode == "defaults" else sweep(rank)
+    result = {"defaults": defaults, "shared": shared, "sweep": sweep}[mode](rank)
     with open(os.path.join(out_dir, f"{mode}-rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

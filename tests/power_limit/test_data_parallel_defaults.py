@@ -57,6 +57,16 @@ def test_each_rank_takes_its_own_gpu_and_waits_for_work_another_object_queued(tm
     # One line for the user, from rank 0 alone, with no logging set up.
     lines = [line for line in proc.stderr.splitlines() if "perseus: power limit" in line]
     assert len(lines) == 1 and "for 2 GPU(s)" in lines[0], proc.stderr[-3000:]
+    assert "the same GPU" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_on_one_gpu_are_warned_about(tmp_path):
+    """One simulated GPU for two ranks: both take it (one visible GPU is a rank's own, as with a
+    CUDA_VISIBLE_DEVICES per rank), and each would count all its energy; rank 0 says so."""
+    proc, ranks = torchrun(tmp_path, "shared", PERSEUS_GPU="sim:a100-sxm:1")
+    assert [r["optimizer_gpus"] for r in ranks] == [[0], [0]]
+    assert "ranks 0 and 1 measure and cap the same GPU" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
