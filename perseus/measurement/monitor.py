@@ -220,6 +220,9 @@ class Monitor:
         window shorter than SHORT_WINDOW_STEPS energy-counter steps is said once per Monitor (a
         WARNING), unless `expect_short` (the caller sums such windows, or says so itself).
         """
+        for flag, value in (("cancel", cancel), ("expect_short", expect_short), ("sync", sync)):
+            if not isinstance(value, bool) and not (flag == "sync" and value is None):
+                raise ConfigError(f"end_window: {flag} must be True or False, got {value!r}")
         try:
             begin = self._open.pop(name)
         except KeyError:

@@ -150,6 +150,11 @@ def test_gpu_selection_errors(gpus):
     with pytest.raises(ConfigError, match=r"gpus must be a list of GPU objects .*pass gpu_indices; 0 is not one"):
         Monitor(gpus=[0], cpus=[])
     assert Monitor(gpus=gpus, gpu_indices=range(1, 2), cpus=[]).gpus == [gpus[1]]
+    monitor = Monitor(gpus=gpus, cpus=[])
+    monitor.begin_window("w")
+    with pytest.raises(ConfigError, match="end_window: expect_short must be True or False, got 'yes'"):
+        monitor.end_window("w", expect_short="yes")  # type: ignore[call-overload]
+    assert monitor.open_windows == ["w"]  # still open: nothing was read
 
 
 def test_default_gpus_come_from_perseus_gpu(monkeypatch):
