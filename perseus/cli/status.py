@@ -6,6 +6,7 @@ verification (re-plans, fallbacks and why) and stragglers."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -75,9 +76,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def job_json(job: JobStatus) -> dict:
-    """A job as --json prints it: the service's JobStatus fields, and the savings the text shows
-    (measured_saving null where none is claimed: `saving_withheld` says why)."""
-    return {**job.to_wire(), "measured_saving": job.measured_saving, "predicted_saving": job.predicted_saving}
+    """A job as --json prints it: every JobStatus field (those the wire leaves out at their
+    defaults too: a script reads `replans` or `saving_withheld` without a KeyError), and the
+    savings the text shows (measured_saving null where none is claimed: `saving_withheld` says why)."""
+    return {**dataclasses.asdict(job), "measured_saving": job.measured_saving, "predicted_saving": job.predicted_saving}
 
 
 def frontier_points(job: JobStatus) -> tuple[dict[str, list[tuple[float, float]]], dict[str, tuple[float, float]]]:

@@ -5,12 +5,13 @@ tests/server/test_server_calibration.py.)"""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 
 import pytest
 
 from perseus.cli.main import main
-from perseus.cli.status import format_job, frontier_points
+from perseus.cli.status import format_job, frontier_points, job_json
 from perseus.wire.calibration import CalibrationStatus, StageFitStatus
 from perseus.wire.messages import JobStatus, PipelineStatus
 
@@ -83,6 +84,15 @@ def test_the_text_tells_fit_check_and_saving():
     noisy = dataclasses.replace(status.calibrations[0], tolerance=0.016)
     text = format_job(dataclasses.replace(status, calibrations=(noisy,)))
     assert "model 0.2800 s vs measured 0.2810 s (-0.4%, tolerance 1.6%)" in text
+
+
+def test_the_json_has_every_field_even_at_its_default():
+    doc = json.loads(json.dumps(job_json(job_status())))
+    assert doc["saving_withheld"] == "" and doc["warning"] == ""
+    assert doc["measured_saving"] == pytest.approx(1 - 93 / 101)
+    (pipeline,) = doc["pipelines"]
+    assert pipeline["plan_since"] == 0 and pipeline["straggler"] == "" and pipeline["replans"] == 1
+    assert doc["calibrations"][0]["stages"][1]["stage"] == 1
 
 
 def test_a_job_its_ranks_stopped_reporting_is_told():
