@@ -30,13 +30,15 @@ class Progress:
         at_most: bool = False,
         waiting: tuple[int, ...] = (),
         repeats: int = 0,
+        job_iteration: int | None = None,
     ) -> None:
         """`done`/`total`: progress through the profiling sweep (frequencies profiled / to
         profile); `at_most`: `total` is an upper bound (the sweep may stop early, once lower
         clocks only cost more); `repeats`: clocks profiled again since, where their energy was
         still uncertain (so a line at "28 of 28" that moves on is not stuck). `plan_version`: the
         plan this iteration runs (phase planned). `waiting`: the stages whose profiles the plan
-        still waits for (phase planning)."""
+        still waits for (phase planning). `job_iteration`: the iteration as the planner counts it
+        (from the rank's first it answered), said beside this rank's where they differ."""
         if phase == Phase.PLANNED and plan_version:
             clock = f"plan v{plan_version}'s clocks"
         elif phase == Phase.REFERENCE:
@@ -49,18 +51,22 @@ class Progress:
         if waiting and phase == Phase.PLANNING:
             stages = ", ".join(map(str, waiting))
             sweep += f", waiting for stage{'s' if len(waiting) > 1 else ''} {stages} to be profiled"
+        if job_iteration is not None and job_iteration != iteration:
+            iteration_text = f"{iteration} (the planner's {job_iteration})"
+        else:
+            iteration_text = str(iteration)
         if self._tty:
             bar = ""
             if done is not None and total:
                 filled = round(BAR_WIDTH * done / total)
                 bar = " |" + "#" * filled + "-" * (BAR_WIDTH - filled) + "|"
-            self._stream.write(f"\r\x1b[2K[perseus] {phase:<9} {clock:>14}  iteration {iteration}{bar}{sweep}")
+            self._stream.write(f"\r\x1b[2K[perseus] {phase:<9} {clock:>14}  iteration {iteration_text}{bar}{sweep}")
             self._stream.flush()
             self._open_line = True
             return
         key = (phase, frequency, plan_version, waiting if phase == Phase.PLANNING else ())
         if key != self._last:
-            self._stream.write(f"[perseus] iteration {iteration}: {phase} at {clock}{sweep}\n")
+            self._stream.write(f"[perseus] iteration {iteration_text}: {phase} at {clock}{sweep}\n")
             self._stream.flush()
         self._last = key
 

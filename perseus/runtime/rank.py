@@ -418,6 +418,7 @@ class PerseusRank:
                 at_most=not known,
                 waiting=self._unprofiled(assignment) if phase is Phase.PLANNING else (),
                 repeats=self.sweep.repeats,
+                job_iteration=self.job_iteration,
             )
 
     def _unprofiled(self, assignment: Any) -> tuple[int, ...]:

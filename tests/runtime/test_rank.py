@@ -189,6 +189,21 @@ def test_progress_log_lines_only_on_change():
     ]
 
 
+def test_progress_tells_the_planners_iteration_where_it_differs():
+    """A rank that reached the service late: the service's log and status count from where it
+    first answered (an outsider read "plan v1 from iteration 38" beside "iteration 69: planned")."""
+    out = io.StringIO()
+    p = Progress(out, tty=False)
+    p.update(0, "unplanned")
+    p.update(31, "warmup", job_iteration=0)
+    p.update(69, "planned", plan_version=1, job_iteration=38)
+    assert out.getvalue().splitlines() == [
+        "[perseus] iteration 0: unplanned at default clocks",
+        "[perseus] iteration 31 (the planner's 0): warmup at default clocks",
+        "[perseus] iteration 69 (the planner's 38): planned at plan v1's clocks",
+    ]
+
+
 def test_progress_bar_on_a_terminal():
     out = io.StringIO()
     p = Progress(out, tty=True)
