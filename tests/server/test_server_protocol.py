@@ -14,6 +14,7 @@ from perseus.service.job import Job
 from perseus.service.planning import PlanResult, merge_profiles
 from perseus.service.plans import PLAN_LEAD_ITERATIONS
 from perseus.service.sweep import design_steps
+from perseus.service.tally import Measured
 from perseus.wire.envelope import (
     ErrorCode,
     RequestRejected,
@@ -379,6 +380,9 @@ def test_status_counts_instructions_off_their_planned_clock():
     status = job.status()
     assert status.off_clock_instructions == pytest.approx(2.5)  # (0 + 2 + 1 + 2) over 2 iterations
     assert JobStatus.from_wire(status.to_wire()).off_clock_instructions == pytest.approx(2.5)
+    line = job.describe(Measured(start + 1, 1.1, 200.0))  # the log line says what it compares, and over what
+    assert "time 1.1000 s step to step (predicted 1.0000 s for the instructions alone, +10.0%)" in line
+    assert line.endswith("2.5 instructions per planned iteration off their planned clock (mean so far)")
     assert "off_clock" not in ReportIteration(job.job_id, 0, 1, 1.0, 1.0).to_wire()  # as earlier releases send
 
 
