@@ -197,6 +197,7 @@ class PerseusRank:
         self._close_client = close_client
         self._startup_wait_s = startup_wait_s
         self._job_id: str | None = None
+        self._refused = False
         # The planner's tables count iterations from the rank's first one it could answer, so a
         # rank that reached the planner late still warms up and sweeps from the start.
         self._offset: int | None = None
@@ -330,6 +331,14 @@ class PerseusRank:
         else:
             self._say_closed()
         self._closed = True
+        if self._client is not None and not self._refused and self._offset is None and self.iteration >= 0:
+            # Said at the start too, but a long run's first lines scroll away (an outsider's did).
+            self._warn_once(
+                "never answered",
+                f"the Perseus planner service never answered, or failed the job: all {self.iteration + 1} iterations "
+                "ran at default clocks and no plan was made (see the log above); start `perseus serve` before the "
+                "job, or check $PERSEUS_PLANNER",
+            )
         self._stop.set()
         self.profiler.stop()
         self.controller.close()
@@ -659,6 +668,8 @@ class PerseusRank:
         )
         if job_id is not None:
             self._job_id = job_id
+        elif not self._stop.is_set():
+            self._refused = True  # said in the log: the planner refused the job
 
     def _warn_once(self, where: str, message: str) -> None:
         if where not in self._warned:

@@ -218,3 +218,33 @@ def test_planner_down_at_start_then_up(tmp_path, caplog):
         if proc is not None:
             proc.terminate()
             proc.wait(10)
+
+
+def test_a_planner_that_never_answers_is_said_again_at_close(caplog):
+    """The start-up warning scrolls away in a long run: close() says no plan was made, and why."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    client = PlannerClient(f"tcp://127.0.0.1:{port}", timeout_s=CLIENT_TIMEOUT_S, poll_interval_s=0.05)
+    rank = PerseusRank(
+        SimGPU("a100-sxm", 0),
+        build_schedule("1f1b", 1, 2),
+        0,
+        client=client,
+        close_client=True,
+        progress=False,
+        handle_signals=False,
+        watchdog=False,
+        startup_wait_s=0.1,
+    )
+    try:
+        for _ in range(3):
+            rank.on_step_begin()
+            for ins in rank.order:
+                rank.on_instruction_begin(ins.kind.value, ins.microbatch)
+                rank.on_instruction_end(ins.kind.value, ins.microbatch)
+            rank.on_step_end()
+    finally:
+        rank.close()
+    assert "planner service never answered, or failed the job: all 3 iterations ran at default clocks" in caplog.text
+    assert "start `perseus serve` before the job, or check $PERSEUS_PLANNER" in caplog.text
