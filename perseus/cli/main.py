@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     except PerseusError as e:
         print(f"perseus: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # said, so a long `perseus plan` that stops is not mistaken for one that ended
+        print("perseus: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader left, e.g. `perseus power | head`: a normal way to stop
         # Python flushes stdout again at exit; point it at /dev/null so that flush cannot fail too.
