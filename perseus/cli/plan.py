@@ -292,8 +292,8 @@ def _check_size(args: argparse.Namespace) -> None:
     if count > MAX_PLAN_INSTRUCTIONS:
         raise ConfigError(
             f"{shape} is {count:,} instructions, over the {MAX_PLAN_INSTRUCTIONS:,} perseus plan solves (64 x 1024 "
-            "1F1B takes about 3.5 minutes and 1.6 GB); plan fewer stages or microbatches (past the pipeline's warm-up "
-            "every microbatch repeats the one before, and so does its plan)"
+            "1F1B takes about 3.5 minutes and 1.6 GB, deeper pipelines longer); plan fewer stages or microbatches "
+            "(past the pipeline's warm-up every microbatch repeats the one before, and so does its plan)"
         )
     if count > MAX_INSTRUCTIONS:
         print(
