@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -151,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
         pyplot()  # fail before planning if matplotlib is missing
     profile = load_profile(args.profile, args.blocking_power)
+    _check_units(profile, args.profile)
     schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
     profiled = len(profile.stages())
     if profiled > schedule.num_virtual_stages:
@@ -252,6 +254,18 @@ def _writing(flag: str, path: Path) -> Iterator[None]:
         yield
     except OSError as e:
         raise ConfigError(f"cannot write {flag} {path}: {e.strerror or e}; choose a writable path") from None
+
+
+def _check_units(profile, path) -> None:
+    """A note where the profile's instructions draw less than a waiting GPU: times in ms, or the
+    blocking power in another unit, plan nonsense without an error (an outsider's ms profile did)."""
+    busy_w = statistics.median(p.energy / p.time for points in profile.points.values() for p in points)
+    if busy_w < profile.blocking_power_w:
+        print(
+            f"note: {path}'s instructions draw a median {busy_w:.3g} W, below the blocking power "
+            f"{profile.blocking_power_w:g} W a GPU draws waiting: are its times in seconds, its energies in joules "
+            "and the blocking power in watts?"
+        )
 
 
 def _write_frontier(points, path: Path) -> None:

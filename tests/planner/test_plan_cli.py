@@ -309,3 +309,19 @@ def test_an_interrupted_plan_says_so(profile_csv, capsys, monkeypatch, tmp_path)
     args = ["plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "3", "--microbatches", "6"]
     assert main([*args, "--out", str(out)]) == 130
     assert capsys.readouterr().err == "perseus: interrupted\n" and not out.exists()
+
+
+def test_a_profile_in_other_units_gets_a_note(profile_csv, tmp_path, capsys):
+    from perseus.cli.main import main
+
+    rows = list(csv.DictReader(profile_csv.open()))
+    in_ms = tmp_path / "ms.csv"
+    with in_ms.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({**r, "time": repr(float(r["time"]) * 1000)} for r in rows)  # milliseconds
+    args = ["--blocking-power", "70", "--stages", "3", "--microbatches", "6"]
+    assert main(["plan", "--profile", str(in_ms), *args]) == 0
+    assert "below the blocking power 70 W a GPU draws waiting: are its times in seconds" in capsys.readouterr().out
+    assert main(["plan", "--profile", str(profile_csv), *args]) == 0
+    assert "are its times in seconds" not in capsys.readouterr().out
