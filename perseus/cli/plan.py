@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.out is not None:
         with _writing("--out", args.out):
-            write_json_atomic(args.out, plan.to_json())
+            write_json_atomic(args.out, _plan_document(plan, args.profile, profile, rows[0], saving, pace))
         print(f"plan written to {args.out}")
     frontier = None
     if args.frontier is not None or args.plot is not None:
@@ -254,6 +254,20 @@ def _writing(flag: str, path: Path) -> Iterator[None]:
         yield
     except OSError as e:
         raise ConfigError(f"cannot write {flag} {path}: {e.strerror or e}; choose a writable path") from None
+
+
+def _plan_document(plan, path, profile, max_clocks, saving: float, pace: float) -> dict:
+    """The plan's JSON, with what the printed table says beside it: which profile, the maximum-clock
+    iteration it is compared with, and the saving over an iteration of `pace` (`energy_j` is over
+    the plan's own iteration unless `padded`)."""
+    return {
+        **plan.to_json(),
+        "profile": str(path),
+        "blocking_power_w": profile.blocking_power_w,
+        "max_clocks": {"iteration_time_s": max_clocks.iteration_time_s, "energy_j": max_clocks.energy_j},
+        "saving": saving,
+        "saving_over_s": pace,
+    }
 
 
 def _check_units(profile, path) -> None:

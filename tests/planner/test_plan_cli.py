@@ -184,6 +184,10 @@ def test_a_straggler_deadline_table_adds_up_and_padded_plans_use_the_slack(tmp_p
             assert saving == pytest.approx(100 * (1 - e / maximum), abs=0.01)
     assert json.loads(padded_json.read_text())["padded"] is True
     assert json.loads(plain_json.read_text())["padded"] is False
+    doc = json.loads(plain_json.read_text())  # the table's context beside the plan
+    assert doc["saving"] == pytest.approx(plain["Perseus"][2] / 100, abs=1e-4) and doc["blocking_power_w"] == 70
+    assert doc["max_clocks"]["iteration_time_s"] == pytest.approx(plain["max frequency"][0], rel=1e-5)
+    assert doc["saving_over_s"] >= doc["deadline_s"] and doc["profile"] == str(profile_csv)
     assert padded["Perseus"][1] <= plain["Perseus"][1] * (1 + 1e-6)
     assert "--padded plans for that" not in out
 
