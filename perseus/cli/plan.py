@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import math
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -131,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
             f"--frontier-points must be from 2 (the fastest and the least-energy plan) to {MAX_FRONTIER_POINTS}, "
             f"got {args.frontier_points}"
         )
+    for flag, value, what in (
+        ("--deadline", args.deadline, "a positive number of seconds, e.g. 16.5"),
+        ("--max-slowdown", args.max_slowdown, "a positive factor of the all-max-clock time, e.g. 1.1"),
+    ):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} must be {what}; got {value:g}")
     if args.max_slowdown is not None and args.max_slowdown > MAX_SLOWDOWN:
         raise ConfigError(
             f"--max-slowdown {args.max_slowdown:g} is past what is worth planning: at most {MAX_SLOWDOWN:g}, a factor "

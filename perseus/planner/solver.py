@@ -148,7 +148,7 @@ class Planner:
             raise ConfigError(f"padded must be True or False, got {padded!r} ({type(padded).__name__})")
         if max_slowdown is not None and deadline_s < self.fastest_time_s:
             raise PlanError(
-                f"max_slowdown {max_slowdown:g} asks for {deadline_s:.6g} s per iteration, but even the fastest "
+                f"a slowdown of {max_slowdown:g}x asks for {deadline_s:.6g} s per iteration, but even the fastest "
                 f"frequencies take {self.fastest_time_s:.6g} s: the factor must be at least "
                 f"{self.fastest_time_s / self.max_frequency_time_s:.6g} (1.0 = no slowdown against maximum clocks)"
             )

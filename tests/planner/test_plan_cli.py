@@ -198,6 +198,14 @@ def test_a_deadline_past_the_least_energy_time_says_so(profile_csv, capsys):
     base = ["plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "3", "--microbatches", "6"]
     assert main([*base, "--max-slowdown", "110"]) == 1  # a percentage meant as a factor
     assert "at most 10, a factor (1.1 is 10% slower" in capsys.readouterr().err
+    assert main([*base, "--deadline", "inf"]) == 1
+    assert "--deadline must be a positive number of seconds, e.g. 16.5; got inf" in capsys.readouterr().err
+    assert main([*base, "--max-slowdown", "nan"]) == 1
+    assert "--max-slowdown must be a positive factor of the all-max-clock time, e.g. 1.1; got nan" in (
+        capsys.readouterr().err
+    )
+    assert main([*base, "--max-slowdown", "110"]) == 1
+    assert "at most 10, a factor (1.1 is 10% slower" in capsys.readouterr().err
     assert main([*base, "--max-slowdown", "5"]) == 0
     out = capsys.readouterr().out  # what the bound says, not that no longer deadline saves more
     assert "before the deadline: the least energy the planner found within it" in out
