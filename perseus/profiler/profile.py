@@ -439,7 +439,12 @@ def _read_csv(path: Path, data: bytes, blocking_power_w: float | None) -> Profil
             header = [h.strip() for h in next(reader, [])]
             missing = [c for c in CSV_COLUMNS if c not in header]
             if missing:
-                raise ProfileError(f"{path}:1: header lacks columns {missing}; expected {','.join(CSV_COLUMNS)}")
+                found = (
+                    f" (it has {','.join(header)}; names are lower case)"
+                    if any(h != h.lower() and h.lower() in missing for h in header)
+                    else ""
+                )
+                raise ProfileError(f"{path}:1: header lacks columns {missing}{found}; expected {','.join(CSV_COLUMNS)}")
             pick = operator.itemgetter(*(header.index(c) for c in CSV_COLUMNS))
             width = len(header)
             for row in reader:

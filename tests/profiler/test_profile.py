@@ -83,6 +83,8 @@ def test_bad_instruction_header_and_frequency(tmp_path):
         load_profile(write(tmp_path, GOOD + "0,fwd,1200,0.05,24.0\n"), 83.64)
     with pytest.raises(ProfileError, match=r"header lacks columns \['energy'\]"):
         load_profile(write(tmp_path, "stage,instruction,frequency,time\n0,forward,1410,0.05\n"), 83.64)
+    with pytest.raises(ProfileError, match=r"lacks columns \['stage'\] \(it has Stage,.*; names are lower case\)"):
+        load_profile(write(tmp_path, "Stage,instruction,frequency,time,energy\n0,forward,1410,0.05,24.0\n"), 83.64)
     with pytest.raises(ProfileError, match="p.csv:10: frequency '1200.5' must be a whole number"):
         load_profile(write(tmp_path, GOOD + "0,forward,1200.5,0.05,24.0\n"), 83.64)
     with pytest.raises(ProfileError, match="p.csv:10: row has more fields than the header"):
