@@ -45,6 +45,8 @@ MAX_PLAN_INSTRUCTIONS = 1 << 17
 # Deadlines up to this factor of the all-max-clock time (a plan stops at its least energy well before).
 MAX_SLOWDOWN = 10.0
 MAX_FRONTIER_POINTS = 1000
+# From this size a frontier takes minutes, printing nothing meanwhile (an outsider's 32 x 512: 480 s): said first.
+LARGE_FRONTIER_INSTRUCTIONS = 8192
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -241,6 +243,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"plan written to {args.out}")
     frontier = None
     if args.frontier is not None or args.plot is not None:
+        if planner.problem.num_nodes >= LARGE_FRONTIER_INSTRUCTIONS:
+            print(
+                f"computing the {args.frontier_points}-point frontier of {planner.problem.num_nodes:,} instructions: "
+                "minutes at this size (32 x 512, 50 points: about 8 minutes and 1.6 GB)",
+                flush=True,
+            )
         frontier = planner.frontier(args.frontier_points)
     if args.frontier is not None:
         assert frontier is not None  # computed just above

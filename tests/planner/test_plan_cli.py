@@ -337,3 +337,16 @@ def test_a_profile_in_other_units_gets_a_note(profile_csv, tmp_path, capsys):
     assert "below the blocking power 70 W a GPU draws waiting: are its times in seconds" in capsys.readouterr().out
     assert main(["plan", "--profile", str(profile_csv), *args]) == 0
     assert "are its times in seconds" not in capsys.readouterr().out
+
+
+def test_a_large_frontier_says_it_takes_minutes_before_it_starts(profile_csv, tmp_path, capsys, monkeypatch):
+    from perseus.cli import plan as plan_cli
+    from perseus.cli.main import main
+
+    monkeypatch.setattr(plan_cli, "LARGE_FRONTIER_INSTRUCTIONS", 10)  # this job's 36 instructions stand for 8,192
+    frontier = tmp_path / "f.csv"
+    args = ["--blocking-power", "70", "--stages", "3", "--microbatches", "6", "--frontier-points", "3"]
+    assert main(["plan", "--profile", str(profile_csv), *args, "--frontier", str(frontier)]) == 0
+    out = capsys.readouterr().out
+    assert "computing the 3-point frontier of 36 instructions: minutes at this size" in out
+    assert out.index("minutes at this size") < out.index("frontier (3 points) written")
