@@ -159,14 +159,11 @@ def test_two_ranks_profile_get_planned_and_keep_the_plan_when_the_service_dies(s
     assert min(logs[0][-1][1]) < 1410
 
 
-def test_planner_down_at_start_then_up(tmp_path, caplog):
-    """Unreachable planner: default clocks, no step waits on the network, one warning; once
-    the service starts, the rank registers and enters the warm-up/profiling phases."""
+def rank_without_planner(gpu: SimGPU, startup_wait_s: float) -> tuple[PerseusRank, int]:
+    """A one-stage rank whose planner address has no service behind it (yet), and that port."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    gpu = SimGPU("a100-sxm", 0)
-    startup_wait_s = 1.0
     client = PlannerClient(f"tcp://127.0.0.1:{port}", timeout_s=CLIENT_TIMEOUT_S, poll_interval_s=0.05)
     rank = PerseusRank(
         gpu,
@@ -179,6 +176,15 @@ def test_planner_down_at_start_then_up(tmp_path, caplog):
         watchdog=False,
         startup_wait_s=startup_wait_s,
     )
+    return rank, port
+
+
+def test_planner_down_at_start_then_up(tmp_path, caplog):
+    """Unreachable planner: default clocks, no step waits on the network, one warning; once
+    the service starts, the rank registers and enters the warm-up/profiling phases."""
+    gpu = SimGPU("a100-sxm", 0)
+    startup_wait_s = 1.0
+    rank, port = rank_without_planner(gpu, startup_wait_s)
     first = longest = 0.0
     proc = None
     deadline = time.monotonic() + DEADLINE_S
@@ -222,21 +228,7 @@ def test_planner_down_at_start_then_up(tmp_path, caplog):
 
 def test_a_planner_that_never_answers_is_said_again_at_close(caplog):
     """The start-up warning scrolls away in a long run: close() says no plan was made, and why."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    client = PlannerClient(f"tcp://127.0.0.1:{port}", timeout_s=CLIENT_TIMEOUT_S, poll_interval_s=0.05)
-    rank = PerseusRank(
-        SimGPU("a100-sxm", 0),
-        build_schedule("1f1b", 1, 2),
-        0,
-        client=client,
-        close_client=True,
-        progress=False,
-        handle_signals=False,
-        watchdog=False,
-        startup_wait_s=0.1,
-    )
+    rank, _ = rank_without_planner(SimGPU("a100-sxm", 0), startup_wait_s=0.1)
     try:
         for _ in range(3):
             rank.on_step_begin()
