@@ -583,7 +583,11 @@ def _warn_if_ranks_share_gpus(gpus: list[GPU]) -> None:
     per_rank = int(distributed.all_reduce([float(len(gpus))], "max")[0])
     table = [0.0] * (world * per_rank)
     for j, gpu in enumerate(gpus):  # each rank fills its own row; the sum is every rank's
-        table[distributed.rank() * per_rank + j] = float(int(hashlib.sha256(gpu.uuid().encode()).hexdigest()[:12], 16))
+        try:
+            uuid = gpu.uuid()
+        except PerseusError:  # a GPU that cannot tell: not compared (0), the collective still runs
+            continue
+        table[distributed.rank() * per_rank + j] = float(int(hashlib.sha256(uuid.encode()).hexdigest()[:12], 16))
     table = distributed.all_reduce(table, "sum")
     ranks: dict[float, list[int]] = {}
     for k, key in enumerate(table):
