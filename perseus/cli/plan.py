@@ -249,7 +249,9 @@ def run(args: argparse.Namespace) -> int:
                 "minutes at this size (32 x 512, 50 points: about 8 minutes and 1.6 GB)",
                 flush=True,
             )
-        frontier = planner.frontier(args.frontier_points)
+            frontier = planner.frontier(args.frontier_points, _tenths)
+        else:
+            frontier = planner.frontier(args.frontier_points)
     if args.frontier is not None:
         assert frontier is not None  # computed just above
         with _writing("--frontier", args.frontier):
@@ -283,6 +285,12 @@ def _plan_document(plan, path, profile, max_clocks, saving: float, pace: float) 
         "saving": saving,
         "saving_over_s": pace,
     }
+
+
+def _tenths(done: int, total: int) -> None:
+    """Progress of a large frontier, at each tenth of its points."""
+    if done * 10 // total != (done - 1) * 10 // total or done == total:
+        print(f"  frontier point {done} of {total}", flush=True)
 
 
 def _check_units(profile, path) -> None:

@@ -12,6 +12,7 @@ the evaluator, and only plans that meet the deadline there are returned.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -177,17 +178,20 @@ class Planner:
         ours = self.energy_at_pace(plan.energy_j, span, pace)
         return 1.0 - ours / self.energy_at_pace(self.max_frequency_energy_j, self.max_frequency_time_s, pace)
 
-    def frontier(self, num_points: int = 50) -> list[FrontierPoint]:
+    def frontier(self, num_points: int = 50, progress: Callable[[int, int], None] | None = None) -> list[FrontierPoint]:
         """Plans for `num_points` deadlines evenly spaced from the fastest iteration time to T*,
-        fastest first. Energy never increases along the list."""
+        fastest first. Energy never increases along the list. `progress(done, total)` is called
+        after each point (a large job's frontier takes minutes)."""
         if num_points < 2:
             raise ConfigError(f"a frontier needs at least 2 points, got {num_points}")
         slowest = self.min_energy_plan()
         deadlines = np.linspace(self.fastest_time_s, slowest.iteration_time_s, num_points)
         with self._lock:
-            return self._sweep(deadlines, slowest)
+            return self._sweep(deadlines, slowest, progress)
 
-    def _sweep(self, deadlines: np.ndarray, slowest: Plan) -> list[FrontierPoint]:
+    def _sweep(
+        self, deadlines: np.ndarray, slowest: Plan, progress: Callable[[int, int], None] | None = None
+    ) -> list[FrontierPoint]:
         num_points = len(deadlines)
         self._lp.solve(float(deadlines[0]), warm=False)
         points: list[FrontierPoint] = []
@@ -199,6 +203,8 @@ class Planner:
                 plan = _with_deadline(best, plan.lower_bound_j, deadline)
             best = plan
             points.append(FrontierPoint(plan.iteration_time_s, plan.energy_j, plan.lower_bound_j, plan))
+            if progress is not None:
+                progress(k + 1, num_points)
         return points
 
     def _deadline(self, deadline: float | None, max_slowdown: float | None) -> float:

@@ -349,4 +349,4 @@ def test_a_large_frontier_says_it_takes_minutes_before_it_starts(profile_csv, tm
     assert main(["plan", "--profile", str(profile_csv), *args, "--frontier", str(frontier)]) == 0
     out = capsys.readouterr().out
     assert "computing the 3-point frontier of 36 instructions: minutes at this size" in out
-    assert out.index("minutes at this size") < out.index("frontier (3 points) written")
+    assert out.index("minutes at this size") < out.index("frontier point 3 of 3") < out.index("frontier (3 points)")
