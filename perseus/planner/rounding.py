@@ -21,6 +21,11 @@ import numpy as np
 from perseus.planner.native import extension as _flow
 from perseus.planner.problem import Problem
 
+# `round_over`: the largest fraction of every finish time it takes back (2%: a few steps of an
+# instruction at most), and the bisections that find the least (2% / 2^16: ~5 us in 16 s).
+_OVER_MAX_SCALE = 0.02
+_OVER_BISECTIONS = 16
+
 
 @dataclass(frozen=True)
 class PairArrays:
@@ -151,6 +156,52 @@ def round_down(
     tolerance for the LP's own rounding). Nodes start no later than in the relaxation."""
     walker = walker or Walker(problem)
     return walker.walk(np.asarray(finish_s) + slack_s)
+
+
+def round_over(
+    problem: Problem,
+    finish_s: np.ndarray,
+    duration_s: np.ndarray,
+    overshoot: float,
+    deadline_s: float,
+    walker: Walker | None = None,
+) -> np.ndarray | None:
+    """Each node at the slowest choice that ends by its relaxed finish time plus `overshoot` of
+    its local step (the gap between the two choices around its relaxed duration), with every
+    finish time scaled down by the least factor (bisected) that keeps the deadline; None if none
+    does. Rounding down wastes up to a step of time at every node where two predecessors meet;
+    rounding to the nearer choice wastes less and pays it back with a slightly earlier schedule
+    (GPT-3 A100 with jittered points, 8 x 96 at no slowdown: 0.73% -> 0.61% from the bound)."""
+    walker = walker or Walker(problem)
+    step = np.empty(problem.num_nodes)
+    for k, opts in enumerate(problem.options):
+        nodes = np.flatnonzero(problem.node_type == k)
+        if len(opts) < 2:
+            step[nodes] = 0.0
+            continue
+        above = np.clip(np.searchsorted(opts.time, duration_s[nodes]), 1, len(opts) - 1)
+        step[nodes] = opts.time[above] - opts.time[above - 1]
+    reach = np.asarray(finish_s) + overshoot * step
+
+    def fits(scale: float) -> np.ndarray | None:
+        choice = walker.walk(reach - scale * np.asarray(finish_s))
+        return choice if problem.iteration_time(problem.times(choice)) <= deadline_s else None
+
+    best = fits(0.0)
+    if best is not None:
+        return best
+    low, high = 0.0, _OVER_MAX_SCALE
+    best = fits(high)
+    if best is None:
+        return None
+    for _ in range(_OVER_BISECTIONS):
+        middle = 0.5 * (low + high)
+        choice = fits(middle)
+        if choice is None:
+            low = middle
+        else:
+            high, best = middle, choice
+    return best
 
 
 def fill_slack(problem: Problem, choice: np.ndarray, deadline_s: float, walker: Walker | None = None) -> np.ndarray:

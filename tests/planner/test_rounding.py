@@ -10,7 +10,7 @@ from test_solver import GPT3, random_profile
 
 from perseus.planner import Planner, rounding
 from perseus.planner.lp import HullLP
-from perseus.planner.rounding import Walker, _pair_sweep, exchange, fill_slack, round_down
+from perseus.planner.rounding import Walker, _pair_sweep, exchange, fill_slack, round_down, round_over
 from perseus.profiler import load_profile
 from perseus.schedules import build_schedule
 
@@ -151,3 +151,25 @@ def test_c_passes_refuse_arrays_that_would_read_out_of_bounds():
         rounding._flow.exchange(*walker.graph, np.full(n, width, dtype=np.int32), 1.0, 3)
     with pytest.raises(ValueError, match="limit"):
         rounding._flow.walk(*walker.graph, np.ones(n - 1), choice)
+
+
+def test_rounding_past_finish_times_keeps_the_deadline():
+    """`round_over` lets each node end up to a fraction of its step past its relaxed finish and
+    takes the excess back by scaling every finish time down: the result always meets the deadline;
+    with no overshoot it is rounding down; where no scale can fit, it says so (None)."""
+    problem = Planner(build_schedule("1f1b", 4, 12), random_profile(4, 4, 10)).problem
+    walker = Walker(problem)
+    fastest = problem.iteration_time(problem.times(problem.fastest()))
+    for factor in (1.0, 1.05, 1.2):
+        deadline = factor * fastest
+        relaxed = HullLP(problem).solve(deadline)
+        assert np.array_equal(
+            round_over(problem, relaxed.finish_s, relaxed.duration_s, 0.0, deadline, walker),
+            round_down(problem, relaxed.finish_s, walker=walker),
+        )
+        for overshoot in (0.25, 0.5, 1.0):
+            rounded = round_over(problem, relaxed.finish_s, relaxed.duration_s, overshoot, deadline, walker)
+            assert rounded is not None
+            assert problem.iteration_time(problem.times(rounded)) <= deadline
+    relaxed = HullLP(problem).solve(fastest)
+    assert round_over(problem, relaxed.finish_s, relaxed.duration_s, 0.5, 0.9 * fastest, walker) is None

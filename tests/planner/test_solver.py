@@ -409,7 +409,8 @@ def test_a_plan_far_from_its_bound_is_tried_again_with_looser_deadlines_optima(m
     roundings of looser deadlines' optima are tried too: never more energy than without them,
     sometimes less, within the deadline, and the same plan on a fresh Planner and after others."""
     schedule = build_schedule("1f1b", 4, 16)
-    monkeypatch.setattr(solver, "HULL_RETRY_GAP", float("inf"))  # the looser optima alone (hull rounding finds some)
+    for later in ("HULL_RETRY_GAP", "OVER_RETRY_GAP", "OVER_RETRY_GAP_SLOWER"):
+        monkeypatch.setattr(solver, later, float("inf"))  # the looser optima alone (later retries find some)
     assert _retried_plans_better(monkeypatch, {"LOOSER_RETRY_GAP": 0.005}, schedule, (1, 3), (1.0, 1.01, 1.02)) >= 3
 
 
@@ -429,6 +430,16 @@ def test_rounding_onto_hull_vertices_only_ever_lowers_the_energy(monkeypatch):
     sometimes less, within the deadline, and the same plan on a fresh Planner and after others."""
     schedule = build_schedule("1f1b", 4, 16)
     assert _retried_plans_better(monkeypatch, {"HULL_RETRY_GAP": 0.001}, schedule, (1, 2, 3), (1.0, 1.05, 1.1)) >= 2
+
+
+def test_rounding_past_finish_times_only_ever_lowers_the_energy(monkeypatch):
+    """Where a plan lands more than OVER_RETRY_GAP (past no slowdown: OVER_RETRY_GAP_SLOWER) above
+    its bound, every relaxation it was rounded from is rounded again past its finish times
+    (`round_over`): never more energy than without, sometimes less, within the deadline, and the
+    same plan on a fresh Planner and after others."""
+    schedule = build_schedule("1f1b", 4, 24)
+    knobs = {"OVER_RETRY_GAP": 0.002, "OVER_RETRY_GAP_SLOWER": 0.001}
+    assert _retried_plans_better(monkeypatch, knobs, schedule, (1, 2, 3), (1.0, 1.05, 1.1)) >= 3
 
 
 def test_a_choice_on_the_hull_maps_back_to_the_same_clock():
