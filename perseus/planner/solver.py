@@ -57,7 +57,7 @@ STEADY_RETRY_GAP_SLOWER = 0.001
 HULL_RETRY_GAP = 0.001
 # A plan further than this from its bound (past no slowdown: the second) is tried again with every
 # relaxation it was rounded from rounded past its finish times by these fractions of a step
-# (`round_over`), then polished: 20-50 ms at 8 x 96. Jittered GPT-3 A100 points at 8 x 96: 0.73% ->
+# (`round_over`), then polished: 10-35 ms at 8 x 96. Jittered GPT-3 A100 points at 8 x 96: 0.73% ->
 # 0.61% at no slowdown, 0.57% -> 0.54% at 1.1x; Bloom A100 8 x 12 at 1.05x: 0.165% -> 0.151%. The
 # GPT-3 A100 plans at no slowdown (0.12-0.15%) gain nothing, so stay within 0.2 s.
 OVER_RETRY_GAP = 0.002
