@@ -442,6 +442,26 @@ def test_rounding_past_finish_times_only_ever_lowers_the_energy(monkeypatch):
     assert _retried_plans_better(monkeypatch, knobs, schedule, (1, 2, 3), (1.0, 1.05, 1.1)) >= 3
 
 
+def test_frontier_points_far_from_their_bound_are_tried_again(monkeypatch):
+    """A frontier point more than FRONTIER_RETRY_GAP above its bound gets a single plan's retries
+    (not the steady-state pins): no point costs more than without them, some cost less, the sweep
+    after a retried point goes on as before, and a fresh Planner draws the same frontier."""
+    schedule = build_schedule("1f1b", 4, 16)
+    better = 0
+    for seed in (1, 2, 3):
+        profile = random_profile(seed, 4, 10)
+        monkeypatch.setattr(solver, "FRONTIER_RETRY_GAP", float("inf"))
+        without = Planner(schedule, profile).frontier(num_points=8)
+        monkeypatch.setattr(solver, "FRONTIER_RETRY_GAP", 0.01)
+        points = Planner(schedule, profile).frontier(num_points=8)
+        for before, after in zip(without, points):
+            assert after.energy_j <= before.energy_j
+            assert after.plan.iteration_time_s <= after.plan.deadline_s
+            better += after.energy_j < before.energy_j
+        assert [p.plan for p in Planner(schedule, profile).frontier(num_points=8)] == [p.plan for p in points]
+    assert better >= 8
+
+
 def test_a_choice_on_the_hull_maps_back_to_the_same_clock():
     problem = Planner(build_schedule("1f1b", 4, 8), random_profile(5, 4, 10)).problem
     on_hull = problem.on_hull()
