@@ -139,6 +139,7 @@ class HullLP:
         self._highs.setOptionValue("random_seed", 0)
         if seeded is None:
             seeded = problem.num_nodes > SEED_MIN_NODES
+        self._seeded = seeded
         # Dual pricing, measured on GPT-3 A100 1F1B plans (2-core machine): Dantzig's is about 3x
         # faster than HiGHS' default on cold solves of these DAG LPs; from the steady-state seed,
         # Devex is (a 32 x 512 solve 16 s against 38 s; 16 x 256 plans at 1.0, 1.05 and 1.2 x
@@ -193,6 +194,12 @@ class HullLP:
         upper = highspy.kHighsInf if deadline_s is None else deadline_s * _MS
         self._set_end(deadline_s, padded)
         if start is not None:
+            if not self._seeded:
+                # From the basis alone: HiGHS otherwise carries state of earlier solves past
+                # `setBasis`, and a pinned solve reached another optimum after other plans. Above
+                # SEED_MIN_NODES the refactorisation costs 0.2 s of a padded 16 x 256 plan, and
+                # the only solve from a basis there is the padded one from the plain optimum.
+                h.clearSolver()
             h.setBasis(start)
         elif not warm:
             h.clearSolver()

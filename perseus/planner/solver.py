@@ -309,7 +309,6 @@ class Planner:
             retried = self._best(candidates + looser, deadline_s, bound, padded, exchanged + len(looser))
             if retried.energy_j < plan.energy_j:
                 plan = retried
-        pinned_roundings: list[tuple[Relaxation, float | None]] = []
         if (
             refined
             and plan.gap > (STEADY_RETRY_GAP if self._no_slower(deadline_s) else STEADY_RETRY_GAP_SLOWER)
@@ -317,16 +316,12 @@ class Planner:
             and self._steady_groups()
         ):
             pinned, kept = self._pinned(deadline_s, padded, relaxation, basis)
-            pinned_roundings = [(r, deadline_s) for r in kept]
+            roundings += [(r, deadline_s) for r in kept]
             retried = self._best(candidates + pinned, deadline_s, bound, padded, exchanged + len(pinned))
             if retried.energy_j < plan.energy_j:
                 plan = retried
         if retrying and plan.gap > HULL_RETRY_GAP and self.problem.num_nodes <= RESTRICT_MAX_NODES:
-            on_hull = [
-                c
-                for relaxed, target_s in roundings + pinned_roundings
-                for c in self._round(relaxed, target_s, hull=True)
-            ]
+            on_hull = [c for relaxed, target_s in roundings for c in self._round(relaxed, target_s, hull=True)]
             retried = self._best(candidates + on_hull, deadline_s, bound, padded, exchanged + len(on_hull))
             if retried.energy_j < plan.energy_j:
                 plan = retried
@@ -336,9 +331,6 @@ class Planner:
             and plan.gap > (OVER_RETRY_GAP if self._no_slower(deadline_s) else OVER_RETRY_GAP_SLOWER)
             and self.problem.num_nodes <= RESTRICT_MAX_NODES
         ):
-            # Not the pinned relaxations: a pinned solve on the second LP can reach another
-            # optimum after other plans (HiGHS keeps state past `start`), and rounded past its
-            # finish times that other optimum sometimes wins, so plans would depend on history.
             over = []
             for relaxed, _ in roundings:
                 for overshoot in _OVERSHOOTS:
