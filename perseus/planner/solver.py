@@ -63,11 +63,13 @@ HULL_RETRY_GAP = 0.001
 OVER_RETRY_GAP = 0.002
 OVER_RETRY_GAP_SLOWER = 0.001
 _OVERSHOOTS = (0.125, 0.25, 0.375, 0.5)
-# A frontier point further than this from its bound gets the retries above but the steady-state
-# pins (dozens of LP solves): 8 x 96 frontiers on the A40 profiles had points 1.3% (GPT-3) and 2.3%
-# (Bloom) above single plans at their deadlines; worst gaps 3.17% -> 1.86% and 3.91% -> 1.00%, for
-# 0.5-0.9 s more. From 0.5% the noisy GPT-3 A100 frontier took 3 s more for 0.04 points on average,
-# so the GPT-3 A100 and noisy frontiers (no point above 1%) keep their plans and their time.
+# A frontier point further than this from its bound gets a single plan's retries (looser deadlines'
+# optima, steady-state pins, hull vertices, rounding past finish times). 8 x 96 frontiers on the A40
+# profiles had points 2.0% (GPT-3) and 3.8% (Bloom) above single plans at their deadlines (0.32% and
+# 0.53% on average): after, 0.23% and 0.90% (0.03% and 0.17%), worst gaps 3.17% -> 1.62% and 3.91%
+# -> 1.00%, for 1.7-2.6 s more (2.2-2.9 s in all). From 0.5% the
+# A40 frontiers came within 0.08-0.17% of single plans but took 4-5 s, and the noisy GPT-3 A100 one
+# 10 s; from 1% the GPT-3 A100 and noisy frontiers (no point above it) keep their plans and time.
 FRONTIER_RETRY_GAP = 0.01
 # Candidates polished by pair exchanges, best first (frontier sweeps, and single plans above
 # REFINE_MAX_NODES: the best only). Above that size there is no iterative rounding's candidate,
@@ -287,7 +289,7 @@ class Planner:
         refining = refined and self.problem.num_nodes <= REFINE_MAX_NODES
         exchanged = _EXCHANGED if refining else 1
         plan = self._best(candidates, deadline_s, bound, padded, exchanged)
-        # A frontier point (`point`) far from its bound gets the retries that round other relaxations.
+        # A frontier point (`point`) far from its bound gets a single plan's retries.
         retrying = refined or (point and plan.gap > FRONTIER_RETRY_GAP)
         if (
             retrying
@@ -303,14 +305,12 @@ class Planner:
             looser = []
             for factor in _LOOSER_TARGETS:
                 looser += self._round(self._lp.solve(factor * deadline_s, start=basis), deadline_s)
-            if warm:
-                self._lp.solve(deadline_s, start=basis)  # a sweep goes on warm from this deadline's optimum
             # Repaired roundings rank low before their pair exchanges: polish each of them.
             retried = self._best(candidates + looser, deadline_s, bound, padded, exchanged + len(looser))
             if retried.energy_j < plan.energy_j:
                 plan = retried
         if (
-            refined
+            retrying
             and plan.gap > (STEADY_RETRY_GAP if self._no_slower(deadline_s) else STEADY_RETRY_GAP_SLOWER)
             and self.problem.num_nodes <= RESTRICT_MAX_NODES
             and self._steady_groups()
@@ -342,6 +342,8 @@ class Planner:
             retried = self._best(candidates + over, deadline_s, bound, padded, exchanged + len(over))
             if retried.energy_j < plan.energy_j:
                 plan = retried
+        if warm and retrying:
+            self._lp.solve(deadline_s, start=basis)  # a sweep goes on warm from this deadline's optimum
         return plan
 
     def _pinned(

@@ -443,9 +443,9 @@ def test_rounding_past_finish_times_only_ever_lowers_the_energy(monkeypatch):
 
 
 def test_frontier_points_far_from_their_bound_are_tried_again(monkeypatch):
-    """A frontier point more than FRONTIER_RETRY_GAP above its bound gets a single plan's retries
-    (not the steady-state pins): no point costs more than without them, some cost less, the sweep
-    after a retried point goes on as before, and a fresh Planner draws the same frontier."""
+    """A frontier point more than FRONTIER_RETRY_GAP above its bound gets a single plan's retries:
+    no point costs more than without them, some cost less, the sweep after a retried point goes on
+    as before, and a fresh Planner draws the same frontier."""
     schedule = build_schedule("1f1b", 4, 16)
     better = 0
     for seed in (1, 2, 3):
