@@ -339,6 +339,46 @@ def test_a_profile_in_other_units_gets_a_note(profile_csv, tmp_path, capsys):
     assert "are its times in seconds" not in capsys.readouterr().out
 
 
+def test_a_blocking_power_in_kilowatts_gets_a_note(profile_csv, capsys):
+    from perseus.cli.main import main
+
+    args = ["plan", "--profile", str(profile_csv), "--stages", "3", "--microbatches", "6", "--blocking-power"]
+    assert main([*args, "0.07"]) == 0
+    assert "the blocking power 0.07 W is under 1/50 of the" in capsys.readouterr().out
+    assert main([*args, "70"]) == 0
+    assert "is it in kW?" not in capsys.readouterr().out
+
+
+def test_an_instruction_missing_the_highest_clock_gets_a_note(profile_csv, tmp_path, capsys):
+    from perseus.cli.main import main
+
+    rows = list(csv.DictReader(profile_csv.open()))
+    top = max(int(r["frequency"]) for r in rows)
+    short = tmp_path / "short.csv"
+    with short.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(r for r in rows if not (r["stage"] == "1" and int(r["frequency"]) == top))
+    args = ["--blocking-power", "70", "--stages", "3", "--microbatches", "6"]
+    assert main(["plan", "--profile", str(short), *args]) == 0
+    out = capsys.readouterr().out
+    assert f"profiles {top} MHz for most instructions but tops out lower for stage 1 backward" in out
+    assert main(["plan", "--profile", str(profile_csv), *args]) == 0
+    assert "tops out lower" not in capsys.readouterr().out
+
+
+def test_a_deadline_below_the_all_max_time_says_what_its_energies_span(profile_csv, capsys):
+    """Where a lower clock runs faster than the highest, a deadline can fall below the all-max-clock
+    time; the table's energies still span that time (the saving is against it), and say so."""
+    from perseus.cli.main import main
+
+    args = ["plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "3", "--microbatches", "6"]
+    assert main([*args, "--deadline", "28.3"]) == 0
+    out = capsys.readouterr().out
+    assert "J (over its own iteration): Perseus is within" in out
+    assert "(energies and savings over an iteration of 28.533 s, the all-max-clock iteration" in out
+
+
 def test_a_large_frontier_says_it_takes_minutes_before_it_starts(profile_csv, tmp_path, capsys, monkeypatch):
     from perseus.cli import plan as plan_cli
     from perseus.cli.main import main
