@@ -172,7 +172,7 @@ class _Replay:
         self.power = evaluator.blocking_power_w
         self.num_stages = evaluator.num_stages
         self.latencies = latencies
-        index = {ins: i for i, ins in enumerate(evaluator.nodes)}
+        index = evaluator.arrays.index
         self.nodes = [[index[ins] for ins in row] for row in planner.schedule.stages]
         by_choice: list[Table] = [
             dict(zip(c.frequency.tolist(), zip(c.time.tolist(), c.energy.tolist()))) for c in evaluator.choices
@@ -194,9 +194,9 @@ class _Replay:
         and its plan), each row's (time, energy) there as `_at_least` picks them, and each
         column's latency and early lead."""
         tables = self.tables[s]
-        clocks = sorted({f for table in tables for f in table} | set(self.clocks[s]))
         # Instructions of one kind share a table: one row each, then one per instruction.
         distinct = {id(table): table for table in tables}
+        clocks = sorted({f for table in distinct.values() for f in table} | set(self.clocks[s]))
         row_of = {key: k for k, key in enumerate(distinct)}
         cells = np.array([[table[_at_least(table, f)] for f in clocks] for table in distinct.values()], dtype=float)
         cells = cells.reshape(len(distinct), len(clocks), 2)
