@@ -58,18 +58,19 @@ HULL_RETRY_GAP = 0.001
 # A plan further than this from its bound (past no slowdown: the second) is tried again with every
 # relaxation it was rounded from rounded past its finish times by these fractions of a step
 # (`round_over`), then polished: 10-35 ms at 8 x 96. Jittered GPT-3 A100 points at 8 x 96: 0.73% ->
-# 0.61% at no slowdown, 0.57% -> 0.54% at 1.1x; Bloom A100 8 x 12 at 1.05x: 0.165% -> 0.151%. The
-# GPT-3 A100 plans at no slowdown (0.12-0.15%) gain nothing, so stay within 0.2 s.
+# 0.61% at no slowdown, 0.57% -> 0.54% at 1.1x; GPT-3 A40 8 x 48 at no slowdown 0.61% -> 0.51% (from
+# its pinned relaxations); Bloom A100 8 x 12 at 1.05x: 0.165% -> 0.151%. The GPT-3 A100 plans at no
+# slowdown (0.12-0.15%) gain nothing, so stay within 0.2 s.
 OVER_RETRY_GAP = 0.002
 OVER_RETRY_GAP_SLOWER = 0.001
 _OVERSHOOTS = (0.125, 0.25, 0.375, 0.5)
 # A frontier point further than this from its bound gets a single plan's retries (looser deadlines'
 # optima, steady-state pins, hull vertices, rounding past finish times). 8 x 96 frontiers on the A40
 # profiles had points 2.0% (GPT-3) and 3.8% (Bloom) above single plans at their deadlines (0.32% and
-# 0.53% on average): after, 0.23% and 0.90% (0.03% and 0.17%), worst gaps 3.17% -> 1.62% and 3.91%
-# -> 1.00%, for 1.7-2.6 s more (2.2-2.9 s in all). From 0.5% the
-# A40 frontiers came within 0.08-0.17% of single plans but took 4-5 s, and the noisy GPT-3 A100 one
-# 10 s; from 1% the GPT-3 A100 and noisy frontiers (no point above it) keep their plans and time.
+# 0.53% on average): after, 0.23% and 0.90% (0.03% and 0.17%), worst gaps 3.17% -> 1.62% and 3.91% ->
+# 1.00%, for 1.7-2.6 s more (2.2-2.9 s in all). From 0.5% the A40 frontiers came within 0.08-0.17% of
+# single plans but took 4-5 s, and the noisy GPT-3 A100 one 10 s; from 1% the GPT-3 A100 and noisy
+# frontiers (no point above it) keep their plans and their time.
 FRONTIER_RETRY_GAP = 0.01
 # Candidates polished by pair exchanges, best first (frontier sweeps, and single plans above
 # REFINE_MAX_NODES: the best only). Above that size there is no iterative rounding's candidate,
