@@ -6,7 +6,7 @@ import argparse
 import csv
 import io
 import math
-import statistics
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +14,7 @@ from pathlib import Path
 from perseus.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
 from perseus.exceptions import ConfigError, PlanError
 from perseus.profiler import load_profile
+from perseus.profiler.checks import clock_notes, unit_problems
 from perseus.profiler.profile import REPEATS
 from perseus.schedules import SCHEDULES, build_schedule
 from perseus.schedules.instruction import Kind
@@ -160,9 +161,9 @@ def run(args: argparse.Namespace) -> int:
         from perseus.planner.plot import pyplot  # lazy, as the planner above
 
         pyplot()  # fail before planning if matplotlib is missing
-    profile = load_profile(args.profile, args.blocking_power)
-    _check_units(profile, args.profile)
-    _check_clocks(profile, args.profile)
+    profile = load_profile(args.profile, args.blocking_power)  # logs what looks like other units
+    for note in clock_notes(profile):
+        print(f"note: {args.profile}: {note}", file=sys.stderr)
     schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
     profiled = len(profile.stages())
     if profiled > schedule.num_virtual_stages:
@@ -287,7 +288,8 @@ def _writing(flag: str, path: Path) -> Iterator[None]:
 def _plan_document(plan, path, profile, max_clocks, saving: float, pace: float) -> dict:
     """The plan's JSON, with what the printed table says beside it: which profile, the maximum-clock
     iteration it is compared with, and the saving over an iteration of `pace` (`energy_j` is over
-    the plan's own iteration unless `padded`)."""
+    the plan's own iteration unless `padded`), and the notes on the profile (`notes`: units that look
+    wrong, clocks the baselines misread)."""
     return {
         **plan.to_json(),
         "profile": str(path),
@@ -295,6 +297,7 @@ def _plan_document(plan, path, profile, max_clocks, saving: float, pace: float) 
         "max_clocks": {"iteration_time_s": max_clocks.iteration_time_s, "energy_j": max_clocks.energy_j},
         "saving": saving,
         "saving_over_s": pace,
+        "notes": unit_problems(profile) + clock_notes(profile),
     }
 
 
@@ -302,44 +305,6 @@ def _tenths(done: int, total: int) -> None:
     """Progress of a large frontier, at each tenth of its points."""
     if done * 10 // total != (done - 1) * 10 // total or done == total:
         print(f"  frontier point {done} of {total}", flush=True)
-
-
-# Busy power over blocking power past which the blocking power looks like another unit: measured
-# GPUs draw 2-8x their waiting power computing (A100, A40 profiles: 3-5x).
-_BUSY_OVER_BLOCKING = 50
-
-
-def _check_units(profile, path) -> None:
-    """A note where the profile's instructions draw less than a waiting GPU: times in ms, or the
-    blocking power in another unit, plan nonsense without an error (an outsider's ms profile did)."""
-    busy_w = statistics.median(p.energy / p.time for points in profile.points.values() for p in points)
-    if busy_w < profile.blocking_power_w:
-        print(
-            f"note: {path}'s instructions draw a median {busy_w:.3g} W, below the blocking power "
-            f"{profile.blocking_power_w:g} W a GPU draws waiting: are its times in seconds, its energies in joules "
-            "and the blocking power in watts?"
-        )
-    elif 0 < profile.blocking_power_w * _BUSY_OVER_BLOCKING < busy_w:
-        print(
-            f"note: the blocking power {profile.blocking_power_w:g} W is under 1/{_BUSY_OVER_BLOCKING} of the "
-            f"{busy_w:.3g} W {path}'s instructions draw a median: is it in kW? (a GPU waiting on a peer draws tens "
-            "of watts, e.g. 70.38 on an A40)"
-        )
-
-
-def _check_clocks(profile, path) -> None:
-    """A note where some instructions lack the highest clock the others have: the all-max-clock
-    baseline (and every saving) runs them at their own highest, which a missing row moves unseen."""
-    highest = {key: max(p.frequency for p in points) for key, points in profile.points.items()}
-    top = max(highest.values())
-    short = sorted((stage, kind, mhz) for (stage, kind), mhz in highest.items() if mhz < top)
-    if short:
-        named = ", ".join(f"stage {stage} {kind} {mhz} MHz" for stage, kind, mhz in short[:4])
-        more = f" and {len(short) - 4} more" if len(short) > 4 else ""
-        print(
-            f"note: {path} profiles {top} MHz for most instructions but tops out lower for {named}{more}: the "
-            "max-frequency baseline runs those at their own highest clock; profile the missing rows if they exist"
-        )
 
 
 def _write_frontier(points, path: Path) -> None:

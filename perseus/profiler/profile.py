@@ -30,6 +30,7 @@ import codecs
 import csv
 import io
 import json
+import logging
 import math
 import operator
 import os
@@ -40,10 +41,13 @@ from typing import TYPE_CHECKING
 
 from perseus.atomic import write_text_atomic
 from perseus.exceptions import ConfigError, ProfileError
+from perseus.profiler.checks import unit_problems
 from perseus.schedules.instruction import Instruction, Kind
 
 if TYPE_CHECKING:
     from perseus.schedules.instruction import Schedule
+
+logger = logging.getLogger(__name__)
 
 CSV_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
 JSON_FORMAT = "perseus.profile"
@@ -529,7 +533,10 @@ def load_profile(path: str | os.PathLike, blocking_power_w: float | None = None)
             "and frequency"
         )
     reader = _read_csv if suffix == ".csv" else _read_json
-    return reader(path, data, blocking_power_w)
+    profile = reader(path, data, blocking_power_w)
+    for problem in unit_problems(profile):
+        logger.warning("%s: %s", path, problem)
+    return profile
 
 
 def _rows(profile: Profile) -> list[dict]:

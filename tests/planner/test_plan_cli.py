@@ -320,10 +320,10 @@ def test_an_interrupted_plan_says_so(profile_csv, capsys, monkeypatch, tmp_path)
     out = tmp_path / "plan.json"
     args = ["plan", "--profile", str(profile_csv), "--blocking-power", "70", "--stages", "3", "--microbatches", "6"]
     assert main([*args, "--out", str(out)]) == 130
-    assert capsys.readouterr().err == "perseus: interrupted\n" and not out.exists()
+    assert capsys.readouterr().err.endswith("\nperseus: interrupted\n") and not out.exists()
 
 
-def test_a_profile_in_other_units_gets_a_note(profile_csv, tmp_path, capsys):
+def test_a_profile_in_other_units_gets_a_note(profile_csv, tmp_path, caplog):
     from perseus.cli.main import main
 
     rows = list(csv.DictReader(profile_csv.open()))
@@ -334,19 +334,26 @@ def test_a_profile_in_other_units_gets_a_note(profile_csv, tmp_path, capsys):
         writer.writerows({**r, "time": repr(float(r["time"]) * 1000)} for r in rows)  # milliseconds
     args = ["--blocking-power", "70", "--stages", "3", "--microbatches", "6"]
     assert main(["plan", "--profile", str(in_ms), *args]) == 0
-    assert "below the blocking power 70 W a GPU draws waiting: are its times in seconds" in capsys.readouterr().out
+    assert "below the blocking power 70 W: are its times in ms? (in seconds they would draw" in caplog.text
+    caplog.clear()
     assert main(["plan", "--profile", str(profile_csv), *args]) == 0
-    assert "are its times in seconds" not in capsys.readouterr().out
+    assert "are its times" not in caplog.text
 
 
-def test_a_blocking_power_in_kilowatts_gets_a_note(profile_csv, capsys):
+def test_a_blocking_power_in_kilowatts_or_milliwatts_gets_a_note(profile_csv, tmp_path, caplog):
     from perseus.cli.main import main
 
-    args = ["plan", "--profile", str(profile_csv), "--stages", "3", "--microbatches", "6", "--blocking-power"]
-    assert main([*args, "0.07"]) == 0
-    assert "the blocking power 0.07 W is under 1/50 of the" in capsys.readouterr().out
-    assert main([*args, "70"]) == 0
-    assert "is it in kW?" not in capsys.readouterr().out
+    out = tmp_path / "plan.json"
+    args = ["plan", "--profile", str(profile_csv), "--stages", "3", "--microbatches", "6", "--out", str(out)]
+    assert main([*args, "--blocking-power", "0.07"]) == 0
+    assert "the blocking power 0.07 W is under 1/50 of the" in caplog.text and "is it in kW? (70 W)" in caplog.text
+    assert any("is it in kW?" in note for note in json.loads(out.read_text())["notes"])
+    caplog.clear()
+    assert main([*args, "--blocking-power", "70000"]) == 0
+    assert "is it in mW? (70 W)" in caplog.text
+    caplog.clear()
+    assert main([*args, "--blocking-power", "70"]) == 0
+    assert "is it in" not in caplog.text
 
 
 def test_an_instruction_missing_the_highest_clock_gets_a_note(profile_csv, tmp_path, capsys):
@@ -361,10 +368,10 @@ def test_an_instruction_missing_the_highest_clock_gets_a_note(profile_csv, tmp_p
         writer.writerows(r for r in rows if not (r["stage"] == "1" and int(r["frequency"]) == top))
     args = ["--blocking-power", "70", "--stages", "3", "--microbatches", "6"]
     assert main(["plan", "--profile", str(short), *args]) == 0
-    out = capsys.readouterr().out
-    assert f"profiles {top} MHz for most instructions but tops out lower for stage 1 backward" in out
+    err = capsys.readouterr().err
+    assert f"most instructions are profiled up to {top} MHz, but stage 1 backward" in err
     assert main(["plan", "--profile", str(profile_csv), *args]) == 0
-    assert "tops out lower" not in capsys.readouterr().out
+    assert "most instructions are profiled up to" not in capsys.readouterr().err
 
 
 def test_a_deadline_below_the_all_max_time_says_what_its_energies_span(profile_csv, capsys):
