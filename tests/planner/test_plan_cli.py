@@ -384,6 +384,9 @@ def test_a_deadline_below_the_all_max_time_says_what_its_energies_span(profile_c
     out = capsys.readouterr().out
     assert "J (over its own iteration): Perseus is within" in out
     assert "(energies and savings over an iteration of 28.533 s, the all-max-clock iteration" in out
+    assert "EnvPipe                cannot meet the deadline: it slows only instructions off the all-max" in out
+    assert main([*args, "--deadline", "28.1"]) == 0
+    assert "uniform clock             no one clock meets the deadline" in capsys.readouterr().out
 
 
 def test_a_large_frontier_says_it_takes_minutes_before_it_starts(profile_csv, tmp_path, capsys, monkeypatch):
