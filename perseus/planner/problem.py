@@ -97,16 +97,22 @@ class Problem:
 
     @cached_property
     def _tables(self) -> dict[str, np.ndarray]:
-        """Each field's choices as one (type, choice) table padded with NaN: a choice vector's values
-        are then one gather (a loop over types took 10-15% of a service re-plan at 8 x 96)."""
+        """Each field's choices as one (type, choice) table padded with +inf: a choice vector's values
+        are then one gather (a loop over types took 10-15% of a service re-plan at 8 x 96), and no
+        padded slot ever fits a time limit (the vectorized pair sweep reads them too)."""
         width = max(len(opts) for opts in self.options)
         tables = {}
         for field in ("time", "cost", "frequency"):
-            table = np.full((len(self.options), width), np.nan)
+            table = np.full((len(self.options), width), np.inf)
             for k, opts in enumerate(self.options):
                 table[k, : len(opts)] = getattr(opts, field)
             tables[field] = table
         return tables
+
+    def table(self, field: str) -> np.ndarray:
+        """`field` ("time", "cost" or "frequency") of choice k of type t at [t, k], +inf past the type's
+        choices. Shared: read, never write."""
+        return self._tables[field]
 
     def _per_node(self, field: str, choice: np.ndarray) -> np.ndarray:
         return self._tables[field][self.node_type, choice]

@@ -47,12 +47,7 @@ class PairArrays:
     def build(cls, problem: Problem) -> PairArrays:
         dag = problem.dag
         n = problem.num_nodes
-        width = max(len(o) for o in problem.options)
-        time = np.full((len(problem.options), width), np.inf)
-        cost = np.full((len(problem.options), width), np.inf)
-        for t, opts in enumerate(problem.options):
-            time[t, : len(opts)] = opts.time
-            cost[t, : len(opts)] = opts.cost
+        time, cost = problem.table("time"), problem.table("cost")
         count = np.array([len(o) for o in problem.options], dtype=np.int64)
         order = np.lexsort((dag.dst, dag.src))
         pair_i, pair_j = dag.src[order], dag.dst[order]
