@@ -34,6 +34,8 @@ EPILOG = """examples:
 
 A CSV profile has the columns stage,instruction,frequency,time,energy: one row per stage,
 instruction kind (forward, backward, ...) and SM frequency (MHz), with seconds and joules.
+Numbers that look like other units (kW, mW, ms), instructions missing the highest clock and
+lower clocks that run faster than the highest are said on stderr, and kept in --out's "notes".
 """
 
 
