@@ -256,6 +256,10 @@ class Planner:
             # Its rounding is one more candidate.
             restrict = refined and self.problem.num_nodes <= RESTRICT_MAX_NODES
             own_key = (deadline_s, padded, restrict)
+            plain_key = (deadline_s, False, restrict)
+            if restrict and padded and own_key not in self._own and _binds(self._own.get(plain_key), deadline_s):
+                # The plain restricted optimum, kept, is the padded one (`_restricted`).
+                _remember(self._own, own_key, self._own[plain_key])
             if restrict and own_key not in self._own:
                 narrowed = self.problem.restricted(deadline_s)
                 if narrowed is not self.problem and uses_flow(self.problem):
@@ -263,7 +267,7 @@ class Planner:
                     # it on another core meanwhile (it releases the GIL and shares nothing), a
                     # cold solve as long as the plain one. HiGHS' small LPs take milliseconds inline.
                     pool = ThreadPoolExecutor(max_workers=1)
-                    restricted = pool.submit(relaxation_lp(narrowed).solve, deadline_s, padded=padded)
+                    restricted = pool.submit(_restricted, narrowed, deadline_s, padded)
                     pool.shutdown(wait=False)
         relaxation, basis, rounded, tighter = self._relaxations(deadline_s, warm, refined, start, not padded)
         roundings = list(rounded + (tighter if not padded and tighter else ()))
@@ -272,7 +276,7 @@ class Planner:
             candidates += self._round(relaxed, target_s)
         bound = relaxation
         if own_key is not None:
-            binds = relaxation.iteration_time_s >= own_key[0] * (1 - 1e-9)
+            binds = _binds(relaxation, own_key[0])
             own = self._own_relaxation(own_key, restricted, narrowed, basis if binds else start)
             if own is not None:
                 bound = own
@@ -449,12 +453,16 @@ class Planner:
         return result
 
     def _own_relaxation(
-        self, key: tuple[float, bool, bool], restricted: Future[Relaxation] | None, narrowed: Problem, plain: Any
+        self,
+        key: tuple[float, bool, bool],
+        restricted: Future[tuple[Relaxation, Relaxation]] | None,
+        narrowed: Problem,
+        plain: Any,
     ) -> Relaxation | None:
         """The relaxation of the plan's own objective (padded or not, restricted to the choices
         the deadline allows if `restrict`), or None where that is the plain one. Restricted where
         the deadline rules choices out (`narrowed`), it may be solving already (`restricted`,
-        see `_solve`).
+        see `_solve`), and the plain restricted one is kept with it (`_restricted`).
         Else the padded LP is the plain one with no cost on T, solved from `plain`: where the
         deadline binds the plain optimum, that optimum's basis (primal feasible, and optimal: with
         T at the deadline, the cost it no longer has changes nothing, so it takes no pivots, where
@@ -462,12 +470,12 @@ class Planner:
         optimum moves T to the deadline, the cold solves' start (`_start`). Either way a function
         of the deadline and the flags `key` holds, kept for the last few as `_relaxations` is."""
         if key not in self._own:
-            deadline_s, padded, _ = key
+            deadline_s, padded, restrict = key
             own = None
-            if restricted is not None:
-                own = restricted.result()
-            elif narrowed is not self.problem:
-                own = relaxation_lp(narrowed).solve(deadline_s, padded=padded)
+            if restricted is not None or narrowed is not self.problem:
+                pair = restricted.result() if restricted is not None else _restricted(narrowed, deadline_s, padded)
+                plain, own = pair
+                _remember(self._own, (deadline_s, False, restrict), plain)
             elif padded:
                 own = self._lp.solve(deadline_s, padded=True, start=plain)
             _remember(self._own, key, own)
@@ -575,6 +583,24 @@ class Planner:
             schedule=self.schedule,
             padded=padded and deadline_s is not None,
         )
+
+
+def _binds(relaxation: Relaxation | None, deadline_s: float) -> bool:
+    """Whether a relaxation's iteration lasts its deadline (up to the solver's tolerance)."""
+    return relaxation is not None and relaxation.iteration_time_s >= deadline_s * (1 - 1e-9)
+
+
+def _restricted(problem: Problem, deadline_s: float, padded: bool) -> tuple[Relaxation, Relaxation]:
+    """The relaxation of a restricted `problem` at `deadline_s`, plain and of the plan's own
+    objective. Padded, from the plain optimum: where that lasts the deadline it is the padded
+    optimum too (padding only adds blocking energy to iterations shorter than the deadline), so a
+    padded re-plan at a deadline just planned plain (the service at a straggler's pace equal to
+    its no-slowdown plan) solves nothing, and either optimum is a function of the deadline alone."""
+    lp = relaxation_lp(problem)
+    plain = lp.solve(deadline_s)
+    if not padded or _binds(plain, deadline_s):
+        return plain, plain
+    return plain, lp.solve(deadline_s, padded=True, warm=True)
 
 
 def _remember(memo: dict[K, V], key: K, value: V) -> None:

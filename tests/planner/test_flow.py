@@ -11,7 +11,7 @@ import pytest
 from test_solver import GPT3, random_profile
 
 from perseus.exceptions import PlanError
-from perseus.planner import Planner, flow
+from perseus.planner import Planner, flow, solver
 from perseus.planner.lp import HullLP
 from perseus.planner.problem import Problem
 from perseus.profiler import load_profile
@@ -149,9 +149,32 @@ def test_the_restricted_relaxation_solved_beside_the_plain_one_certifies_the_sam
     assert narrowed is not planner.problem
     beside = planner.plan(deadline=deadline, padded=True)
     inline = Planner(schedule, profile)
-    inline._own[(deadline, True, True)] = flow.FlowLP(narrowed).solve(deadline, padded=True)
+    # The deadline binds the plain restricted optimum here, so it is the padded one too.
+    plain = flow.FlowLP(narrowed).solve(deadline)
+    assert plain.iteration_time_s == pytest.approx(deadline, rel=1e-9)
+    inline._own[(deadline, True, True)] = plain
     assert inline.plan(deadline=deadline, padded=True) == beside
-    assert beside.lower_bound_j == pytest.approx(inline._own[(deadline, True, True)].lower_bound_j, rel=1e-12)
+    assert beside.lower_bound_j == pytest.approx(plain.lower_bound_j, rel=1e-12)
+    cold = flow.FlowLP(narrowed).solve(deadline, padded=True)
+    assert beside.lower_bound_j == pytest.approx(cold.lower_bound_j, rel=1e-9)
+
+
+@built
+@pytest.mark.skipif(not GPT3.exists(), reason="shared Perseus profiles not present")
+def test_a_padded_replan_at_a_deadline_just_planned_plain_solves_no_restricted_lp(monkeypatch):
+    # The service plans no slowdown, then a straggler's pace that equals it: the padded plan reuses
+    # the plain restricted optimum (the deadline binds it) and is the plan a fresh planner makes.
+    schedule = build_schedule("1f1b", 8, 96)
+    profile = load_profile(GPT3, 83.64)
+    deadline = Planner(schedule, profile).max_frequency_time_s
+    fresh = Planner(schedule, profile).plan(deadline=deadline, padded=True)
+    planner = Planner(schedule, profile)
+    planner.plan()
+    built_lps = []
+    relaxation_lp = solver.relaxation_lp
+    monkeypatch.setattr(solver, "relaxation_lp", lambda problem: built_lps.append(problem) or relaxation_lp(problem))
+    assert planner.plan(deadline=deadline, padded=True) == fresh
+    assert built_lps == []
 
 
 @built
