@@ -733,12 +733,18 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         }
         start = begin;
     }
-    replay_stage(n, cols, col, start, views[2].buf, views[3].buf, time, views[5].buf, calls, force, views[6].buf,
-                 views[7].buf);
+    double *times = views[6].buf, *energies = views[7].buf;
+    replay_stage(n, cols, col, start, views[2].buf, views[3].buf, time, views[5].buf, calls, force, times, energies);
     free(calls);
     free(force);
     free(begin);
-    result = Py_NewRef(Py_None);
+    /* Summed in order, as Python's left-to-right additions of the same floats. */
+    double time_sum = 0.0, energy_sum = 0.0;
+    for (Py_ssize_t p = 0; p < n; p++) {
+        time_sum += times[p];
+        energy_sum += energies[p];
+    }
+    result = Py_BuildValue("(dd)", time_sum, energy_sum);
 done:
     for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
     return result;
@@ -746,11 +752,12 @@ done:
 
 static PyMethodDef methods[] = {
     {"replay", replay, METH_VARARGS,
-     "replay(column, start, latency, lead, time, energy, times, energies, queue=False) -> None\n\n"
+     "replay(column, start, latency, lead, time, energy, times, energies, queue=False) -> (float, float)\n\n"
      "A stage's instructions run at clock columns `column` (int32) from `start` with clock changes that take "
      "latency[c] (asked lead[c] early when the clock rises), as perseus.planner.switches.stage_run; time and "
      "energy are (instructions x columns) tables; each instruction's time and energy written to times and "
-     "energies in place. `queue`: each starts no earlier than the one before it ends at its planned clock."},
+     "energies in place, and returned summed (in order). `queue`: each starts no earlier than the one before it "
+     "ends at its planned clock."},
     {"walk", walk, METH_VARARGS,
      "walk(pred_ptr, pred_idx, succ_ptr, succ_idx, node_type, time, cost, count, width, limit, choice) -> None\n\n"
      "Topological pass: each node starts when its predecessors end and takes the slowest choice that ends by "

@@ -246,6 +246,18 @@ class _Replay:
         _flow.replay(cols, starts, *arrays, times, energies, move is not None)
         return times.tolist(), energies.tolist()
 
+    def _trial(self, s: int, starts: np.ndarray, move: tuple[int, int, int]) -> tuple[float, float]:
+        """`_run` with `move`, as its (sum of times, sum of energies) added in order: all a merge
+        needs of a move it tries (the C replay sums them as it goes)."""
+        if _flow is None:
+            times, energies = self._run(s, starts, move)
+            return _in_order(times), _in_order(energies)
+        column, arrays = self._columns[s]
+        cols = self._cols[s].copy()
+        cols[move[0] : move[1]] = column[move[2]]
+        sums: tuple[float, float] = _flow.replay(cols, starts, *arrays, np.empty(len(cols)), np.empty(len(cols)), True)
+        return sums
+
     def _set_clocks(self, s: int, clocks: list[int]) -> None:
         self.clocks[s] = clocks
         if _flow is not None:
@@ -302,7 +314,10 @@ class _Replay:
                 while trials < MERGE_TRIALS:
                     if k >= len(spans):
                         break
-                    short = float(t[nodes[spans[k].start : spans[k].stop]].sum()) < window_s[s]
+                    short = sum(now[spans[k].start : spans[k].stop]) < window_s[s]
+                    # The other stages' sums, fixed while this segment's moves are tried.
+                    busy = sum(t for p, (t, _) in enumerate(sums) if p != s)
+                    spent = sum(e for p, (_, e) in enumerate(sums) if p != s)
                     best: tuple[float, tuple[int, int, int]] | None = None
                     for lo, hi, clock in self._moves(s, spans, k, short):
                         trials += 1
@@ -313,9 +328,9 @@ class _Replay:
                         longest = max((through_s[p] for p in grown), default=0.0) + slower
                         if longest > limit_s:
                             continue
-                        times, energies = self._run(s, first, (lo, hi, clock))
-                        trial = [*sums[:s], (sum(times), sum(energies)), *sums[s + 1 :]]
-                        energy_new = self._energy(max(iteration_s, longest), trial)
+                        busy_s, spent_s = self._trial(s, first, (lo, hi, clock))
+                        slowest = max(iteration_s, longest)
+                        energy_new = spent + spent_s + self.power * (self.num_stages * slowest - busy - busy_s)
                         if energy_new < energy * (1 - 1e-9) and (best is None or energy_new < best[0]):
                             best = (energy_new, (lo, hi, clock))
                     if best is None:
@@ -349,6 +364,14 @@ class _Replay:
             if len(run) > 1:
                 moves.append((edge, edge + 1, clock))
         return moves
+
+
+def _in_order(values: Sequence[float]) -> float:
+    """The sum of `values` added left to right (as the C replay sums; `sum` compensates on newer Pythons)."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
 
 
 def profile_latency(profile: Profile, stage: int) -> Latency:
