@@ -121,12 +121,6 @@ def write_frontier_png(job: JobStatus, out_dir: str) -> str | None:
     return path
 
 
-# A job whose ranks reported no iteration for this long, and for this many of its iterations, is
-# said to have ended or stalled (ranks killed before their close() announce nothing).
-QUIET_S = 30.0
-QUIET_ITERATIONS = 10
-
-
 def format_job(job: JobStatus) -> str:
     """A job as text: a header line, its models' fits, its pipelines, its measured iterations."""
     tolerance = "" if job.tolerance is None else f", tolerance {100 * job.tolerance:g}%"
@@ -163,8 +157,7 @@ def _quiet(job: JobStatus) -> str:
     if job.ranks_closed >= job.world_size:
         return "; every rank closed: the job ended"
     closed = f"; {job.ranks_closed} of {job.world_size} ranks closed" if job.ranks_closed else ""
-    iteration_s = job.planned_iteration_time_s or job.baseline_iteration_time_s or 0.0
-    if job.quiet_s is None or job.quiet_s < max(QUIET_S, QUIET_ITERATIONS * iteration_s):
+    if not job.went_quiet:
         return closed
     return f"{closed}; no iteration reported for {job.quiet_s:.0f} s: the job ended, or stalls"
 

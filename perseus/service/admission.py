@@ -34,6 +34,7 @@ class Admission:
         self.jobs: dict[str, Job] = {}
         self._active: dict[str, float] = {}  # job id -> clock time of its latest request
         self._reported: dict[str, float] = {}  # job id -> clock time of its latest iteration report
+        self._told_quiet: set[str] = set()  # jobs logged as quiet since their latest report
         self._costs: dict[str, int] = {}  # job id -> estimated memory (budget.job_cost_bytes)
         self._busy = busy
         self._evict = evict
@@ -53,6 +54,15 @@ class Admission:
 
     def reported(self, job_id: str) -> None:
         self._reported[job_id] = self.clock()
+        self._told_quiet.discard(job_id)
+
+    def quiet(self, at_least_s: float) -> list[str]:
+        """Jobs whose ranks reported no iteration for `at_least_s`, not yet told since their last."""
+        now = self.clock()
+        return [j for j, at in self._reported.items() if now - at >= at_least_s and j not in self._told_quiet]
+
+    def told_quiet(self, job_id: str) -> None:
+        self._told_quiet.add(job_id)
 
     def quiet_s(self, job_id: str) -> float | None:
         """Seconds since the job's ranks last reported an iteration (None: none since the service
@@ -103,6 +113,7 @@ class Admission:
         self.jobs.pop(job_id, None)
         self._active.pop(job_id, None)
         self._reported.pop(job_id, None)
+        self._told_quiet.discard(job_id)
         self._costs.pop(job_id, None)
 
     def evict_idle(self, now: float) -> None:

@@ -288,9 +288,9 @@ class Handlers:
 
     def status(self, msg: GetStatus) -> Status:
         jobs = [self.admission.get(msg.job_id)] if msg.job_id is not None else [self.jobs[j] for j in sorted(self.jobs)]
-        return Status(tuple(self._job_status(job) for job in jobs))
+        return Status(tuple(self.job_status(job) for job in jobs))
 
-    def _job_status(self, job: Job) -> JobStatus:
+    def job_status(self, job: Job) -> JobStatus:
         """The job's status, or, if a bug keeps it from being told, a minimal one saying so: one
         job never makes the status of all jobs fail."""
         try:

@@ -46,6 +46,7 @@ from perseus.wire.envelope import ErrorCode, RequestRejected, decode_request, en
 from perseus.wire.fields import Message
 from perseus.wire.limits import DEFAULT_ADDRESS, PROTOCOL_VERSION
 from perseus.wire.messages import (
+    QUIET_S,
     DeclareStraggler,
     GetStatus,
     GetTable,
@@ -155,7 +156,26 @@ class PlannerService:
         if now - self._evicted_at >= EVICT_CHECK_S:
             self._evicted_at = now
             self.admission.evict_idle(now)
+            self._warn_quiet()
         self.metrics.tended(self, start)
+
+    def _warn_quiet(self) -> None:
+        """Log a job whose ranks went quiet before every one closed, once until it reports again: a
+        rank killed (by torchrun after another failed, by the OOM killer) says nothing itself."""
+        for job_id in self.admission.quiet(QUIET_S):
+            status = self.handlers.job_status(self.jobs[job_id])
+            if not status.went_quiet:
+                continue
+            self.admission.told_quiet(job_id)
+            log.warning(
+                "job %s: no iteration reported for %.0f s (the last: %d) and %d of %d ranks never closed: the job "
+                "stalls, or those ranks ended without close() (killed; each rank's watchdog resets its GPU's clocks)",
+                job_id,
+                status.quiet_s,
+                status.last_iteration,
+                status.world_size - status.ranks_closed,
+                status.world_size,
+            )
 
     @property
     def busy(self) -> bool:

@@ -412,6 +412,12 @@ _PIPELINE_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: A job whose ranks reported no iteration for this long, and for this many of its iterations, while
+#: a rank has not closed, has ended or stalls (ranks killed before their close() announce nothing).
+QUIET_S = 30.0
+QUIET_ITERATIONS = 10
+
+
 @dataclass(frozen=True)
 class JobStatus(Message):
     """One job: its phase, and predicted (the plan, scaled to all ranks) against measured figures.
@@ -460,6 +466,15 @@ class JobStatus(Message):
     profile_dropped: str = ""
     quiet_s: float | None = None
     ranks_closed: int = 0
+
+    @property
+    def went_quiet(self) -> bool:
+        """No iteration reported for QUIET_S, nor for QUIET_ITERATIONS of the job's iterations, while
+        a rank has not closed: the job stalls, or ranks ended without close()."""
+        if self.quiet_s is None or self.ranks_closed >= self.world_size:
+            return False
+        iteration_s = self.planned_iteration_time_s or self.baseline_iteration_time_s or 0.0
+        return self.quiet_s >= max(QUIET_S, QUIET_ITERATIONS * iteration_s)
 
     def __post_init__(self) -> None:
         check_job_id(self.job_id, "job.job_id")

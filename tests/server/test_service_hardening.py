@@ -557,3 +557,49 @@ def test_a_rank_going_back_far_in_its_iterations_is_warned_about_once(tmp_path, 
     warnings = [r.getMessage() for r in caplog.records if "reports iteration 3 after 350" in r.getMessage()]
     assert len(warnings) == 1 and "its own tag" in warnings[0]
     assert _ok(local.call("status", job_id=job_id))["jobs"][0]["last_iteration"] == 350
+
+
+def test_a_job_whose_ranks_go_quiet_before_closing_is_logged_once_per_quiet_spell(tmp_path, caplog):
+    # A rank killed (SIGKILL, or torchrun's SIGTERM after another rank failed) reports nothing: the
+    # service says so in its log once the job is quiet as long as `perseus status` calls it quiet.
+    local = Local(tmp_path)
+    job_id = local.register(4)
+    local.settle()
+    local.profile(job_id)
+
+    def report(rank, iteration, closing=False):
+        _ok(
+            local.call(
+                "report_iteration",
+                job_id=job_id,
+                rank=rank,
+                iteration=iteration,
+                time_s=1.0,
+                energy_j=100.0,
+                closing=closing,
+            )
+        )
+
+    def quiet_warnings():
+        local.now += 11  # past the service's check interval
+        with caplog.at_level(logging.WARNING, logger="perseus.service.service"):
+            local.service.tend()
+        return [r.getMessage() for r in caplog.records if "no iteration reported for" in r.getMessage()]
+
+    for iteration in range(5):
+        for rank in (0, 1):
+            report(rank, iteration)
+    local.now += 8  # 19 s quiet at the check: under the 30 s (and ten 1 s iterations) of a quiet job
+    assert quiet_warnings() == []
+    told = quiet_warnings()  # 30 s
+    assert len(told) == 1 and f"job {job_id}: no iteration reported for 30 s (the last: 4)" in told[0]
+    assert "2 of 2 ranks never closed" in told[0]
+    assert quiet_warnings() == told  # once per quiet spell
+    report(0, 5)  # the job goes on: a later spell is told again
+    report(1, 5, closing=True)
+    local.now += 30
+    again = quiet_warnings()[1:]
+    assert len(again) == 1 and "(the last: 5) and 1 of 2 ranks never closed" in again[0]
+    report(0, 6, closing=True)  # every rank closed: the job ended, nothing to tell
+    local.now += 60
+    assert quiet_warnings()[2:] == []
