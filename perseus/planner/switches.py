@@ -237,14 +237,16 @@ class _Replay:
                     begins[p] = max(begins[p], free)
                     free = begins[p] + time_at[f]
             return stage_run(self.tables[s], clocks, begins, self.latencies[s])
-        column, arrays = self._columns[s]
-        cols = self._cols[s]
-        if move is not None:
-            cols = cols.copy()
-            cols[move[0] : move[1]] = column[move[2]]
+        cols = self._cols[s] if move is None else self._moved(s, move)
         times, energies = np.empty(len(cols)), np.empty(len(cols))
-        _flow.replay(cols, starts, *arrays, times, energies, move is not None)
+        _flow.replay(cols, starts, *self._columns[s][1], times, energies, move is not None)
         return times.tolist(), energies.tolist()
+
+    def _moved(self, s: int, move: tuple[int, int, int]) -> np.ndarray:
+        """Stage `s`'s clock columns with instructions lo..hi-1 at `move`'s clock."""
+        cols = self._cols[s].copy()
+        cols[move[0] : move[1]] = self._columns[s][0][move[2]]
+        return cols
 
     def _trial(self, s: int, starts: np.ndarray, move: tuple[int, int, int]) -> tuple[float, float]:
         """`_run` with `move`, as its (sum of times, sum of energies) added in order: all a merge
@@ -252,10 +254,10 @@ class _Replay:
         if _flow is None:
             times, energies = self._run(s, starts, move)
             return _in_order(times), _in_order(energies)
-        column, arrays = self._columns[s]
-        cols = self._cols[s].copy()
-        cols[move[0] : move[1]] = column[move[2]]
-        sums: tuple[float, float] = _flow.replay(cols, starts, *arrays, np.empty(len(cols)), np.empty(len(cols)), True)
+        cols = self._moved(s, move)
+        sums: tuple[float, float] = _flow.replay(
+            cols, starts, *self._columns[s][1], np.empty(len(cols)), np.empty(len(cols)), True
+        )
         return sums
 
     def _set_clocks(self, s: int, clocks: list[int]) -> None:
@@ -311,13 +313,13 @@ class _Replay:
                 # and longest paths through its instructions as lists (read per instruction).
                 spans = segments(self.clocks[s])
                 now, first, through_s = t[nodes].tolist(), start[nodes], through[nodes].tolist()
+                # The other stages' sums, fixed while this stage's moves are tried and taken.
+                busy = sum(t for p, (t, _) in enumerate(sums) if p != s)
+                spent = sum(e for p, (_, e) in enumerate(sums) if p != s)
                 while trials < MERGE_TRIALS:
                     if k >= len(spans):
                         break
                     short = sum(now[spans[k].start : spans[k].stop]) < window_s[s]
-                    # The other stages' sums, fixed while this segment's moves are tried.
-                    busy = sum(t for p, (t, _) in enumerate(sums) if p != s)
-                    spent = sum(e for p, (_, e) in enumerate(sums) if p != s)
                     best: tuple[float, tuple[int, int, int]] | None = None
                     for lo, hi, clock in self._moves(s, spans, k, short):
                         trials += 1
