@@ -301,7 +301,7 @@ class Planner:
             and deadline_s is not None
             and plan.gap > LOOSER_RETRY_GAP
             and self.problem.num_nodes <= RESTRICT_MAX_NODES
-            and relaxation.iteration_time_s >= deadline_s * (1 - 1e-9)
+            and _binds(relaxation, deadline_s)
         ):
             # Where the deadline binds, the roundings of its own optimum can all land well above
             # the bound (noisy profiles just past no slowdown); optima of slightly looser deadlines,
@@ -435,7 +435,7 @@ class Planner:
         if refined and self.problem.num_nodes <= REFINE_MAX_NODES:
             rounded.append((refine(self.problem, self._lp, relaxation, deadline_s), deadline_s))
         tighter: _Rounded | None = ()
-        if deadline_s is None or relaxation.iteration_time_s < deadline_s * (1 - 1e-9):
+        if deadline_s is None or not _binds(relaxation, deadline_s):
             # The deadline does not bind: the minimum-energy plan. Rounding loses time that every
             # stage then spends blocked, so slightly tighter targets can round to less energy.
             # Warm from iterative rounding's last basis up to 4,096 instructions (plans as they
